@@ -1,0 +1,73 @@
+"""Shared fixtures: a real machine signer in a temporary TKBOX_HOME, stopped when the session ends."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tkbox_nb.policy import Policy
+from tkbox_nb.recorder import RunRecorder
+from tkbox_nb.signer import MachineSigner
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def short_tmp(prefix: str) -> Path:
+    """A short temporary directory: Unix socket paths must stay under 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+@pytest.fixture(scope="session")
+def tkbox_home():
+    home = short_tmp("tkh-")
+    old = os.environ.get("TKBOX_HOME")
+    os.environ["TKBOX_HOME"] = str(home)
+    yield home
+    MachineSigner(home).stop()
+    if old is None:
+        os.environ.pop("TKBOX_HOME", None)
+    else:
+        os.environ["TKBOX_HOME"] = old
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def signer(tkbox_home):
+    return MachineSigner(tkbox_home).ensure()
+
+
+@pytest.fixture
+def private_signer():
+    """A signer of its own (own key, own home) for tests that kill, stall or compare signers."""
+    home = short_tmp("tkp-")
+    s = MachineSigner(home).ensure()
+    yield s
+    s.stop()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def record_run(signer: MachineSigner, out: Path, policy: Policy | None = None, cells=("print(1)\n",),
+               commands=(["ls", "-l"],)) -> Path:
+    """A run with real signed crossings but no box behind them: for the bundle and verifier tests."""
+    rec = RunRecorder(signer, policy or Policy.default(),
+                      {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+    for i, code in enumerate(cells, 1):
+        c = rec.decide("exec", "cell", {}, {"code": code.encode()})
+        rec.complete(c, "ok", {"execution_count": i}, {"outputs": b'[{"output_type": "stream", "text": "1\\n"}]'})
+    for argv in commands:
+        c = rec.decide("exec", "command", {"argv": list(argv)})
+        if c.allowed:
+            rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"out\n", "stderr": b""})
+    rec.close("test done")
+    return rec.write_bundle(out)
+
+
+def run_cli(*args: str, cwd: str | Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "tkbox"), *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=120)

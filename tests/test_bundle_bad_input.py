@@ -1,0 +1,223 @@
+"""Hostile bundles: each is refused by `tkbox verify` with a clear reason, exit 1 (or 2 for unreadable), no
+traceback, and nothing written anywhere."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import record_run, run_cli
+
+from tkbox_nb.bundle import read_bundle_file, write_zip
+
+
+@pytest.fixture(scope="module")
+def good(signer, tmp_path_factory):
+    return record_run(signer, tmp_path_factory.mktemp("good") / "good.tkb")
+
+
+def entries(path: Path) -> dict[str, bytes]:
+    return read_bundle_file(path)
+
+
+def rewrite(files: dict[str, bytes], out: Path, fix_manifest: bool = True) -> Path:
+    """Write `files` back as a canonical zip, the manifest recomputed unless told not to (a forger's best effort)."""
+    files = dict(files)
+    if fix_manifest:
+        m = json.loads(files["manifest.json"])
+        m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
+        files["manifest.json"] = json.dumps(m, indent=1).encode()
+    write_zip(out, files)
+    return out
+
+
+def raw_zip(out: Path, members: list[tuple[zipfile.ZipInfo | str, bytes]]) -> Path:
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for info, data in members:
+            z.writestr(info, data)
+    return out
+
+
+def patch_name(path: Path, placeholder: str, name: bytes) -> Path:
+    """Replace an entry name in the local header and central directory (names zipfile will not write)."""
+    data = path.read_bytes()
+    assert len(placeholder.encode()) == len(name) and data.count(placeholder.encode()) == 2
+    path.write_bytes(data.replace(placeholder.encode(), name))
+    return path
+
+
+def assert_refused(path: Path, code: int, reason: str, tmp_path: Path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    before = set(os.listdir(path.parent)), set(os.listdir(cwd))
+    r = run_cli("verify", str(path), cwd=cwd)
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr
+    line = r.stdout.strip().splitlines()[0]
+    assert reason in line, line
+    assert (set(os.listdir(path.parent)), set(os.listdir(cwd))) == before  # nothing written
+
+
+def with_member(good: Path, out: Path, info, data=b"x") -> Path:
+    files = entries(good)
+    members = list(files.items()) + [(info, data)]
+    return raw_zip(out, members)
+
+
+def test_truncated_zip_is_unreadable(good, tmp_path):
+    p = tmp_path / "t.tkb"
+    p.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    assert_refused(p, 2, "not a readable zip", tmp_path)
+
+
+def test_corrupt_zip_is_unreadable(good, tmp_path):
+    data = bytearray(good.read_bytes())
+    off = data.find(b"runs/") + 200  # inside a compressed member
+    data[off:off + 8] = b"\xff" * 8
+    p = tmp_path / "c.tkb"
+    p.write_bytes(bytes(data))
+    assert_refused(p, 2, "UNREADABLE", tmp_path)
+
+
+def test_not_a_zip_is_unreadable(tmp_path):
+    p = tmp_path / "n.tkb"
+    p.write_text("hello")
+    assert_refused(p, 2, "not a readable zip", tmp_path)
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("box/../../evil", "'..' component"),
+    ("/etc/evil", "absolute path"),
+    ("box\\evil", "backslash"),
+])
+def test_unsafe_entry_names_are_refused(good, tmp_path, name, reason):
+    assert_refused(with_member(good, tmp_path / "u.tkb", name), 2, reason, tmp_path)
+
+
+def test_nul_in_entry_name_is_refused(good, tmp_path):
+    p = with_member(good, tmp_path / "nul.tkb", "box/ZZZZ")
+    assert_refused(patch_name(p, "box/ZZZZ", b"box/Z\x00ZZ"), 2, "NUL", tmp_path)
+
+
+def test_duplicate_names_are_refused(good, tmp_path):
+    assert_refused(with_member(good, tmp_path / "d.tkb", "box/manifest.json"), 2, "duplicate entry", tmp_path)
+
+
+def test_case_duplicates_are_refused(good, tmp_path):
+    assert_refused(with_member(good, tmp_path / "c.tkb", "box/MANIFEST.json"), 2, "differ only in case", tmp_path)
+
+
+def test_unicode_normalization_duplicates_are_refused(good, tmp_path):
+    files = list(entries(good).items())
+    p = raw_zip(tmp_path / "nfc.tkb", files + [("box/caf\u00e9", b"1"), ("box/cafe\u0301", b"2")])
+    assert_refused(p, 2, "differ only in case or normalization", tmp_path)
+
+
+def test_symlink_entries_are_refused(good, tmp_path):
+    info = zipfile.ZipInfo("box/link")
+    info.external_attr = (0o120777 << 16)
+    assert_refused(with_member(good, tmp_path / "s.tkb", info, b"/etc/passwd"), 2, "symlink", tmp_path)
+
+
+def test_zip_bombs_are_refused(good, tmp_path):
+    p = with_member(good, tmp_path / "bomb.tkb", "box/bomb", b"\0" * (60 << 20))
+    assert p.stat().st_size < 1 << 20
+    assert_refused(p, 2, "zip bomb", tmp_path)
+
+
+def test_entry_that_lies_about_its_size_is_refused(good, tmp_path):
+    p = with_member(good, tmp_path / "lie.tkb", "box/zzzz", b"a" * 1000)
+    data = bytearray(p.read_bytes())
+    cd = data.rfind(b"PK\x01\x02", 0, data.rfind(b"box/zzzz"))  # the central entry of box/zzzz
+    cd = data.rfind(b"box/zzzz") - 46
+    assert data[cd:cd + 4] == b"PK\x01\x02"
+    data[cd + 24:cd + 28] = (10).to_bytes(4, "little")  # uncompressed size
+    p.write_bytes(bytes(data))
+    assert_refused(p, 2, "UNREADABLE", tmp_path)
+
+
+def test_manifest_that_lies_is_invalid(good, tmp_path):
+    files = entries(good)
+    files["box/disclosures.jsonl"] += b"\n"
+    assert_refused(rewrite(files, tmp_path / "m.tkb", fix_manifest=False), 1, "INVALID", tmp_path)
+
+
+def test_altered_disclosed_content_is_invalid(good, tmp_path):
+    files = entries(good)
+    lines = files["box/content-0001.jsonl"].splitlines()
+    item = json.loads(lines[0])
+    import base64
+    item["b64"] = base64.b64encode(b"print('something else')\n").decode()
+    files["box/content-0001.jsonl"] = b"\n".join([json.dumps(item).encode(), *lines[1:]]) + b"\n"
+    assert_refused(rewrite(files, tmp_path / "a.tkb"), 1, "INVALID: content", tmp_path)
+
+
+def _edit_disclosures(good, fn):
+    files = entries(good)
+    ds = [json.loads(x) for x in files["box/disclosures.jsonl"].splitlines()]
+    ds = fn(ds)
+    files["box/disclosures.jsonl"] = b"".join(json.dumps(d, sort_keys=True).encode() + b"\n" for d in ds)
+    return files
+
+
+def test_salt_that_does_not_open_its_commitment_is_invalid(good, tmp_path):
+    def bad_salt(ds):
+        ds[1]["salt"] = "00" * 32
+        return ds
+    assert_refused(rewrite(_edit_disclosures(good, bad_salt), tmp_path / "s.tkb"), 1, "INVALID: commitment",
+                   tmp_path)
+
+
+def test_altered_disclosed_arguments_are_invalid(good, tmp_path):
+    def other_argv(ds):
+        for d in ds:
+            if d.get("args", {}).get("kind") == "command":
+                d["args"]["argv"] = ["rm", "-rf", "/"]
+        return ds
+    assert_refused(rewrite(_edit_disclosures(good, other_argv), tmp_path / "a.tkb"), 1, "INVALID: commitment",
+                   tmp_path)
+
+
+def test_withheld_disclosure_is_invalid(good, tmp_path):
+    files = _edit_disclosures(good, lambda ds: [d for d in ds if d.get("args", {}).get("kind") != "command"])
+    assert_refused(rewrite(files, tmp_path / "w.tkb"), 1, "INVALID: completeness", tmp_path)
+
+
+def test_box_manifest_that_disagrees_with_the_records_is_invalid(good, tmp_path):
+    files = entries(good)
+    box = json.loads(files["box/manifest.json"])
+    box["backend"], box["isolation"] = "firecracker", "micro-vm"
+    files["box/manifest.json"] = json.dumps(box).encode()
+    assert_refused(rewrite(files, tmp_path / "b.tkb"), 1, "INVALID: box manifest", tmp_path)
+
+
+def test_swapped_policy_source_is_invalid(good, tmp_path):
+    files = entries(good)
+    name = next(n for n in files if n.startswith("box/policies/"))
+    files[name] = b'[exec]\ncells = false\n'
+    assert_refused(rewrite(files, tmp_path / "p.tkb"), 1, "INVALID: policy", tmp_path)
+
+
+def test_missing_bundle_and_bad_arguments_are_usage_errors(tmp_path):
+    r = run_cli("verify", str(tmp_path / "nope.tkb"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
+    r = run_cli("verify")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("show", str(tmp_path / "nope.tkb"))
+    assert r.returncode == 2 and r.stderr.startswith("tkbox show:") and "Traceback" not in r.stderr
+
+
+def test_reader_refuses_without_writing(good, tmp_path):
+    """read_entries is pure: it never touches the filesystem, whatever the zip says."""
+    from tkbox_nb.bundle import read_entries
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as z:
+        z.writestr("../../../../tmp/tkbox-escape", b"x")
+    with pytest.raises(Exception):
+        read_entries(data.getvalue())
+    assert not Path("/tmp/tkbox-escape").exists()

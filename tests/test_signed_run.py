@@ -1,0 +1,142 @@
+"""The signed run: one run per box on the machine signer, its .tkb, and both verifiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+
+import pytest
+from conftest import VENV_BIN, record_run, run_cli
+
+from tkbox_nb.policy import Policy
+from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder
+from tkbox_nb.run import open_run
+from tkbox_nb.verify import verify_bundle
+
+
+@pytest.fixture(scope="module")
+def bundle(signer, tmp_path_factory):
+    return record_run(signer, tmp_path_factory.mktemp("b") / "run.tkb")
+
+
+def test_bundle_verifies_with_tkbox_verify(bundle, signer):
+    r = run_cli("verify", str(bundle))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("VALID")
+    assert "pinned trust" in r.stderr  # says which trust it used
+
+
+def test_bundle_verifies_with_tracekit_verify_unchanged(bundle, signer):
+    r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(bundle), "--trust", str(signer.trust_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+    assert "Integrity: VERIFIED." in r.stdout
+
+
+def test_tkbox_trust_writes_a_pin_that_both_verifiers_accept(bundle, signer, tmp_path):
+    out = tmp_path / "trust.json"
+    r = run_cli("trust", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["logs"][0].startswith("tkbox.local/")
+    assert run_cli("verify", str(bundle), "--trust", str(out)).returncode == 0
+
+
+def test_verify_json_lists_every_check(bundle):
+    r = run_cli("verify", str(bundle), "--json")
+    data = json.loads(r.stdout)
+    assert data["valid"] is True and data["exit_code"] == 0
+    names = {c["check"] for c in data["checks"]}
+    assert {"tracekit", "manifest", "box manifest", "disclosures"} <= names
+    assert all(v == "valid" for v in data["records"].values())
+
+
+def test_every_decision_is_bound_to_the_box_policy(signer, tmp_path):
+    policy = Policy.from_toml('[exec]\ncells = true\ncommands = ["ls"]\n')
+    path = record_run(signer, tmp_path / "p.tkb", policy=policy, commands=(["ls"], ["curl", "x"]))
+    run = open_run(path)
+    exec_rows = [c for c in run.crossings() if c.door == "exec"]
+    assert all(c.args["policy"] == policy.hash for c in exec_rows)
+    curl = next(c for c in exec_rows if c.args.get("argv") == ["curl", "x"])
+    assert curl.decision == "deny" and curl.rule_ids == ["TKB-POLICY-DENY"] and curl.args["rule"] == "exec.commands"
+    assert run.box["policy"]["hash"] == policy.hash
+    assert verify_bundle(path).valid
+
+
+def test_dataframe_has_one_row_per_crossing_with_proper_dtypes(bundle):
+    df = open_run(bundle).to_dataframe()
+    assert list(df["door"]) == ["box", "exec", "exec", "box"]
+    assert str(df["time"].dtype).startswith("datetime64") and str(df["door"].dtype) == "category"
+    assert df["seq"].dtype == "int64" and df["seq"].is_monotonic_increasing
+    assert df.loc[1, "summary"] == "print(1)" and df.loc[2, "summary"] == "ls -l"
+    assert df.loc[1, "content"].startswith("sha256:")
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv", "json"])
+def test_show_formats(bundle, fmt):
+    r = run_cli("show", str(bundle), "--format", fmt, "--door", "exec")
+    assert r.returncode == 0, r.stderr
+    if fmt == "json":
+        rows = json.loads(r.stdout)
+        assert [row["door"] for row in rows] == ["exec", "exec"]
+    else:
+        assert "print(1)" in r.stdout and "box.start" not in r.stdout
+
+
+def test_signer_directory_is_host_only(signer):
+    for path in (signer.home, signer.dir, signer.runs_dir):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert "ack-on-fsync" in signer.config_path.read_text()
+    assert "default: closed" in signer.config_path.read_text()
+
+
+def test_salts_match_tracekits_reveal(bundle, signer):
+    from tracekit.signer.service import reveal
+    run = open_run(bundle)
+    d = run.disclosure(run.crossings()[1].seq)
+    e = next(e for e in run.records if e["run_seq"] == d["run_seq"])
+    assert reveal(str(signer.data_dir), e["seq"])["salt"] == d["salt"]
+
+
+def test_killed_signer_makes_every_door_refuse_from_then_on(private_signer):
+    rec = RunRecorder(private_signer, Policy.default(), {"backend": "none", "isolation": "none",
+                                                         "image_digest": "none"}).open()
+    ok = rec.decide("exec", "command", {"argv": ["ls"]})
+    assert ok.allowed
+    os.kill(private_signer.pid(), signal.SIGKILL)
+    time.sleep(0.2)
+    refused = rec.decide("exec", "command", {"argv": ["ls"]})
+    assert not refused.allowed and refused.rule_ids == [UNAVAILABLE_RULE]
+    private_signer.ensure()  # the signer comes back: this run stays refused
+    assert private_signer.answering()
+    again = rec.decide("exec", "cell", {}, {"code": b"1"})
+    assert not again.allowed and again.rule_ids == [UNAVAILABLE_RULE]
+    rec.close("signer lost")
+
+
+def test_stalled_signer_is_refused_at_its_deadline(private_signer):
+    rec = RunRecorder(private_signer, Policy.default(), {"backend": "none", "isolation": "none",
+                                                         "image_digest": "none"}).open()
+    rec._run.client.timeout = 1.0
+    pid = private_signer.pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        refused = rec.decide("exec", "command", {"argv": ["ls"]})
+        assert time.monotonic() - t < 5
+        assert not refused.allowed and refused.rule_ids == [UNAVAILABLE_RULE]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not rec.decide("exec", "command", {"argv": ["ls"]}).allowed
+    rec.close("signer stalled")
+
+
+def test_bundle_from_another_signer_fails_key_substitution(private_signer, signer, tmp_path):
+    other = record_run(private_signer, tmp_path / "other.tkb")
+    assert verify_bundle(other, private_signer.trust_path).valid  # valid under its own pin
+    r = run_cli("verify", str(other), "--trust", str(signer.trust_path))
+    assert r.returncode == 1, r.stdout
+    assert r.stdout.startswith("INVALID: tracekit")

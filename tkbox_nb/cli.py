@@ -1,0 +1,120 @@
+"""The `tkbox` command. Every error a user can cause is one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import TkboxError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _cmd_verify(a) -> int:
+    from .verify import verify_bundle
+    report = verify_bundle(a.bundle, a.trust)
+    if a.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(report.summary())
+        if report.trust_source != "given":
+            print(f"(trust: {report.trust_source}, {report.trust_path})", file=sys.stderr)
+    return report.exit_code
+
+
+def _cmd_show(a) -> int:
+    from .run import open_run
+    run = open_run(a.bundle)
+    df = run.to_dataframe()
+    if a.door:
+        df = df[df["door"] == a.door]
+    if a.format == "csv":
+        sys.stdout.write(df.to_csv(index=False))
+    elif a.format == "json":
+        sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
+    else:
+        import pandas as pd
+        print(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
+              f"({run.box.get('isolation', '?')})  {len(df)} crossing(s)")
+        with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):
+            print(df.drop(columns=["content"]).to_string(index=False))
+    return 0
+
+
+def _cmd_trust(a) -> int:
+    from .signer import MachineSigner
+    signer = MachineSigner().ensure()
+    trust = signer.write_trust(a.output)
+    print(f"wrote {a.output}: pins log {trust['logs'][0].split('+')[0]}")
+    return 0
+
+
+def _cmd_signer(a) -> int:
+    from .signer import MachineSigner
+    signer = MachineSigner()
+    if a.action == "start":
+        signer.ensure()
+        print(f"signer answering at {signer.socket_path} (pid {signer.pid()})")
+    elif a.action == "stop":
+        signer.stop()
+        print("signer stopped")
+    else:
+        up = signer.answering()
+        print(f"signer {'answering' if up else 'not running'} ({signer.dir})")
+        return 0 if up else 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tkbox", description="Boxes for untrusted code, every way out decided and signed.")
+    p.add_argument("--version", action="version", version=f"tkbox {__import__('tkbox_nb').__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    v = sub.add_parser("verify", help="verify a .tkb: Tracekit's verifier, then the box layer")
+    v.add_argument("bundle")
+    v.add_argument("--trust", help="trust config (default: this machine's pinned trust)")
+    v.add_argument("--json", action="store_true", help="every check, as JSON")
+    v.set_defaults(fn=_cmd_verify)
+
+    s = sub.add_parser("show", help="the crossings of a .tkb")
+    s.add_argument("bundle")
+    s.add_argument("--door", choices=["box", "exec", "egress", "secrets", "model", "patch"])
+    s.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    s.set_defaults(fn=_cmd_show)
+
+    t = sub.add_parser("trust", help="write the trust config that pins this machine's signing identity")
+    t.add_argument("-o", "--output", required=True)
+    t.set_defaults(fn=_cmd_trust)
+
+    g = sub.add_parser("signer", help="the machine signer: start, stop, status")
+    g.add_argument("action", choices=["start", "stop", "status"])
+    g.set_defaults(fn=_cmd_signer)
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return a.fn(a)
+    except TkboxError as e:
+        print(f"tkbox {a.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"tkbox {a.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug of ours: still one line, never a traceback for the user
+        print(f"tkbox {a.command}: internal error ({type(e).__name__}): {str(e)[:300]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The box policy: what a user writes (TOML), validated strictly, and the pure function that decides a crossing.
+
+The policy is identified by the SHA-256 of its exact source bytes, and the same `decide` runs in the door (to state
+the box's verdict to the signer) and in `tkbox verify` (to re-derive every disclosed decision from the disclosed
+policy source). So `decide` must be a pure function of (policy, facts): no clock, no environment, no I/O.
+
+Sections not yet enforced by a door are refused, not ignored: a policy that says more than the box can enforce is an
+error, never a silent loosening.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import PolicyError
+
+MAX_POLICY_BYTES = 256 * 1024
+MAX_LIST = 1024
+BACKENDS = ("auto", "bwrap", "qemu", "firecracker")
+
+DEFAULT_SOURCE = """\
+# tkbox-nb default policy: cells and commands run; nothing else leaves the box.
+[box]
+backend = "auto"
+
+[exec]
+cells = true
+commands = ["*"]
+deny_commands = []
+timeout_s = 600
+"""
+
+# section -> {key: (type, validator-or-None)}
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "box": {"backend": str, "memory_mib": int, "cpus": int},
+    "exec": {"cells": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
+             "max_output_bytes": int},
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "box": {"backend": "auto", "memory_mib": 1024, "cpus": 1},
+    "exec": {"cells": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600, "max_output_bytes": 16 << 20},
+}
+_LATER = {"egress": "the egress door", "secrets": "the secrets door", "models": "the model door",
+          "patch": "the patch door"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The box policy's answer for one crossing: `verdict` is allow or deny, `rule` names the policy entry."""
+
+    verdict: str
+    rule: str
+    reason: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict == "allow"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated box policy. `source` is the exact text it was read from; `hash` names it in every record."""
+
+    source: str
+    name: str = "<default>"
+    data: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
+
+    @property
+    def hash(self) -> str:
+        return policy_hash(self.source)
+
+    def get(self, section: str, key: str) -> Any:
+        return self.data.get(section, {}).get(key, _DEFAULTS[section][key])
+
+    # -- loading -------------------------------------------------------------------------------------------------
+    @classmethod
+    def default(cls) -> "Policy":
+        return cls.from_toml(DEFAULT_SOURCE, "<default>")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Policy":
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise PolicyError(f"{p}: cannot read the policy: {e.strerror or e}") from None
+        if len(raw) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{p}: the policy is {len(raw)} bytes, more than {MAX_POLICY_BYTES}")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"{p}: not UTF-8 text (byte {e.start})") from None
+        return cls.from_toml(text, p.name)
+
+    @classmethod
+    def from_toml(cls, text: str, name: str = "<string>") -> "Policy":
+        if len(text.encode("utf-8")) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{name}: the policy is larger than {MAX_POLICY_BYTES} bytes")
+        if "\x00" in text:
+            raise PolicyError(f"{name}: the policy contains a NUL character")
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise PolicyError(f"{name}: not valid TOML: {e}") from None
+        return cls(source=text, name=name, data=_validate(data, name))
+
+    @classmethod
+    def coerce(cls, policy: "Policy | str | Path | None") -> "Policy":
+        """A Policy from a Policy, a path, TOML text (a string holding a newline or '['), or None (the default)."""
+        if policy is None:
+            return cls.default()
+        if isinstance(policy, Policy):
+            return policy
+        if isinstance(policy, str) and ("\n" in policy or policy.lstrip().startswith("[")):
+            return cls.from_toml(policy)
+        return cls.load(policy)
+
+    # -- deciding ------------------------------------------------------------------------------------------------
+    def decide(self, facts: dict[str, Any]) -> Verdict:
+        """The verdict for one crossing described by `facts` (the door's statement, as signed). Pure."""
+        door, kind = facts.get("door"), facts.get("kind")
+        if door == "box":
+            if kind in ("start", "stop"):
+                return Verdict("allow", f"box.{kind}")
+            return Verdict("deny", "box.unknown", f"unknown box event {kind!r}")
+        if door == "exec":
+            return self._decide_exec(kind, facts)
+        return Verdict("deny", "door.unknown", f"no door {door!r} in this version")
+
+    def _decide_exec(self, kind: Any, facts: dict[str, Any]) -> Verdict:
+        if kind == "cell":
+            if self.get("exec", "cells"):
+                return Verdict("allow", "exec.cells")
+            return Verdict("deny", "exec.cells", "the policy runs no cells ([exec] cells = false)")
+        if kind == "command":
+            argv = facts.get("argv")
+            if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+                return Verdict("deny", "exec.argv", "a command needs a non-empty argv of strings")
+            program = argv[0].rsplit("/", 1)[-1]
+            for i, pattern in enumerate(self.get("exec", "deny_commands")):
+                if fnmatch.fnmatchcase(program, pattern):
+                    return Verdict("deny", f"exec.deny_commands[{i}]", f"{program!r} matches {pattern!r}")
+            for i, pattern in enumerate(self.get("exec", "commands")):
+                if fnmatch.fnmatchcase(program, pattern):
+                    return Verdict("allow", f"exec.commands[{i}]")
+            return Verdict("deny", "exec.commands", f"{program!r} is not in [exec] commands")
+        return Verdict("deny", "exec.kind", f"unknown exec kind {kind!r}")
+
+
+def policy_hash(source: str) -> str:
+    return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for section, body in data.items():
+        if section in _LATER:
+            raise PolicyError(f"{name}: [{section}] is not enforced by this version ({_LATER[section]} is not built "
+                              "yet); remove it rather than rely on it")
+        if section not in _SCHEMA:
+            raise PolicyError(f"{name}: unknown section [{section}] (known: {', '.join(sorted(_SCHEMA))})")
+        if not isinstance(body, dict):
+            raise PolicyError(f"{name}: [{section}] must be a table")
+        keys = _SCHEMA[section]
+        for key, value in body.items():
+            if key not in keys:
+                raise PolicyError(f"{name}: unknown key {section}.{key} (known: {', '.join(sorted(keys))})")
+            want = keys[key]
+            if isinstance(value, bool) and want is not bool and bool not in (want if isinstance(want, tuple) else ()):
+                raise PolicyError(f"{name}: {section}.{key} must be {_tname(want)}, not a boolean")
+            if not isinstance(value, want):
+                raise PolicyError(f"{name}: {section}.{key} must be {_tname(want)}, not {type(value).__name__}")
+            if want is list:
+                if len(value) > MAX_LIST or not all(isinstance(v, str) and v and "\x00" not in v for v in value):
+                    raise PolicyError(f"{name}: {section}.{key} must be a list of at most {MAX_LIST} non-empty strings")
+        out[section] = dict(body)
+    backend = out.get("box", {}).get("backend", "auto")
+    if backend not in BACKENDS:
+        raise PolicyError(f"{name}: box.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    for key, low in (("memory_mib", 64), ("cpus", 1)):
+        v = out.get("box", {}).get(key)
+        if v is not None and v < low:
+            raise PolicyError(f"{name}: box.{key} must be at least {low}")
+    for key in ("timeout_s", "max_output_bytes"):
+        v = out.get("exec", {}).get(key)
+        if v is not None and not v > 0:
+            raise PolicyError(f"{name}: exec.{key} must be positive")
+    return out
+
+
+def _tname(t: type | tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    if isinstance(t, tuple):
+        return "a number" if set(t) == {int, float} else " or ".join(names[x] for x in t)
+    return names[t]

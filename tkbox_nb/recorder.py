@@ -1,0 +1,253 @@
+"""One box's signed run: every crossing of every door goes through `RunRecorder.decide` and, once done, `complete`.
+
+A crossing passes only on a signed allow. The recorder states the box policy's verdict in the decision's arguments;
+the signer's box pack turns it (and its own invariant rules) into the signed decision. Any failure to reach the
+signer, a refusal, or a reply that does not fit makes the recorder *broken*: it refuses every crossing from then on,
+whether or not the signer comes back (fail closed, no gaps that look like silence).
+
+Content a replay needs (cell code, outputs, commands) never goes to the signer: the arguments hold its SHA-256, the
+bytes go to a host-only spool next to the run, and the bundle discloses both with the record's salt.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import SignerError
+from .policy import Policy, Verdict
+from .signer import MachineSigner
+
+UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
+MAX_ARGS_BYTES = 512 * 1024
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Crossing:
+    """One decided crossing. `allowed` is true only for a signed allow."""
+
+    call_id: str
+    tool: str
+    args: dict[str, Any]
+    verdict: Verdict
+    decision: str = "deny"
+    rule_ids: list[str] = field(default_factory=list)
+    decision_id: str | None = None
+    run_seq: int | None = None
+    reason: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.decision == "allow" and self.decision_id is not None
+
+
+class RunRecorder:
+    """Opens one run on the machine signer for one box and records its crossings."""
+
+    def __init__(self, signer: MachineSigner, policy: Policy, box: dict[str, Any], agent: str = "tkbox"):
+        self.signer = signer
+        self.policy = policy
+        self.box = dict(box)
+        self.agent = agent
+        self.broken: str | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._client = None
+        self._run = None
+        self.run_id: str | None = None
+        self.spool: Path | None = None
+        self._spool_file = None
+        self._spooled: set[str] = set()
+        self.policies: dict[str, Policy] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def open(self) -> "RunRecorder":
+        self.signer.ensure()
+        self._client = self.signer.client()
+        try:
+            self._run = self._client.run(agent={"name": self.agent, "version": __version__})
+        except Exception as e:
+            self._client.close()
+            raise SignerError(f"the signer refused to open a run: {e}") from None
+        self.run_id = self._run.run_id
+        self.spool = self.signer.runs_dir / self.run_id
+        self.spool.mkdir(mode=0o700, parents=True)
+        self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
+        self.box.setdefault("box_id", uuid.uuid4().hex)
+        self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
+        self._keep_policy(self.policy)
+        start = self.decide("box", "start", {k: self.box[k] for k in
+                                             ("box_id", "backend", "isolation", "image_digest", "tkbox_version")})
+        if not start.allowed:
+            self.close("the signer refused the box start")
+            raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")
+        self.complete(start, "ok", {})
+        self._write_box_manifest()
+        return self
+
+    def set_policy(self, policy: Policy) -> None:
+        """Later crossings are decided under `policy`; its source goes into the bundle."""
+        self._keep_policy(policy)
+        self.policy = policy
+
+    def close(self, reason: str = "box stopped") -> None:
+        if self.closed:
+            return
+        if self._run is not None and not self.broken:
+            stop = self.decide("box", "stop", {"reason": reason[:200]})
+            if stop.allowed:
+                self.complete(stop, "ok", {})
+        self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)
+        self._write_box_manifest()
+        if self._run is not None:
+            try:
+                self._run.close(reason[:200])
+            except Exception as e:
+                self._fail(f"close_run failed: {e}")
+        if self._spool_file:
+            self._spool_file.flush()
+            os.fsync(self._spool_file.fileno())
+            self._spool_file.close()
+        if self._client:
+            self._client.close()
+        self.closed = True
+
+    # -- crossings -----------------------------------------------------------------------------------------------
+    def decide(self, door: str, kind: str, facts: dict[str, Any],
+               content: dict[str, bytes] | None = None) -> Crossing:
+        """Decide one crossing. `content` maps a fact name to bytes that the record commits to by digest."""
+        content = content or {}
+        facts = dict(facts, door=door, kind=kind)
+        digests = {}
+        for key, data in content.items():
+            facts[key] = digests[key] = sha256_digest(data)
+            facts[key + "_size"] = len(data)
+        verdict = self.policy.decide(facts)
+        args = dict(facts, policy=self.policy.hash, verdict=verdict.verdict, rule=verdict.rule)
+        if verdict.reason:
+            args["verdict_reason"] = verdict.reason[:500]
+        tool = "box." + ("start" if (door, kind) == ("box", "start") else "stop" if door == "box" else
+                         {"exec": "exec", "egress": "connect", "secrets": "secret", "model": "model",
+                          "patch": "patch"}.get(door, door))
+        with self._lock:
+            self._seq += 1
+            call_id = f"{door}-{self._seq}"
+        crossing = Crossing(call_id, tool, args, verdict)
+        if self.broken or self.closed:
+            crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken or "the run is closed"
+            return crossing
+        raw = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if len(raw) > MAX_ARGS_BYTES:
+            crossing.rule_ids, crossing.reason = ["TKB-ARGS-TOO-LARGE"], "the crossing's statement is too large"
+            return crossing
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                reply = self._run.decide(call_id, tool, raw)
+        except Exception as e:  # RPCError: refused; anything else: the signer is not usable
+            self._fail(f"decide failed: {e}")
+            crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken
+            return crossing
+        if reply.get("unavailable") or not isinstance(reply.get("decision_id"), str):
+            self._fail(f"signer unavailable: {reply.get('reason', 'no decision id')}")
+            crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken
+            return crossing
+        crossing.decision = reply["decision"] if reply.get("decision") in ("allow", "deny", "ask") else "deny"
+        if crossing.decision == "ask":  # the box pack holds nothing for a person: a hold is a refusal here
+            crossing.decision = "deny"
+        crossing.rule_ids = list(reply.get("rule_ids") or [])
+        crossing.decision_id = reply["decision_id"]
+        crossing.run_seq = reply.get("run_seq")
+        crossing.reason = reply.get("reason", verdict.reason)
+        self._spool({"kind": "decision", "decision_id": crossing.decision_id, "tool": tool, "args": args,
+                     "content": digests}, content)
+        return crossing
+
+    def complete(self, crossing: Crossing, status: str, result: dict[str, Any],
+                 content: dict[str, bytes] | None = None) -> bool:
+        """Record the end of an allowed crossing. False (and the recorder broken) when the signer did not take it."""
+        if not crossing.allowed:
+            return False
+        content = content or {}
+        result = dict(result, status=status)
+        digests = {}
+        for key, data in content.items():
+            result[key] = digests[key] = sha256_digest(data)
+            result[key + "_size"] = len(data)
+        if self.broken:
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reply = self._run.complete(crossing.call_id, "ok" if status == "ok" else "error", result=result)
+        if reply is None:
+            self._fail(f"complete of {crossing.call_id} was not recorded")
+            return False
+        self._spool({"kind": "result", "decision_id": crossing.decision_id, "result": result, "content": digests},
+                    content)
+        return True
+
+    # -- spool ---------------------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        if not self.broken:
+            self.broken = reason[:500]
+
+    def _spool(self, entry: dict, content: dict[str, bytes]) -> None:
+        """One line per record, content inline (base64, once per digest): a single write per crossing."""
+        with self._lock:
+            fresh = {}
+            for data in content.values():
+                digest = sha256_digest(data)
+                if digest not in self._spooled:
+                    self._spooled.add(digest)
+                    fresh[digest] = base64.b64encode(data).decode()
+            if fresh:
+                entry = dict(entry, blobs=fresh)
+            self._spool_file.write(json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n")
+            self._spool_file.flush()
+
+    def _keep_policy(self, policy: Policy) -> None:
+        self.policies[policy.hash] = policy
+        if self.spool:
+            path = self.spool / "policies"
+            path.mkdir(mode=0o700, exist_ok=True)
+            (path / (policy.hash.removeprefix("sha256:") + ".toml")).write_text(policy.source, encoding="utf-8")
+
+    def _write_box_manifest(self) -> None:
+        box = dict(self.box, policy={"hash": self.policy.hash, "name": self.policy.name},
+                   policies=sorted(self.policies))
+        tmp = self.spool / "box.json.tmp"
+        tmp.write_text(json.dumps(box, sort_keys=True, indent=1))
+        os.replace(tmp, self.spool / "box.json")
+
+    # -- bundle --------------------------------------------------------------------------------------------------
+    def write_bundle(self, out_path: str | Path) -> Path:
+        """Export the (closed) run from the signer and add the box layer: one `.tkb`, written atomically."""
+        from .bundle import write_bundle
+        if not self.closed:
+            raise SignerError("close the run before writing its bundle")
+        return write_bundle(self.signer, self.run_id, self.spool, out_path)
+
+
+def salt_for(salt_key: bytes, label: str) -> bytes:
+    """The salt of a record's commitments: what tracekit.signer.service.reveal returns, derived from the key."""
+    return hmac.new(salt_key, label.encode(), "sha256").digest()
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

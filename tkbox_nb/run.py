@@ -1,0 +1,118 @@
+"""A signed run read back from its `.tkb`: records, crossings, a DataFrame, verification.
+
+`open_run` only parses (through the bundle module's strict reader); it does not vouch for anything. Call `verify()`
+before trusting what the run shows.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .bundle import BundleContents, parse, read_bundle_file
+
+DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
+                "box.secret": "secrets", "box.model": "model", "box.patch": "patch"}
+COLUMNS = ["seq", "time", "door", "tool", "kind", "decision", "rule_ids", "box_rule", "status", "summary", "content"]
+
+
+@dataclass
+class Crossing:
+    """One decided crossing: its decision record, its disclosed arguments and, if it ran, its result."""
+
+    seq: int
+    time: str
+    tool: str
+    decision: str
+    rule_ids: list[str]
+    args: dict[str, Any] | None
+    result: dict[str, Any] | None
+    result_seq: int | None
+
+    @property
+    def door(self) -> str:
+        return (self.args or {}).get("door") or DOOR_OF_TOOL.get(self.tool, self.tool)
+
+
+class Run:
+    """One box's run, as its bundle holds it."""
+
+    def __init__(self, path: str | Path, contents: BundleContents):
+        self.path = Path(path)
+        self._b = contents
+        self.records: list[dict[str, Any]] = [r["event"] for r in contents.records
+                                              if isinstance(r, dict) and isinstance(r.get("event"), dict)]
+        self.box: dict[str, Any] = contents.box or {}
+        self.run_id = contents.run_id
+
+    def __repr__(self) -> str:
+        return f"<Run {self.run_id} {self.box.get('backend', '?')} {len(self.crossings())} crossings>"
+
+    def content(self, digest: str) -> bytes | None:
+        """Disclosed content by its digest (`sha256:...`), or None."""
+        return self._b.content.get(digest)
+
+    def disclosure(self, seq: int) -> dict[str, Any] | None:
+        return next((d for d in self._b.disclosures if isinstance(d, dict) and d.get("run_seq") == seq), None)
+
+    def crossings(self) -> list[Crossing]:
+        disclosed = {(d.get("run_seq"), d.get("type")): d for d in self._b.disclosures if isinstance(d, dict)}
+        results = {e["data"].get("decision_id"): e for e in self.records if e.get("type") == "tool.result"}
+        out = []
+        for e in self.records:
+            if e.get("type") != "policy.decision":
+                continue
+            data = e.get("data") or {}
+            res = results.get(data.get("decision_id"))
+            rd = disclosed.get((res["run_seq"], "tool.result")) if res else None
+            out.append(Crossing(
+                seq=e["run_seq"], time=e.get("ts", ""), tool=str(data.get("tool", "")),
+                decision=str(data.get("decision", "")), rule_ids=list(data.get("rule_ids") or []),
+                args=(disclosed.get((e["run_seq"], "policy.decision")) or {}).get("args"),
+                result=(rd or {}).get("result"), result_seq=res["run_seq"] if res else None))
+        return out
+
+    def summary_of(self, c: Crossing) -> str:
+        a = c.args or {}
+        if c.door == "exec" and a.get("kind") == "cell":
+            code = (self.content(a.get("code", "")) or b"").decode("utf-8", "replace").strip()
+            return (code.splitlines() or [""])[0][:120]
+        if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
+            return shlex.join(str(x) for x in a["argv"])[:120]
+        if c.door == "box":
+            if a.get("kind") == "start":
+                return f"box {a.get('backend')} ({a.get('isolation')})"
+            return f"stop: {a.get('reason', '')}"[:120]
+        return ", ".join(f"{k}={v}" for k, v in a.items() if k not in ("door", "kind", "policy", "verdict"))[:120]
+
+    def to_dataframe(self):
+        """One row per crossing, with proper dtypes (time as UTC datetimes, door and decision as categories)."""
+        import pandas as pd
+        rows = []
+        for c in self.crossings():
+            a = c.args or {}
+            main = a.get("code") or a.get("stdin") or ""
+            rows.append({
+                "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": a.get("kind", ""),
+                "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": a.get("rule", ""),
+                "status": (c.result or {}).get("status", "" if c.decision == "allow" else "refused"),
+                "summary": self.summary_of(c), "content": main if isinstance(main, str) else ""})
+        df = pd.DataFrame(rows, columns=COLUMNS)
+        df["seq"] = df["seq"].astype("int64")
+        df["time"] = pd.to_datetime(df["time"], utc=True, format="ISO8601")
+        for col in ("door", "decision"):
+            df[col] = df[col].astype("category")
+        for col in ("tool", "kind", "rule_ids", "box_rule", "status", "summary", "content"):
+            df[col] = df[col].astype("string")
+        return df
+
+    def verify(self, trust: str | Path | None = None):
+        from .verify import verify_bundle
+        return verify_bundle(self.path, trust)
+
+
+def open_run(path: str | Path) -> Run:
+    """Read a `.tkb` (strictly; BundleError if it is unsafe or unreadable)."""
+    return Run(path, parse(read_bundle_file(path)))

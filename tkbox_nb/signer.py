@@ -1,0 +1,290 @@
+"""The machine signer: one Tracekit v2 signer per user and machine, on the host, outside every box.
+
+Topology (docs/bundle-format.md#signer-topology says why): one long-lived signer holds one log identity (one origin,
+one key) that the user pins once with `tkbox trust`; each box is one run in it. The signer runs a fixed pack, the
+*box pack* below, whose rules read the verdict that the door states from the box's own policy, plus invariant rules
+that hold whatever the door says. The box policy itself is bound into the run by its hash in every decision's
+arguments and disclosed in the bundle, so `tkbox verify` re-derives each decision from it.
+
+Its directory (keys, store, socket) is mode 0700 under $TKBOX_HOME and is never bound into a box. This module must not
+decide anything itself: it starts, reaches and reads the signer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import getpass
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import SignerError
+
+ORIGIN_PREFIX = "tkbox.local"
+TENANT = "default"
+START_TIMEOUT_S = 30.0
+DECIDE_TIMEOUT_S = 5.0
+IDLE_S = 30 * 86400  # a notebook's box may sit idle for days; the box closes its run itself
+GRACE_S = 0.5
+
+# The box pack: compiled by the signer into its policy v2. Tools are the doors; any other tool is denied.
+BOX_PACK = """\
+# tkbox-nb box pack (policy v2): the signer's own rules for box doors.
+version: 'tkbox-pack-1'
+description: tkbox-nb doors; the box policy's verdict is stated by the door and re-derived by tkbox verify
+tools:
+  'box.start': app
+  'box.stop': app
+  'box.exec': app
+  'box.connect': app
+  'box.secret': app
+  'box.model': app
+  'box.patch': app
+unknown_tools: deny
+deny:
+  - id: TKB-POLICY-DENY
+    tool: 'box\\..*'
+    field: verdict
+    pattern: '^deny$'
+    reason: the box policy refused this crossing
+    remedy: Change the box policy if this crossing is meant to pass.
+  - id: TKB-NO-POLICY
+    tool: 'box\\..*'
+    field: policy
+    pattern: '^$'
+    reason: a crossing that names no box policy
+    remedy: Name the box policy hash in every crossing.
+  - id: TKB-METADATA-ADDR
+    tool: 'box\\.connect'
+    field: address
+    pattern: '^(169\\.254\\.|100\\.100\\.100\\.200$|fd00:ec2::|0\\.|127\\.|::1$|::ffff:)'
+    reason: a link-local, loopback or cloud metadata address, refused whatever the box policy says
+    remedy: Reach public hosts only; these addresses are never reachable from a box.
+"""
+
+
+def default_home() -> Path:
+    env = os.environ.get("TKBOX_HOME")
+    if env:
+        return Path(env)
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "tkbox"
+
+
+def origin_name() -> str:
+    user = re.sub(r"[^A-Za-z0-9._-]", "_", getpass.getuser())[:64]
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
+    return f"{ORIGIN_PREFIX}/{user}@{host}"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+class MachineSigner:
+    """The per-user signer under `home` (default $TKBOX_HOME, else $XDG_STATE_HOME/tkbox)."""
+
+    def __init__(self, home: str | Path | None = None):
+        self.home = Path(home) if home else default_home()
+        self.dir = self.home / "signer"
+        self.config_path = self.dir / "signer.yaml"
+        self.pack_path = self.dir / "box-pack.yaml"
+        self.data_dir = self.dir / "data"
+        self.socket_path = self.dir / "signer.sock"
+        self.pid_path = self.dir / "signer.pid"
+        self.log_path = self.dir / "signer.log"
+        self.trust_path = self.home / "trust.json"
+        self.runs_dir = self.home / "runs"
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+    def _write_config(self) -> None:
+        _private_dir(self.home)
+        _private_dir(self.dir)
+        _private_dir(self.runs_dir)
+        config = (
+            "# written by tkbox-nb; the box never sees this directory\n"
+            "data_dir: ./data\n"
+            "socket: ./signer.sock\n"
+            "policy: ./box-pack.yaml\n"
+            "durability: ack-on-fsync\n"
+            "limits: {events_per_s: 100000, burst: 100000}\n"
+            "fail_modes: {default: closed}\n"
+            f"grace_s: {GRACE_S}\n"
+            f"idle_s: {IDLE_S}\n"
+            f"origin: {origin_name()}\n"
+            "posture: {network: enforced, tool_calls: enforced}\n"
+        )
+        for path, text in ((self.pack_path, BOX_PACK), (self.config_path, config)):
+            if not path.exists() or path.read_text() != text:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(text)
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, path)
+
+    def answering(self, timeout: float = 2.0) -> bool:
+        if not self.socket_path.exists():
+            return False
+        from tracekit.sdk.client import Client
+        c = Client(signer=str(self.socket_path), timeout=timeout)
+        try:
+            c.status({})
+            return True
+        except Exception:
+            return False
+        finally:
+            c.close()
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_path.read_text().strip())
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError):
+            return None
+
+    def ensure(self, timeout: float = START_TIMEOUT_S) -> "MachineSigner":
+        """Start the signer unless it already answers. Safe to call from several processes at once."""
+        self._write_config()
+        if self.answering():
+            self._ensure_trust()
+            return self
+        with open(self.dir / "start.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not self.answering():
+                self._start(timeout)
+        self._ensure_trust()
+        return self
+
+    def _start(self, timeout: float) -> None:
+        old = self.pid()
+        if old:  # alive but not answering: a stalled signer is replaced, never trusted
+            with contextlib.suppress(OSError):
+                os.kill(old, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        log = open(self.log_path, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tracekit", "signer", "serve", "--config", str(self.config_path)],
+            cwd=self.dir, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            close_fds=True)
+        log.close()
+        self.pid_path.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                raise SignerError(f"the signer exited at start (status {proc.returncode}): {tail[0][:300]}")
+            if self.answering(timeout=1.0):
+                return
+            time.sleep(0.1)
+        proc.kill()
+        raise SignerError(f"the signer did not answer within {timeout:g}s (log: {self.log_path})")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        pid = self.pid()
+        if not pid:
+            return
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            self.pid_path.unlink()
+
+    def client(self, timeout: float = DECIDE_TIMEOUT_S):
+        from tracekit.sdk.client import Client
+        return Client(signer=str(self.socket_path), timeout=timeout)
+
+    # -- identity ------------------------------------------------------------------------------------------------
+    def _ensure_trust(self) -> None:
+        if not self.trust_path.exists():
+            self.write_trust(self.trust_path)
+
+    def write_trust(self, out: str | Path) -> dict:
+        """Write the trust config that pins this signer's log key (Tracekit's `signer trust`)."""
+        out = Path(out)
+        tmp = out.with_name(out.name + ".tmp")
+        r = subprocess.run([sys.executable, "-m", "tracekit", "signer", "trust", "--config", str(self.config_path),
+                            "-o", str(tmp)], capture_output=True, text=True, cwd=self.dir)
+        if r.returncode != 0:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise SignerError(f"tracekit signer trust failed: {(r.stderr or r.stdout).strip()[:300]}")
+        os.replace(tmp, out)
+        return json.loads(out.read_text())
+
+    def salt_key(self) -> bytes:
+        """The key the signer derives each record's salt from (owner only; see tracekit.signer.service.reveal)."""
+        try:
+            return (self.data_dir / "keys" / "args_salt.key").read_bytes()
+        except OSError as e:
+            raise SignerError(f"cannot read the signer's salt key: {e}") from None
+
+    # -- export --------------------------------------------------------------------------------------------------
+    def export(self, run_id: str, out_path: str | Path, wait_final_s: float = 15.0) -> dict:
+        """Tracekit's v2 export of `run_id`, once its run.final record is covered by a checkpoint."""
+        from tracekit.bundle_v2 import export
+        from tracekit.signer.service import reader as open_reader
+        from tracekit.signer.service import signer_config
+
+        cfg = signer_config(str(self.config_path))
+        cfg["data_dir"] = str(self.data_dir)
+        deadline = time.monotonic() + wait_final_s
+        nudged = False
+        while True:
+            r = open_reader(cfg)
+            try:
+                records = list(r.iter_run(TENANT, run_id))
+                if not records:
+                    raise SignerError(f"the signer has no run {run_id}")
+                last = records[-1]["event"]
+                note = r.checkpoint_latest()
+                final = last["type"] == "run.final"
+                if final and note and note[0] > last["seq"]:
+                    export(r, TENANT, run_id, note[1], str(out_path), policy_dir=str(self.data_dir / "policies"))
+                    return {"records": len(records), "final": True}
+            finally:
+                r.close()
+            if time.monotonic() > deadline:
+                raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
+            if final and not nudged:
+                c = self.client()
+                try:
+                    c.checkpoint_nudge({})
+                    nudged = True
+                except Exception:
+                    pass
+                finally:
+                    c.close()
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

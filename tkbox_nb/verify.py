@@ -1,0 +1,263 @@
+"""`tkbox verify`: Tracekit's verifier first, then the box layer checked against the signed records.
+
+Tracekit's verifier proves the records are the signer's, whole and in order. On top of that this module proves that
+each disclosed item (a decision's arguments, a result, cell code and outputs, the policy source) is the content the
+record committed to, that every decision and result of the run is disclosed, that each decision follows from the
+disclosed box policy, and that the box manifest says what the records say. The first failing check is the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .bundle import BOX_FORMAT, BundleContents, parse, read_bundle_bytes, read_entries
+from .errors import BundleError, PolicyError
+from .policy import Policy, policy_hash
+
+EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version")
+
+
+def opens(salt: bytes, digest: str, commitment: Any) -> bool:
+    """Whether `commitment` (hmac-sha256:HEX) is HMAC-SHA256(salt, digest): the record committed to this content."""
+    if not isinstance(commitment, str) or not commitment.startswith("hmac-sha256:"):
+        return False
+    mine = "hmac-sha256:" + hmac.new(salt, digest.encode(), "sha256").hexdigest()
+    return hmac.compare_digest(mine, commitment)
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"check": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class VerifyReport:
+    """The verdict on one bundle. `record_status` maps run_seq to "valid" or the check that failed for that record."""
+
+    path: str
+    exit_code: int = EXIT_UNREADABLE
+    checks: list[Check] = field(default_factory=list)
+    tracekit: list[dict[str, Any]] = field(default_factory=list)
+    integrity: str = ""
+    assurance: str = ""
+    trust_path: str = ""
+    trust_source: str = ""
+    record_status: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        return self.exit_code == EXIT_VALID
+
+    @property
+    def first_failure(self) -> Check | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+    def add(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, ok, detail))
+        return ok
+
+    def summary(self) -> str:
+        if self.valid:
+            return f"VALID: {self.integrity}; {self.assurance}".rstrip("; ")
+        bad = self.first_failure
+        word = "UNREADABLE" if self.exit_code == EXIT_UNREADABLE else "INVALID"
+        return f"{word}: {bad.name}: {bad.detail}" if bad else word
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bundle": self.path, "valid": self.valid, "exit_code": self.exit_code, "summary": self.summary(),
+                "integrity": self.integrity, "assurance": self.assurance, "trust": self.trust_path,
+                "trust_source": self.trust_source, "checks": [c.as_dict() for c in self.checks],
+                "tracekit_checks": self.tracekit,
+                "records": {str(k): v for k, v in sorted(self.record_status.items())}}
+
+
+def verify_bundle(path: str | Path, trust: str | Path | None = None) -> VerifyReport:
+    """Verify one `.tkb`. `trust`: a trust config; None uses this machine's pinned trust."""
+    from .signer import MachineSigner
+    report = VerifyReport(path=str(path))
+    if trust is None:
+        report.trust_path, report.trust_source = str(MachineSigner().trust_path), "this machine's pinned trust"
+    else:
+        report.trust_path, report.trust_source = str(trust), "given"
+    if not Path(report.trust_path).is_file():
+        report.add("trust", False, f"no trust config at {report.trust_path} (run `tkbox trust` or pass --trust)")
+        return report
+    try:
+        data = read_bundle_bytes(path)
+        contents = parse(read_entries(data))
+    except BundleError as e:
+        report.add("bundle readable", False, str(e))
+        return report
+    report.add("bundle readable", True, f"{len(contents.files)} entries")
+    _tracekit(report, io.BytesIO(data), report.trust_path)
+    _box_layer(report, contents)
+    report.exit_code = EXIT_VALID if all(c.ok for c in report.checks) else EXIT_INVALID
+    return report
+
+
+def _tracekit(report: VerifyReport, bundle: io.BytesIO, trust_path: str) -> None:
+    from tracekit.verify.v2 import verify as tracekit_verify
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rep, code = tracekit_verify(bundle, trust_path)
+    report.tracekit = list(rep.checks)
+    report.integrity = str(getattr(rep, "integrity", "") or "")
+    report.assurance = str(rep.assurance or "")
+    failed = [c for c in rep.checks if c.get("status") == "fail"]
+    if code == 0 and not failed:
+        report.add("tracekit", True, f"Integrity: {report.integrity}")
+    else:
+        c = failed[0] if failed else {"check": "verify", "detail": report.integrity}
+        problems = "; ".join(str(p) for p in c.get("problems") or [])[:300]
+        report.add("tracekit", False, f"{c['check']}: {c.get('detail') or ''} {problems}".strip())
+
+
+def _box_layer(report: VerifyReport, b: BundleContents) -> None:
+    from tracekit.format.canon import canonical, event_hash
+
+    listed = b.manifest["files"]
+    unlisted = sorted(set(b.files) - set(listed) - {"manifest.json"})
+    missing = sorted(set(listed) - set(b.files))
+    wrong = sorted(n for n, h in listed.items() if n in b.files and hashlib.sha256(b.files[n]).hexdigest() != h)
+    report.add("manifest", not (unlisted or missing or wrong),
+               f"unlisted {unlisted[:3]}, missing {missing[:3]}, hash differs {wrong[:3]}"
+               if unlisted or missing or wrong else "every file listed with its SHA-256")
+    for p in b.problems:
+        report.add("box content", False, p)
+    if b.box is None:
+        report.add("box manifest", False, "no box/manifest.json: not a tkbox bundle")
+        return
+    if b.box.get("format") != BOX_FORMAT:
+        report.add("box manifest", False, f"format is {b.box.get('format')!r}, not {BOX_FORMAT}")
+        return
+    events = {}
+    for r in b.records:
+        e = r.get("event") if isinstance(r, dict) else None
+        if isinstance(e, dict) and isinstance(e.get("run_seq"), int):
+            events[e["run_seq"]] = e
+    run_ids = {e.get("run_id") for e in events.values()}
+    if not report.add("run", len(run_ids) == 1 and b.box.get("run_id") in run_ids,
+                      f"box/manifest.json names run {b.box.get('run_id')!r}; records hold {sorted(map(str, run_ids))}"):
+        return
+    for seq in events:
+        report.record_status[seq] = "valid"
+
+    def fail_record(seq: Any, check: str, detail: str) -> None:
+        report.add(check, False, f"record {seq}: {detail}")
+        if seq in report.record_status and report.record_status[seq] == "valid":
+            report.record_status[seq] = f"{check}: {detail}"
+
+    # policies: each disclosed source hashes to its name
+    policies: dict[str, Policy] = {}
+    for h, source in b.policies.items():
+        if policy_hash(source) != h:
+            report.add("policy source", False, f"box/policies/{h[7:19]}... does not hash to its name")
+            continue
+        try:
+            policies[h] = Policy.from_toml(source, f"policy {h[7:19]}")
+        except PolicyError as e:
+            report.add("policy source", False, str(e))
+    # disclosures: each opens its record's commitment
+    disclosed: dict[tuple[int, str], dict] = {}
+    for i, d in enumerate(b.disclosures):
+        where = f"box/disclosures.jsonl line {i + 1}"
+        if not (isinstance(d, dict) and isinstance(d.get("run_seq"), int) and isinstance(d.get("salt"), str)
+                and _HEX64.fullmatch(d["salt"]) and d.get("type") in ("policy.decision", "tool.result")
+                and isinstance(d.get("content"), dict)):
+            report.add("disclosure", False, f"{where}: not a well-formed disclosure")
+            continue
+        seq, kind = d["run_seq"], d["type"]
+        e = events.get(seq)
+        if e is None or e.get("type") != kind:
+            report.add("disclosure", False, f"{where}: run_seq {seq} is not a {kind} record of the run")
+            continue
+        if (seq, kind) in disclosed:
+            fail_record(seq, "disclosure", "disclosed twice")
+            continue
+        disclosed[(seq, kind)] = d
+        salt = bytes.fromhex(d["salt"])
+        data = e.get("data") or {}
+        try:
+            if kind == "policy.decision":
+                body = d.get("args")
+                digest = event_hash({"tool": data.get("tool"), "args": body})
+                commitment = data.get("args_commitment")
+            else:
+                body = d.get("result")
+                digest = "sha256:" + hashlib.sha256(canonical({"result": body})).hexdigest()
+                commitment = (data.get("output") or {}).get("hash")
+        except Exception as ex:  # not canonical JSON
+            fail_record(seq, "commitment", f"disclosed content cannot be canonicalized ({type(ex).__name__})")
+            continue
+        if not isinstance(body, dict):
+            fail_record(seq, "commitment", "disclosed content is not an object")
+            continue
+        if not opens(salt, digest, commitment):
+            fail_record(seq, "commitment", "the salt and disclosed content do not open the record's commitment")
+            continue
+        for key, ref in d["content"].items():
+            if body.get(key) != ref or not isinstance(ref, str):
+                fail_record(seq, "content", f"content {key!r} is not the digest the record commits to")
+            elif ref not in b.content:
+                fail_record(seq, "content", f"content {key!r} ({ref[:19]}...) is not in the bundle")
+            elif "sha256:" + hashlib.sha256(b.content[ref]).hexdigest() != ref:
+                fail_record(seq, "content", f"content {key!r} does not hash to {ref[:19]}... (altered)")
+    # completeness: every decision and result of the run is disclosed
+    for seq, e in sorted(events.items()):
+        if e.get("type") in ("policy.decision", "tool.result") and (seq, e["type"]) not in disclosed:
+            fail_record(seq, "completeness", f"{e['type']} is not disclosed")
+    # re-derivation: each decision follows from the disclosed box policy
+    starts = []
+    for (seq, kind), d in sorted(disclosed.items()):
+        if kind != "policy.decision" or report.record_status.get(seq) != "valid":
+            continue
+        args, data = d["args"], events[seq]["data"]
+        if data.get("tool") == "box.start":
+            starts.append((seq, args))
+        pol = policies.get(args.get("policy"))
+        if pol is None:
+            fail_record(seq, "policy", f"names policy {str(args.get('policy'))[:19]}..., which the bundle lacks")
+            continue
+        facts = {k: v for k, v in args.items() if k not in ("policy", "verdict", "rule", "verdict_reason")}
+        v = pol.decide(facts)
+        stated = (args.get("verdict"), args.get("rule"), args.get("verdict_reason", ""))
+        if (v.verdict, v.rule, v.reason[:500]) != stated:
+            fail_record(seq, "re-derivation", f"the policy gives {v.verdict} by {v.rule}, the record states "
+                                              f"{stated[0]} by {stated[1]}")
+        elif v.verdict == "deny" and data.get("decision") != "deny":
+            fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
+    # the box manifest against the records
+    if not starts:
+        report.add("box manifest", False, "no disclosed box.start record")
+    else:
+        seq, args = starts[0]
+        differs = [k for k in BOX_FIELDS if b.box.get(k) != args.get(k)]
+        first_policy = (b.box.get("policy") or {}).get("hash") if isinstance(b.box.get("policy"), dict) else None
+        if differs:
+            report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
+        elif first_policy != args.get("policy"):
+            report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
+        elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
+                                                     if k == "policy.decision"}:
+            report.add("box manifest", False, "the policies list lacks a policy the records name")
+        else:
+            report.add("box manifest", True, f"box {args.get('box_id')} ({args.get('backend')}, "
+                                             f"{args.get('isolation')}) agrees with record {seq}")
+    n_dec = sum(1 for k in disclosed if k[1] == "policy.decision")
+    if all(c.ok for c in report.checks):
+        report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "
+                                        "re-derived from the disclosed policy")
+
