@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 from .errors import BundleError, DoorRefused, PolicyError, SignerError, TkboxError  # noqa: E402
+from .box import Box, BoxEnded, CellResult, CommandResult  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .run import Run, open_run  # noqa: E402
 
-__all__ = ["__version__", "Policy", "Run", "open_run", "TkboxError", "PolicyError", "BundleError", "SignerError",
+__all__ = ["__version__", "Box", "BoxEnded", "CellResult", "CommandResult", "Policy", "Run", "open_run", "TkboxError", "PolicyError", "BundleError", "SignerError",
            "DoorRefused"]

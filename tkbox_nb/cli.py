@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("action", choices=["start", "stop", "status"])
     g.set_defaults(fn=_cmd_signer)
 
+    from . import cli_box
+    cli_box.add_commands(sub)
+
     return p
 
 

@@ -37,12 +37,14 @@ timeout_s = 600
 
 # section -> {key: (type, validator-or-None)}
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "box": {"backend": str, "memory_mib": int, "cpus": int},
+    "box": {"backend": str, "memory_mib": int, "cpus": int, "cpu_time_s": int, "max_processes": int,
+            "workspace_mib": int},
     "exec": {"cells": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "box": {"backend": "auto", "memory_mib": 1024, "cpus": 1},
+    "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
+            "workspace_mib": 1024},
     "exec": {"cells": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600, "max_output_bytes": 16 << 20},
 }
 _LATER = {"egress": "the egress door", "secrets": "the secrets door", "models": "the model door",
@@ -182,7 +184,8 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     backend = out.get("box", {}).get("backend", "auto")
     if backend not in BACKENDS:
         raise PolicyError(f"{name}: box.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-    for key, low in (("memory_mib", 64), ("cpus", 1)):
+    for key, low in (("memory_mib", 64), ("cpus", 1), ("cpu_time_s", 1), ("max_processes", 4),
+                     ("workspace_mib", 1)):
         v = out.get("box", {}).get(key)
         if v is not None and v < low:
             raise PolicyError(f"{name}: box.{key} must be at least {low}")

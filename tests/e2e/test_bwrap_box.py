@@ -1,0 +1,226 @@
+"""Real bubblewrap boxes: isolation, limits, the exec door, fail-closed and a hostile guest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tkbox_nb import Box, BoxEnded, DoorRefused, Policy, open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+
+PY = "python3"
+
+
+@pytest.fixture(scope="module")
+def box(signer, tmp_path_factory):
+    ws = tmp_path_factory.mktemp("ws")
+    (ws / "data.txt").write_text("host data\n")
+    b = Box(backend="bwrap", workspace=ws, bundle_path=tmp_path_factory.mktemp("out") / "box.tkb").start()
+    b.host_workspace = ws
+    yield b
+    b.stop()
+
+
+def sh(box, script):
+    return box.run(["sh", "-c", script])
+
+
+def test_only_loopback_exists_and_outside_addresses_are_unreachable(box):
+    r = box.run([PY, "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
+    assert r.stdout.strip() == b"['lo']"
+    r = box.run([PY, "-c", "import socket; socket.create_connection(('198.18.0.1', 80), timeout=2)"])
+    assert r.exit_code != 0 and b"Network is unreachable" in r.stderr
+
+
+def test_host_loopback_services_are_unreachable(box):
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    try:
+        r = box.run([PY, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"])
+        assert r.exit_code != 0 and b"Connection refused" in r.stderr
+    finally:
+        srv.close()
+
+
+def test_host_files_home_and_signer_are_invisible(box, signer):
+    r = sh(box, f"ls -a /root; ls /etc/ssh; ls /home; ls {signer.home}; ls {signer.socket_path}; ls /sys")
+    out = r.stdout.decode()
+    assert out.split() == [".", "..", ".pyenv"] or out.split() == [".", ".."] or ".pyenv" in out
+    for secret in ("signer.sock", "trust.json", "ssh_host", ".bash_history"):
+        assert secret not in out
+    assert r.stderr.count(b"No such file or directory") >= 5
+    r = box.run([PY, "-c", f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(signer.socket_path)!r})"])
+    assert r.exit_code != 0
+
+
+def test_host_processes_are_invisible(box, signer):
+    r = sh(box, "ls /proc | grep -E '^[0-9]+$'")
+    pids = [int(x) for x in r.stdout.split()]
+    assert len(pids) < 10 and signer.pid() not in pids or max(pids) < 20
+
+
+def test_writes_outside_workspace_and_tmp_fail(box):
+    for path in ("/usr/x", "/etc/x", "/x", "/opt/tkbox/x"):
+        r = sh(box, f"echo x > {path}")
+        assert r.exit_code != 0, path
+    assert sh(box, "echo x > /workspace/new.txt && echo y > /tmp/t && cat /workspace/data.txt").stdout == b"host data\n"
+    assert not (box.host_workspace / "new.txt").exists()  # a copy, never the host directory
+
+
+def test_commands_take_stdin_and_report_exit_status(box):
+    assert box.run(["cat"], stdin=b"in\n").stdout == b"in\n"
+    assert sh(box, "echo err >&2; exit 7").exit_code == 7
+
+
+def test_cells_keep_state_and_follow_the_jupyter_model(box):
+    seen = []
+    r = box.execute("y = 40\nprint('side')\ny + 2", on_output=seen.append)
+    assert r.status == "ok" and [o["output_type"] for o in r.outputs] == ["stream", "stream", "execute_result"]
+    assert seen == r.outputs and r.outputs[-1]["data"]["text/plain"] == "42"
+    assert box.execute("y").outputs[0]["data"]["text/plain"] == "40"
+    err = box.execute("raise ValueError('no')")
+    assert err.status == "error" and err.outputs[0]["ename"] == "ValueError"
+
+
+def test_policy_refusal_runs_nothing_and_is_signed(signer, tmp_path):
+    policy = Policy.from_toml('[exec]\ncells = false\ncommands = ["echo"]\n')
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with Box(policy=policy, backend="bwrap", workspace=ws, bundle_path=tmp_path / "r.tkb") as b:
+        assert b.run(["echo", "ok"]).stdout == b"ok\n"
+        with pytest.raises(DoorRefused, match="not in \\[exec\\] commands"):
+            b.run(["sh", "-c", "touch /workspace/ran"])
+        with pytest.raises(DoorRefused):
+            b.execute("open('/workspace/ran2', 'w')")
+        assert b.run(["echo", "still"]).stdout == b"still\n"
+    run = open_run(tmp_path / "r.tkb")
+    decisions = [(c.args.get("kind"), c.decision) for c in run.crossings() if c.door == "exec"]
+    assert decisions == [("command", "allow"), ("command", "deny"), ("cell", "deny"), ("command", "allow")]
+    assert verify_bundle(tmp_path / "r.tkb").valid
+
+
+def test_bundle_discloses_commands_cells_and_outputs(signer, tmp_path):
+    with Box(backend="bwrap", bundle_path=tmp_path / "d.tkb") as b:
+        b.run(["echo", "hello"])
+        b.execute("print('cell out')")
+    run = open_run(tmp_path / "d.tkb")
+    rows = [c for c in run.crossings() if c.door == "exec"]
+    assert rows[0].args["argv"] == ["echo", "hello"]
+    assert run.content(rows[0].result["stdout"]) == b"hello\n"
+    assert run.content(rows[1].args["code"]) == b"print('cell out')"
+    assert json.loads(run.content(rows[1].result["outputs"]))[0]["text"] == "cell out"
+    assert verify_bundle(tmp_path / "d.tkb").valid
+
+
+LIMITS = """
+[box]
+memory_mib = 512
+max_processes = 32
+cpu_time_s = 3
+workspace_mib = 8
+[exec]
+timeout_s = 20
+"""
+
+
+@pytest.fixture
+def tight_box(signer, tmp_path):
+    b = Box(policy=Policy.from_toml(LIMITS), backend="bwrap", bundle_path=tmp_path / "lim.tkb").start()
+    yield b
+    b.stop()
+
+
+def test_fork_bomb_is_stopped(tight_box):
+    r = tight_box.run([PY, "-c", "import os\nwhile True:\n    os.fork()"])
+    assert r.exit_code != 0 and b"Resource temporarily unavailable" in r.stderr
+    assert tight_box.run(["echo", "alive"]).stdout == b"alive\n"
+
+
+def test_memory_hog_is_stopped(tight_box):
+    r = tight_box.run([PY, "-c", "x = bytearray(1 << 30)"])
+    assert r.exit_code != 0 and b"MemoryError" in r.stderr
+
+
+def test_cpu_time_limit_is_enforced(tight_box):
+    t = time.monotonic()
+    r = tight_box.run([PY, "-c", "while True: pass"])
+    assert r.exit_code == -signal.SIGXCPU and time.monotonic() - t < 15
+
+
+def test_workspace_size_limit_is_enforced(tight_box):
+    r = sh(tight_box, "dd if=/dev/zero of=/workspace/big bs=1M count=20")
+    assert r.exit_code != 0 and b"No space left on device" in r.stderr
+
+
+def test_wall_time_limit_ends_the_box_and_is_recorded(signer, tmp_path):
+    policy = Policy.from_toml("[exec]\ntimeout_s = 2\n")
+    b = Box(policy=policy, backend="bwrap", bundle_path=tmp_path / "w.tkb").start()
+    with pytest.raises(BoxEnded, match="timed out"):
+        b.run(["sleep", "30"])
+    with pytest.raises(BoxEnded):
+        b.run(["echo", "after"])
+    b.stop()
+    run = open_run(tmp_path / "w.tkb")
+    assert "timed out" in run.box["end_reason"]
+    assert "timed out" in run.crossings()[-1].args["reason"]
+
+
+def test_killed_signer_refuses_the_next_command_and_stops_the_box(private_signer, tmp_path):
+    b = Box(backend="bwrap", home=private_signer.home).start()
+    assert b.run(["echo", "1"]).exit_code == 0
+    os.kill(private_signer.pid(), signal.SIGKILL)
+    with pytest.raises(DoorRefused, match="TKB-SIGNER-UNAVAILABLE"):
+        b.run(["touch", "/workspace/should-not-run"])
+    assert b.ended and not b.running.alive()
+    with pytest.raises(BoxEnded):
+        b.run(["echo", "2"])
+    with pytest.raises(BoxEnded, match="no bundle"):
+        b.stop()
+
+
+HOSTILE = {
+    "garbage": "os.write(fd, b'\\xff' * 64)",
+    "oversized frame": "import struct; os.write(fd, struct.pack('>IBI', 100 << 20, 2, 1))",
+    "too many streams": ("import json, struct\nfor i in range(2, 200, 2):\n"
+                         "    body = b'{}'\n    os.write(fd, struct.pack('>IBI', len(body), 1, 1000 + i) + body)"),
+    "data past the window": ("import struct\nchunk = struct.pack('>IBI', 1 + 200000, 2, 1) + b'\\x01' + b'x' * 200000"
+                             "\nfor _ in range(20):\n    os.write(fd, chunk)"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+def test_hostile_guest_ends_its_own_box_and_the_host_stays_up(signer, tmp_path, attack):
+    b = Box(backend="bwrap", bundle_path=tmp_path / "h.tkb").start()
+    with pytest.raises(BoxEnded, match="protocol violation|door stream"):
+        b.execute("import os\nfd = int(os.environ['TKBOX_DOOR_FD'])\n" + HOSTILE[attack] + "\nimport time; time.sleep(5)")
+    b.stop()
+    run = open_run(tmp_path / "h.tkb")
+    assert "protocol violation" in run.box["end_reason"] or "door stream" in run.box["end_reason"]
+    assert verify_bundle(tmp_path / "h.tkb").valid
+    with Box(backend="bwrap", bundle_path=tmp_path / "next.tkb") as again:  # the host is fine
+        assert again.run(["echo", "ok"]).stdout == b"ok\n"
+
+
+def test_concurrent_commands_share_one_door(box):
+    results = {}
+
+    def one(i):
+        results[i] = box.run(["sh", "-c", f"sleep 0.3; echo {i}"]).stdout
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    t = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert results == {i: f"{i}\n".encode() for i in range(4)}
+    assert time.monotonic() - t < 1.2  # they ran at once

@@ -1,0 +1,177 @@
+"""The bubblewrap backend: a namespace box (user, pid, ipc, uts, mount, network, cgroup) where no VM can run.
+
+Isolation is the host kernel's namespaces: weaker than a VM (one kernel bug away from the host), stronger than
+nothing. What the box sees: the system's read-only /usr (and the interpreter's prefix, bound back read-only), a
+synthetic /etc with only what programs need to start, a fresh /proc and /dev, tmpfs /tmp, and a tmpfs /workspace
+(size-limited) filled from a read-only copy of the host workspace. No host home, no /root, no /etc/ssh, no
+$TKBOX_HOME, no host /sys. Its only interface is `lo`; its only way out is the door socket, an inherited fd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .base import Backend, BoxSpec, RunningBox
+
+GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
+             "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf")
+PASSWD = "root:x:0:0:root:/tmp:/bin/sh\nbox:x:1000:1000:box:/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
+GROUP = "root:x:0:\nbox:x:1000:\nnogroup:x:65534:\n"
+
+
+def _pids_cgroup_usable() -> bool:
+    return (PIDS_CGROUP / "cgroup.procs").exists() and os.access(PIDS_CGROUP, os.W_OK)
+
+
+class BwrapRunning(RunningBox):
+    def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path):
+        self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
+        self._killed_for: str | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.proc.wait(timeout=5)
+        if self.cgroup is not None:  # every process of the box, even ones that left bwrap's process group
+            for _ in range(50):
+                try:
+                    pids = [int(x) for x in (self.cgroup / "cgroup.procs").read_text().split()]
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
+            with contextlib.suppress(OSError):
+                self.cgroup.rmdir()
+        with contextlib.suppress(OSError):
+            self.door.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        try:
+            return (self._workdir / "box.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def exit_reason(self) -> str:
+        rc = self.proc.poll()
+        if rc is None:
+            return "running"
+        if rc < 0:
+            name = signal.Signals(-rc).name
+            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
+        return f"exit status {rc}"
+
+
+class BwrapBackend(Backend):
+    name = "bwrap"
+    isolation = "namespace"
+
+    def available(self) -> tuple[bool, str]:
+        exe = shutil.which("bwrap")
+        if not exe:
+            return False, "bwrap is not installed (apt-get install bubblewrap)"
+        r = subprocess.run([exe, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "true"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return False, f"bwrap cannot create namespaces here: {r.stderr.strip()[:200]}"
+        return True, f"{exe}: namespaces work"
+
+    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path) -> list[str]:
+        a = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+             "--hostname", "tkbox", "--uid", "1000", "--gid", "1000",
+             "--ro-bind", "/usr", "/usr"]
+        for top in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                a += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                a += ["--ro-bind", str(host), f"/{top}"]
+        a += ["--ro-bind", str(etc_dir), "/etc"]
+        for prefix in sorted({sys.base_prefix, sys.prefix}):
+            if not prefix.startswith("/usr/"):
+                a += ["--ro-bind", prefix, prefix]
+        a += ["--ro-bind", str(GUEST_DIR), "/opt/tkbox/tkbox_guest",
+              "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+              "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
+        if spec.seed is not None:
+            a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
+        a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
+        env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONPATH": "/opt/tkbox", "PYTHONDONTWRITEBYTECODE": "1", "TKBOX_DOOR_FD": str(door_fd),
+               "TKBOX_BOX_ID": spec.box_id, "USER": "box", **spec.env}
+        if spec.seed is not None:
+            env["TKBOX_SEED"] = "/run/tkbox/seed"
+        for k, v in env.items():
+            a += ["--setenv", k, v]
+        a += [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
+        return a
+
+    def start(self, spec: BoxSpec) -> BwrapRunning:
+        import tempfile
+        host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        workdir = Path(tempfile.mkdtemp(prefix="tkbox-box-"))
+        etc_dir = workdir / "etc"
+        etc_dir.mkdir()
+        for name in ETC_FILES:
+            src = Path("/etc") / name
+            dst = etc_dir / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            elif src.exists():
+                shutil.copy2(src, dst, follow_symlinks=True)
+        (etc_dir / "passwd").write_text(PASSWD)
+        (etc_dir / "group").write_text(GROUP)
+        (etc_dir / "hosts").write_text("127.0.0.1 localhost tkbox\n::1 localhost\n")
+        (etc_dir / "resolv.conf").write_text("# no name servers in a box: names are resolved on the host\n")
+        cgroup = None
+        if _pids_cgroup_usable():
+            cgroup = PIDS_CGROUP / f"tkbox-{spec.box_id}"
+            cgroup.mkdir()
+            (cgroup / "pids.max").write_text(f"{spec.max_processes}\n")
+        limits = (spec.memory_mib << 20, spec.cpu_time_s)
+
+        def in_child():  # after fork, before exec: join the cgroup, set the limits (inherited by the whole box)
+            if cgroup is not None:
+                with open(cgroup / "cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+            resource.setrlimit(resource.RLIMIT_AS, (limits[0], limits[0]))
+            resource.setrlimit(resource.RLIMIT_CPU, (limits[1], limits[1] + 1))  # SIGXCPU, then SIGKILL
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+        fd = box_end.fileno()
+        log = open(workdir / "box.log", "wb")
+        try:
+            proc = subprocess.Popen(self.argv(spec, fd, etc_dir), pass_fds=[fd], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=log, preexec_fn=in_child,
+                                    start_new_session=True)
+        except BaseException:
+            host_end.close()
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            box_end.close()
+            log.close()
+        return BwrapRunning(proc, host_end, cgroup, workdir)

@@ -1,0 +1,289 @@
+"""Box: one box and one signed run, from start to a written `.tkb`.
+
+The exec door lives here: before a command or cell goes in, the recorder gets a signed decision under the box
+policy; nothing runs without a signed allow; when it ends, its result is signed and its content spooled for the
+bundle. Anything the box does outside the protocol, a limit it reaches, or a signer that stops answering ends the
+box fail-closed, and the reason is recorded in the run's last record and the box manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import protocol as p
+from .backends import BoxSpec, get_backend
+from .connection import HostConnection, StreamClosed
+from .errors import DoorRefused, TkboxError
+from .policy import Policy
+from .recorder import RunRecorder
+from .signer import MachineSigner
+
+READY_TIMEOUT_S = 60.0
+OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error"}
+MAX_MESSAGE = 8 << 20
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+@dataclass
+class CellResult:
+    status: str
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    execution_count: int | None = None
+
+
+class BoxEnded(TkboxError):
+    """The box is gone (a limit, a protocol violation, the signer lost); the reason is recorded in its run."""
+
+    exit_code = 1
+
+
+class Box:
+    """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`."""
+
+    def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
+                 workspace: str | Path | None = None, bundle_path: str | Path | None = None,
+                 home: str | Path | None = None):
+        self.policy = Policy.coerce(policy)
+        name = backend if backend != "auto" else self.policy.get("box", "backend")
+        self.backend = get_backend(name)
+        self.workspace = Path(workspace) if workspace else None
+        if self.workspace is not None and not self.workspace.is_dir():
+            raise TkboxError(f"workspace {self.workspace} is not a directory")
+        self.signer = MachineSigner(home)
+        self.bundle_path: Path | None = Path(bundle_path) if bundle_path else None
+        self.box_id = uuid.uuid4().hex
+        self.recorder: RunRecorder | None = None
+        self.running = None
+        self.conn: HostConnection | None = None
+        self.ended: str | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def __enter__(self) -> "Box":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop("box stopped" if exc[0] is None else f"box stopped after {exc[0].__name__}")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.recorder.run_id if self.recorder else None
+
+    def start(self) -> "Box":
+        self.signer.ensure()
+        self.recorder = RunRecorder(self.signer, self.policy, {
+            "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
+            "image_digest": self.backend.image_digest()}).open()
+        try:
+            seed = None
+            if self.workspace is not None:  # a copy, never the host directory itself
+                seed = self.recorder.spool / "seed"
+                shutil.copytree(self.workspace, seed, symlinks=True)
+            self.running = self.backend.start(BoxSpec(
+                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
+                cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
+                max_processes=self.policy.get("box", "max_processes"),
+                workspace_mib=self.policy.get("box", "workspace_mib")))
+            self.conn = HostConnection(self.running.door, self._violation)
+            if not self.conn.ready.wait(READY_TIMEOUT_S):
+                raise BoxEnded(f"the box did not come up within {READY_TIMEOUT_S:g}s: {self._log_tail()}")
+            if self.ended:
+                raise BoxEnded(self.ended)
+        except BaseException as e:
+            self.stop(f"box failed to start: {e}"[:300])
+            raise
+        return self
+
+    def stop(self, reason: str = "box stopped") -> Path | None:
+        """Stop the box, close the run and write the bundle (once); returns its path."""
+        with self._lock:
+            if self.recorder is None or self.recorder.closed:
+                return self.bundle_path
+            if self.running is not None:
+                self.running.kill()
+            if self.conn is not None:
+                self.conn.shutdown()
+            self.recorder.close(self.ended or reason)
+            if self.recorder.broken:
+                raise BoxEnded(f"no bundle: the run could not be closed ({self.recorder.broken}); its records up "
+                               f"to the loss stay in the signer's store, run {self.recorder.run_id}")
+            if self.bundle_path is None:
+                out = self.signer.home / "bundles"
+                out.mkdir(mode=0o700, exist_ok=True)
+                self.bundle_path = out / f"{self.recorder.run_id}.tkb"
+            self.recorder.write_bundle(self.bundle_path)
+            seed = self.recorder.spool / "seed"
+            if seed.exists():
+                shutil.rmtree(seed, ignore_errors=True)
+            return self.bundle_path
+
+    def _violation(self, reason: str) -> None:
+        self._end(f"door protocol violation: {reason}")
+
+    def _end(self, reason: str) -> None:
+        """End the box now, fail-closed; the reason becomes the run's last word."""
+        if self.ended is None:
+            self.ended = reason[:500]
+        if self.running is not None:
+            self.running.kill()
+
+    def _log_tail(self) -> str:
+        tail = getattr(self.running, "log_tail", lambda: "")()
+        return tail.strip().splitlines()[-1][:300] if tail.strip() else "no output"
+
+    def _check_alive(self) -> None:
+        if self.ended:
+            raise BoxEnded(f"the box has ended: {self.ended}")
+        if self.recorder is None or self.running is None:
+            raise BoxEnded("the box is not started")
+
+    # -- the exec door -------------------------------------------------------------------------------------------
+    def _decide(self, kind: str, facts: dict, content: dict[str, bytes]):
+        crossing = self.recorder.decide("exec", kind, facts, content)
+        if not crossing.allowed:
+            if self.recorder.broken:  # the signer is gone: the box goes too
+                self._end(f"signer lost: {self.recorder.broken}")
+            why = crossing.verdict.reason if not crossing.verdict.allowed else crossing.reason
+            raise DoorRefused(f"exec refused ({', '.join(crossing.rule_ids) or crossing.decision}): {why}",
+                              crossing.rule_ids)
+        return crossing
+
+    def run(self, argv: list[str], stdin: bytes | None = None, timeout: float | None = None) -> CommandResult:
+        """Run `argv` in the box (after a signed allow) and return its exit status and output."""
+        self._check_alive()
+        if not (isinstance(argv, (list, tuple)) and argv and all(isinstance(a, str) for a in argv)):
+            raise TkboxError("argv must be a non-empty list of strings")
+        crossing = self._decide("command", {"argv": list(argv)}, {"stdin": stdin} if stdin else {})
+        timeout = timeout if timeout is not None else self.policy.get("exec", "timeout_s")
+        limit = self.policy.get("exec", "max_output_bytes")
+        out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
+        try:
+            stream = self.conn.open({"kind": "command", "argv": list(argv)})
+            if stdin:
+                self.conn.send_data(stream.sid, p.CH_STDIN, stdin)
+            self.conn.close(stream.sid)
+            body = self._collect(stream, timeout, lambda ch, data: _append(out, ch, data, limit))
+        except (StreamClosed, OSError) as e:
+            self._end(f"door stream lost: {e}")
+            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        except p.ProtocolError as e:
+            self._end(f"door protocol violation: {e}")
+            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        code = body.get("exit_code")
+        if not isinstance(code, int) or isinstance(code, bool):
+            self._end("the box answered a command without an integer exit status")
+            raise BoxEnded(f"the box has ended: {self.ended}")
+        stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
+        self.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
+                               {"stdout": stdout, "stderr": stderr})
+        return CommandResult(code, stdout, stderr)
+
+    def execute(self, code: str, on_output: Callable[[dict], None] | None = None) -> CellResult:
+        """Run a Python cell in the box's persistent interpreter; outputs follow the Jupyter message model."""
+        self._check_alive()
+        if not isinstance(code, str):
+            raise TkboxError("code must be a string")
+        crossing = self._decide("cell", {}, {"code": code.encode("utf-8")})
+        outputs: list[dict] = []
+        limit = self.policy.get("exec", "max_output_bytes")
+
+        def on_data(channel: int, data: bytes) -> None:
+            if channel != p.CH_MSG:
+                raise p.ProtocolError(f"cell output on channel {channel}")
+            if len(data) > MAX_MESSAGE:
+                raise p.ProtocolError("an output message over the limit")
+            msg = _output_message(data)
+            if sum(len(json.dumps(o)) for o in outputs) + len(data) > limit:
+                raise p.ProtocolError(f"cell output over exec.max_output_bytes ({limit})")
+            outputs.append(msg)
+            if on_output is not None:
+                on_output(msg)
+
+        try:
+            stream = self.conn.open({"kind": "cell", "code": code})
+            self.conn.close(stream.sid)
+            body = self._collect(stream, self.policy.get("exec", "timeout_s"), on_data)
+        except (StreamClosed, OSError) as e:
+            self._end(f"door stream lost: {e}")
+            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        except p.ProtocolError as e:
+            self._end(f"door protocol violation: {e}")
+            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        status, count = body.get("status"), body.get("execution_count")
+        if status not in ("ok", "error") or not isinstance(count, int):
+            self._end("the box answered a cell without a status and execution count")
+            raise BoxEnded(f"the box has ended: {self.ended}")
+        self.recorder.complete(crossing, status, {"execution_count": count},
+                               {"outputs": json.dumps(outputs, sort_keys=True).encode("utf-8")})
+        return CellResult(status, outputs, count)
+
+    def _collect(self, stream, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._end(f"exec timed out after {timeout:g}s")
+                raise BoxEnded(f"the box has ended: {self.ended}")
+            try:
+                event = stream.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check the box is still there
+                if self.running is not None and not self.running.alive():
+                    self._end(f"the box died: {self.running.exit_reason()}")
+                if self.ended:
+                    raise BoxEnded(f"the box has ended: {self.ended}") from None
+                continue
+            if event[0] == "data":
+                on_data(event[1], event[2])
+            elif event[0] == "close":
+                return event[1]
+            else:
+                reason = event[1]
+                if self.running is not None and not self.running.alive() and not self.ended:
+                    reason = f"the box died: {self.running.exit_reason()}"
+                self._end(reason)
+                raise BoxEnded(f"the box has ended: {self.ended}")
+
+
+def _append(out: dict[int, bytearray], channel: int, data: bytes, limit: int) -> None:
+    if channel not in out:
+        raise p.ProtocolError(f"command output on channel {channel}")
+    if len(out[p.CH_STDOUT]) + len(out[p.CH_STDERR]) + len(data) > limit:
+        raise p.ProtocolError(f"command output over exec.max_output_bytes ({limit})")
+    out[channel] += data
+
+
+def _output_message(data: bytes) -> dict:
+    """One Jupyter output message from the box, checked strictly (hostile input)."""
+    try:
+        msg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise p.ProtocolError("an output message that is not JSON") from None
+    if not isinstance(msg, dict) or msg.get("output_type") not in OUTPUT_TYPES:
+        raise p.ProtocolError("an output message of no known output_type")
+    t = msg["output_type"]
+    if t == "stream":
+        ok = msg.get("name") in ("stdout", "stderr") and isinstance(msg.get("text"), str) and len(msg) == 3
+    elif t in ("display_data", "execute_result"):
+        data_ok = isinstance(msg.get("data"), dict) and all(isinstance(k, str) for k in msg["data"])
+        ok = data_ok and isinstance(msg.get("metadata"), dict) and (
+            t == "display_data" or isinstance(msg.get("execution_count"), int))
+    else:
+        ok = (isinstance(msg.get("ename"), str) and isinstance(msg.get("evalue"), str)
+              and isinstance(msg.get("traceback"), list) and all(isinstance(x, str) for x in msg["traceback"]))
+    if not ok:
+        raise p.ProtocolError(f"a malformed {t} message")
+    return msg

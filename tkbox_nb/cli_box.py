@@ -1,0 +1,63 @@
+"""`tkbox run` and `tkbox doctor`: the box commands of the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .backends import BACKENDS
+from .errors import DoorRefused
+
+
+def _cmd_run(a) -> int:
+    from .box import Box
+    if not a.argv:
+        raise SystemExit("tkbox run: error: give the command after --, e.g. tkbox run -- python3 -c 'print(1)'")
+    argv = a.argv[1:] if a.argv[0] == "--" else a.argv
+    stdin = None if sys.stdin.isatty() or not a.stdin else sys.stdin.buffer.read()
+    box = Box(policy=a.policy, backend=a.backend, workspace=a.workspace, bundle_path=a.output)
+    code = 1
+    with box:
+        try:
+            result = box.run(argv, stdin=stdin)
+            sys.stdout.buffer.write(result.stdout)
+            sys.stderr.buffer.write(result.stderr)
+            code = result.exit_code
+        except DoorRefused as e:
+            print(f"tkbox run: {e}", file=sys.stderr)
+            code = 126
+    print(f"tkbox run: bundle {box.bundle_path}", file=sys.stderr)
+    return code
+
+
+def _cmd_doctor(a) -> int:
+    from .backends.bwrap import BwrapBackend
+    from .signer import MachineSigner
+    ok_any = False
+    rows = []
+    for name in BACKENDS:
+        if name == "bwrap":
+            ok, why = BwrapBackend().available()
+        else:
+            ok, why = False, "not built in this version"
+        ok_any = ok_any or ok
+        rows.append((name, ok, why))
+    for name, ok, why in rows:
+        print(f"{name:12s} {'ok' if ok else 'no':3s} {why}")
+    signer = MachineSigner()
+    print(f"{'signer':12s} {'ok' if signer.answering() else 'off':3s} {signer.dir} "
+          f"({'answering' if signer.answering() else 'starts on first use'})")
+    return 0 if ok_any else 1
+
+
+def add_commands(sub) -> None:
+    r = sub.add_parser("run", help="run one command in a fresh box and write its signed bundle")
+    r.add_argument("--policy", help="box policy (TOML)")
+    r.add_argument("--backend", choices=["auto", *BACKENDS], default="auto")
+    r.add_argument("--workspace", help="directory copied into the box as /workspace")
+    r.add_argument("-o", "--output", help="where to write the .tkb (default: $TKBOX_HOME/bundles/RUN.tkb)")
+    r.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
+    r.add_argument("argv", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=_cmd_run)
+    d = sub.add_parser("doctor", help="which backends can run here, and why not")
+    d.set_defaults(fn=_cmd_doctor)

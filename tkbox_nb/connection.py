@@ -1,0 +1,147 @@
+"""The host end of the door stream: a reader thread around the sans-IO codec, one event queue per stream.
+
+Everything read here comes from the box and is hostile. The codec checks frames and limits; any violation (or a
+reply that does not fit what was asked) ends the connection at once and calls `on_violation` with the reason, so
+the box is stopped fail-closed and the reason recorded. Window credit is granted back only as the host consumes a
+stream's data, so a box can never make the host buffer more than its windows.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from typing import Callable
+
+from . import protocol as p
+
+
+class StreamClosed(Exception):
+    pass
+
+
+class Stream:
+    """Events of one stream: ("data", channel, bytes), ("close", body), ("violation", reason)."""
+
+    def __init__(self, conn: "HostConnection", sid: int):
+        self.conn, self.sid = conn, sid
+        self.events: queue.Queue = queue.Queue()
+
+    def get(self, timeout: float | None = None):
+        event = self.events.get(timeout=timeout)
+        if event[0] == "data":
+            self.conn.consumed(self.sid, len(event[2]))
+        return event
+
+
+class HostConnection:
+    def __init__(self, sock: socket.socket, on_violation: Callable[[str], None]):
+        self.sock = sock
+        self.on_violation = on_violation
+        self.session = p.Session(is_host=True)
+        self.decoder = p.Decoder()
+        self.lock = threading.Lock()
+        self.streams: dict[int, Stream] = {}
+        self.hello: dict | None = None
+        self.ready = threading.Event()
+        self.violation: str | None = None
+        self.closed = False
+        self.bytes_in = 0
+        self._reader = threading.Thread(target=self._read, daemon=True, name="tkbox-door")
+        self._reader.start()
+
+    # -- reading -------------------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    break
+                self.bytes_in += len(data)
+                for ftype, sid, payload in self.decoder.feed(data):
+                    with self.lock:
+                        event = self.session.receive(ftype, sid, payload)
+                    self._dispatch(event)
+        except p.ProtocolError as e:
+            self._violate(str(e))
+        except OSError:
+            pass
+        self.closed = True
+        for s in list(self.streams.values()):
+            s.events.put(("violation", self.violation or "the box's door stream ended"))
+
+    def _dispatch(self, event) -> None:
+        kind, sid = event[0], event[1]
+        if kind == "window":
+            return
+        if kind == "open":
+            if self.hello is None and event[2].get("kind") == "hello":
+                self.hello = event[2]
+                self.ready.set()
+                return
+            raise p.ProtocolError(f"the box opened stream {sid} ({str(event[2].get('kind'))[:40]!r}), which this "
+                                  "version does not take")
+        if kind == "close" and sid not in self.streams:  # the hello stream ending
+            with self.lock:
+                self.sock.sendall(self.session.close(sid))
+            return
+        stream = self.streams.get(sid)
+        if stream is None:
+            raise p.ProtocolError(f"{kind} on stream {sid}, which nobody here reads")
+        if kind == "data":
+            stream.events.put(("data", event[2], event[3]))
+        elif kind == "close":
+            stream.events.put(("close", event[2]))
+            self.streams.pop(sid, None)
+
+    def _violate(self, reason: str) -> None:
+        if self.violation is None:
+            self.violation = reason[:500]
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.on_violation(self.violation)
+
+    # -- writing -------------------------------------------------------------------------------------------------
+    def open(self, body: dict) -> Stream:
+        if self.closed or self.violation:
+            raise StreamClosed(self.violation or "the door stream is closed")
+        with self.lock:
+            sid = self.session.open()
+            stream = self.streams[sid] = Stream(self, sid)
+            self.sock.sendall(p.encode_json(p.OPEN, sid, body))
+        return stream
+
+    def send_data(self, sid: int, channel: int, data: bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            with self.lock:
+                n = min(len(view), self.session.may_send(sid), p.MAX_PAYLOAD - 1)
+                if n <= 0:
+                    raise StreamClosed("the box gives no window for this stream")
+                self.session.sent(sid, n)
+                self.sock.sendall(p.encode(p.DATA, sid, bytes([channel]) + bytes(view[:n])))
+            view = view[n:]
+
+    def close(self, sid: int, body: dict | None = None) -> None:
+        with self.lock:
+            frame = self.session.close(sid, body)
+            if frame and not self.closed:
+                self.sock.sendall(frame)
+
+    def consumed(self, sid: int, n: int) -> None:
+        with self.lock:
+            frame = self.session.consumed(sid, n)
+            if frame and not self.closed:
+                try:
+                    self.sock.sendall(frame)
+                except OSError:
+                    pass
+
+    def shutdown(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass

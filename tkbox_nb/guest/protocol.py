@@ -1,0 +1,200 @@
+"""The door stream codec: length-prefixed frames multiplexing many streams on one byte stream. Sans-IO.
+
+Both sides use this module: the guest agent (standard library only, Python >= 3.9) and the host. Bytes go in,
+frames and stream events come out, and every limit is checked here, so the codec can be fuzzed on its own.
+docs/protocol.md is the specification.
+
+    frame  = length:u32be type:u8 stream:u32be payload[length]
+    OPEN   payload = JSON object (what the stream is for)      opener: host odd ids, guest even ids
+    DATA   payload = channel:u8 bytes                          counts against the receiver's window
+    WINDOW payload = credit:u32be                              more bytes the sender may send on the stream
+    CLOSE  payload = JSON object or empty                      no more frames from this side on the stream
+"""
+
+import json
+import struct
+
+OPEN, DATA, WINDOW, CLOSE = 1, 2, 3, 4
+TYPES = {OPEN: "open", DATA: "data", WINDOW: "window", CLOSE: "close"}
+HEADER = struct.Struct(">IBI")
+MAX_PAYLOAD = 256 * 1024          # bytes in one frame
+MAX_STREAMS = 64                  # open at once, both directions
+INITIAL_WINDOW = 1024 * 1024      # bytes a side may send on a stream before the peer grants more
+MAX_WINDOW = 16 * 1024 * 1024     # credit never grows past this: a peer cannot make us buffer more
+MAX_JSON = 64 * 1024              # OPEN and CLOSE bodies
+CH_STDIN, CH_STDOUT, CH_STDERR, CH_MSG = 0, 1, 2, 3
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol. The side that sees it ends the connection (the host: the box) and says why."""
+
+
+def encode(ftype, stream, payload=b""):
+    if ftype not in TYPES:
+        raise ValueError("unknown frame type")
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError("payload over MAX_PAYLOAD")
+    return HEADER.pack(len(payload), ftype, stream) + payload
+
+
+def encode_json(ftype, stream, obj):
+    return encode(ftype, stream, json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8"))
+
+
+def encode_data(stream, channel, data):
+    """One DATA frame per MAX_PAYLOAD - 1 bytes of `data`."""
+    step = MAX_PAYLOAD - 1
+    return b"".join(encode(DATA, stream, bytes([channel]) + data[i:i + step])
+                    for i in range(0, max(len(data), 1), step))
+
+
+def decode_json(payload, what):
+    if len(payload) > MAX_JSON:
+        raise ProtocolError(what + ": JSON body over the limit")
+    if not payload:
+        return {}
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ProtocolError(what + ": not a JSON object") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(what + ": not a JSON object")
+    return obj
+
+
+class Decoder:
+    """Bytes in, (type, stream, payload) frames out. Raises ProtocolError on a bad header or oversized frame."""
+
+    def __init__(self, max_payload=MAX_PAYLOAD):
+        self.max_payload = max_payload
+        self._buf = bytearray()
+
+    def feed(self, data):
+        self._buf += data
+        frames = []
+        while len(self._buf) >= HEADER.size:
+            length, ftype, stream = HEADER.unpack_from(self._buf)
+            if ftype not in TYPES:
+                raise ProtocolError("unknown frame type %d" % ftype)
+            if length > self.max_payload:
+                raise ProtocolError("frame of %d bytes, over the limit of %d" % (length, self.max_payload))
+            if len(self._buf) < HEADER.size + length:
+                break
+            payload = bytes(self._buf[HEADER.size:HEADER.size + length])
+            del self._buf[:HEADER.size + length]
+            frames.append((ftype, stream, payload))
+        return frames
+
+    @property
+    def buffered(self):
+        return len(self._buf)
+
+
+class Session:
+    """The stream state of one side. `receive` checks each frame from the peer against the protocol and the limits
+    and returns events: ("open", id, body), ("data", id, channel, bytes), ("window", id, n), ("close", id, body).
+    `may_send` / `sent` keep this side within the peer's windows."""
+
+    def __init__(self, is_host, max_streams=MAX_STREAMS, window=INITIAL_WINDOW):
+        self.is_host = is_host
+        self.max_streams = max_streams
+        self.window = window
+        self.streams = {}   # id -> {"recv_left", "send_left", "recv_closed", "sent_closed"}
+        self._next = 1 if is_host else 2
+        self._peer_max = 0  # the highest stream id the peer opened
+
+    def _new(self, sid):
+        if len(self.streams) >= self.max_streams:
+            raise ProtocolError("more than %d streams open" % self.max_streams)
+        self.streams[sid] = {"recv_left": self.window, "send_left": self.window, "recv_closed": False,
+                             "sent_closed": False}
+
+    def open(self):
+        """A new stream id of ours (host: odd, guest: even)."""
+        sid = self._next
+        self._next += 2
+        if sid > 0xFFFFFFFF:
+            raise ProtocolError("stream ids exhausted")
+        self._new(sid)
+        return sid
+
+    def receive(self, ftype, sid, payload):
+        st = self.streams.get(sid)
+        if ftype == OPEN:
+            theirs = (sid % 2 == 0) if self.is_host else (sid % 2 == 1)
+            if sid == 0 or not theirs:
+                raise ProtocolError("stream %d opened by the wrong side" % sid)
+            if st is not None:
+                raise ProtocolError("stream %d opened twice" % sid)
+            if sid <= self._peer_max:
+                raise ProtocolError("stream %d reopened" % sid)
+            body = decode_json(payload, "open")
+            self._new(sid)
+            self._peer_max = sid
+            return ("open", sid, body)
+        if st is None:
+            if ftype == WINDOW and len(payload) == 4 and self._was_open(sid):
+                return ("window", sid, 0)  # credit that crossed our close: nothing to do
+            raise ProtocolError("%s on stream %d, which is not open" % (TYPES[ftype], sid))
+        if ftype == DATA:
+            if st["recv_closed"]:
+                raise ProtocolError("data on stream %d after its close" % sid)
+            if not payload:
+                raise ProtocolError("data frame without a channel")
+            n = len(payload) - 1
+            if n > st["recv_left"]:
+                raise ProtocolError("stream %d sent %d bytes past its window" % (sid, n - st["recv_left"]))
+            st["recv_left"] -= n
+            return ("data", sid, payload[0], payload[1:])
+        if ftype == WINDOW:
+            if len(payload) != 4:
+                raise ProtocolError("window frame of %d bytes" % len(payload))
+            (credit,) = struct.unpack(">I", payload)
+            if credit == 0 or st["send_left"] + credit > MAX_WINDOW:
+                raise ProtocolError("window credit %d on stream %d is out of range" % (credit, sid))
+            st["send_left"] += credit
+            return ("window", sid, credit)
+        if ftype == CLOSE:
+            if st["recv_closed"]:
+                raise ProtocolError("stream %d closed twice" % sid)
+            st["recv_closed"] = True
+            body = decode_json(payload, "close")
+            self._forget(sid)
+            return ("close", sid, body)
+        raise ProtocolError("unknown frame type")
+
+    def _was_open(self, sid):
+        ours = (sid % 2 == 1) if self.is_host else (sid % 2 == 0)
+        return 0 < sid < self._next if ours else 0 < sid <= self._peer_max
+
+    def consumed(self, sid, n):
+        """We processed `n` bytes of stream `sid`: the WINDOW frame granting them back (or b"")."""
+        st = self.streams.get(sid)
+        if st is None or st["recv_closed"] or n <= 0:
+            return b""
+        st["recv_left"] += n
+        return encode(WINDOW, sid, struct.pack(">I", n))
+
+    def may_send(self, sid):
+        st = self.streams.get(sid)
+        return 0 if st is None or st["sent_closed"] else st["send_left"]
+
+    def sent(self, sid, n):
+        st = self.streams[sid]
+        if n > st["send_left"]:
+            raise ValueError("sending past the peer's window")
+        st["send_left"] -= n
+
+    def close(self, sid, body=None):
+        """The CLOSE frame of ours for `sid`."""
+        st = self.streams.get(sid)
+        if st is None or st["sent_closed"]:
+            return b""
+        st["sent_closed"] = True
+        self._forget(sid)
+        return encode_json(CLOSE, sid, body or {})
+
+    def _forget(self, sid):
+        st = self.streams.get(sid)
+        if st and st["recv_closed"] and st["sent_closed"]:
+            del self.streams[sid]
