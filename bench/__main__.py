@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_signer
+from . import bench_box, bench_signer
 
-TARGETS = {"signer": bench_signer.main}
+TARGETS = {"signer": bench_signer.main, "box": bench_box.main}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench")
-    p.add_argument("targets", nargs="*", choices=[*TARGETS, []], default=[])
+    p.add_argument("targets", nargs="*", default=[])
     p.add_argument("--n", type=int, default=None, help="operations per measurement (default: each target's own)")
     a = p.parse_args(argv)
+    unknown = [t for t in a.targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     for name in a.targets or TARGETS:
         TARGETS[name](a.n)
     return 0

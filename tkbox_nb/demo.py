@@ -1,7 +1,8 @@
-"""`make demo`: the main job, end to end on this machine, with both verifiers run on its bundle.
+"""`make demo`: the main job. Executes notebooks/01-quickstart.ipynb in a box, writes the executed notebook and the
+run's `.tkb`, and verifies the bundle with `tkbox verify` and with Tracekit's own `tracekit verify`.
 
-Until the box backends land this records a signed run of host-side crossings only (the box manifest says so:
-backend "none"); later it executes a notebook in a box.
+The cells run through the exec door of a bubblewrap box (the Jupyter kernel that does the same from JupyterLab is
+the kernel issue's work).
 """
 
 from __future__ import annotations
@@ -10,30 +11,47 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .policy import Policy
-from .recorder import RunRecorder
-from .signer import MachineSigner
+import nbformat
+
+from .box import Box
 from .verify import verify_bundle
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01-quickstart.ipynb"
+
+
+def execute_notebook(path: Path, out_dir: Path) -> tuple[Path, Path]:
+    nb = nbformat.read(path, as_version=4)
+    bundle = out_dir / (path.stem + ".tkb")
+    with Box(bundle_path=bundle) as box:
+        for cell in nb.cells:
+            if cell.cell_type != "code":
+                continue
+            result = box.execute(cell.source)
+            cell.outputs = [nbformat.from_dict({**o, **({"execution_count": result.execution_count}
+                                                        if o["output_type"] == "execute_result" else {})})
+                            for o in result.outputs]
+            cell.execution_count = result.execution_count
+        nb.metadata["tkbox"] = {"run_id": box.run_id, "box_id": box.box_id, "backend": box.backend.name}
+    executed = out_dir / (path.stem + ".executed.ipynb")
+    nbformat.write(nb, executed)
+    return executed, bundle
 
 
 def main() -> int:
     out = Path("out")
     out.mkdir(exist_ok=True)
-    signer = MachineSigner().ensure()
-    rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none",
-                                                 "image_digest": "none"}).open()
-    code = b"print('hello from the demo')\n"
-    c = rec.decide("exec", "cell", {}, {"code": code})
-    rec.complete(c, "ok", {"execution_count": 1},
-                 {"outputs": b'[{"name": "stdout", "output_type": "stream", "text": "hello from the demo\\n"}]'})
-    rec.close("demo done")
-    bundle = rec.write_bundle(out / "demo.tkb")
+    executed, bundle = execute_notebook(NOTEBOOK, out)
     report = verify_bundle(bundle)
-    print(f"tkbox verify: {report.summary()}")
-    tk = subprocess.run([str(Path(sys.executable).parent / "tracekit"), "verify", str(bundle), "--trust",
-                         str(signer.trust_path)], capture_output=True, text=True)
-    print("tracekit verify:", next((l for l in tk.stdout.splitlines() if l.startswith("Integrity")), tk.stdout[-200:]))
-    print(f"bundle: {bundle.resolve()}\ntrust:  {signer.trust_path}")
+    print(f"tkbox verify:    {report.summary()}")
+    from .signer import MachineSigner
+    trust = MachineSigner().trust_path
+    tk = subprocess.run([str(Path(sys.executable).parent / "tracekit"), "verify", str(bundle), "--trust", str(trust)],
+                        capture_output=True, text=True)
+    print("tracekit verify:", next((line for line in tk.stdout.splitlines() if line.startswith("Integrity")),
+                                   tk.stdout[-200:]))
+    print(f"notebook: {executed.resolve()}  (open with: jupyter lab {executed})")
+    print(f"bundle:   {bundle.resolve()}  (tkbox show {bundle})")
+    print(f"trust:    {trust}")
     return 0 if report.valid and tk.returncode == 0 else 1
 
 

@@ -224,3 +224,14 @@ def test_concurrent_commands_share_one_door(box):
         th.join()
     assert results == {i: f"{i}\n".encode() for i in range(4)}
     assert time.monotonic() - t < 1.2  # they ran at once
+
+
+def test_quickstart_notebook_executes_in_a_box_and_verifies(signer, tmp_path):
+    from tkbox_nb.demo import NOTEBOOK, execute_notebook
+    executed, bundle = execute_notebook(NOTEBOOK, tmp_path)
+    import nbformat
+    nb = nbformat.read(executed, as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    assert first.outputs[-1]["data"]["text/plain"] == "['lo']"
+    assert nb.metadata["tkbox"]["backend"] == "bwrap"
+    assert verify_bundle(bundle).valid

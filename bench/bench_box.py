@@ -1,0 +1,67 @@
+"""Box start to first command result, and `execute("1+1")` round trips, against a plain local ipykernel.
+
+The baseline is an ipykernel started and driven by jupyter_client in the same run (start to first reply; the
+same cell's round trip). Targets: a bubblewrap box ready in under 1.5x a plain ipykernel's start; cell overhead
+(box median minus kernel median) under 3 ms.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tkbox_nb import Box
+from tkbox_nb.signer import MachineSigner
+
+
+def _kernel(n: int) -> tuple[float, list[float]]:
+    from jupyter_client.manager import start_new_kernel
+    t = time.perf_counter()
+    km, kc = start_new_kernel(kernel_name="python3")
+    kc.execute_interactive("1+1", timeout=60, output_hook=lambda msg: None)
+    start = time.perf_counter() - t
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        kc.execute_interactive("1+1", timeout=60, output_hook=lambda msg: None)
+        times.append(time.perf_counter() - t)
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+    return start, times
+
+
+def _box(home: Path, n: int) -> tuple[float, list[float]]:
+    t = time.perf_counter()
+    with Box(backend="bwrap", home=home, bundle_path=home / "bench-box.tkb") as box:
+        box.run(["true"])
+        start = time.perf_counter() - t
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            box.execute("1+1")
+            times.append(time.perf_counter() - t)
+    return start, times
+
+
+def main(n: int | None = None) -> None:
+    n = n or 200
+    home = Path(tempfile.mkdtemp(prefix="tkb-bench-", dir="/tmp"))
+    MachineSigner(home).ensure()  # the machine signer is long-lived: its start is not a box's
+    try:
+        _box(home, 5)  # warm the file cache for both
+        _kernel(5)
+        k_start, k_times = _kernel(n)
+        b_start, b_times = _box(home, n)
+        km, bm = statistics.median(k_times) * 1e3, statistics.median(b_times) * 1e3
+        print(f"box start to first result (bwrap) vs plain ipykernel start to first reply, n={n} cells")
+        print(f"  plain ipykernel start : {k_start:6.3f} s")
+        print(f"  tkbox bwrap box start : {b_start:6.3f} s   ratio {b_start / k_start:.2f}x (target < 1.5x)")
+        print("execute('1+1') round trip, median")
+        print(f"  plain ipykernel       : {km:6.2f} ms")
+        print(f"  tkbox box (signed)    : {bm:6.2f} ms   overhead {bm - km:+.2f} ms (target < 3 ms)")
+    finally:
+        MachineSigner(home).stop()
+        shutil.rmtree(home, ignore_errors=True)
