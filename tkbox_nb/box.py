@@ -25,7 +25,7 @@ from .policy import Policy
 from .recorder import RunRecorder
 from .signer import MachineSigner
 
-READY_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 30.0
 OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error"}
 MAX_MESSAGE = 8 << 20
 
@@ -99,8 +99,10 @@ class Box:
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib")))
             self.conn = HostConnection(self.running.door, self._violation)
-            if not self.conn.ready.wait(READY_TIMEOUT_S):
-                raise BoxEnded(f"the box did not come up within {READY_TIMEOUT_S:g}s: {self._log_tail()}")
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not self.conn.ready.wait(0.1):
+                if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
+                    raise BoxEnded(f"the box did not come up ({self.running.exit_reason()}): {self._log_tail()}")
             if self.ended:
                 raise BoxEnded(self.ended)
         except BaseException as e:

@@ -105,12 +105,12 @@ class BwrapBackend(Backend):
                 a += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 a += ["--ro-bind", str(host), f"/{top}"]
-        a += ["--ro-bind", str(etc_dir), "/etc"]
+        a += ["--ro-bind", str(etc_dir), "/etc", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        # after /tmp's tmpfs, so an interpreter that lives under /tmp (a CI checkout's venv) is not hidden by it
         for prefix in sorted({sys.base_prefix, sys.prefix}):
             if not prefix.startswith("/usr/"):
                 a += ["--ro-bind", prefix, prefix]
         a += ["--ro-bind", str(GUEST_DIR), "/opt/tkbox/tkbox_guest",
-              "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
