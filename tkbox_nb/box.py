@@ -173,18 +173,8 @@ class Box:
         timeout = timeout if timeout is not None else self.policy.get("exec", "timeout_s")
         limit = self.policy.get("exec", "max_output_bytes")
         out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
-        try:
-            stream = self.conn.open({"kind": "command", "argv": list(argv)})
-            if stdin:
-                self.conn.send_data(stream.sid, p.CH_STDIN, stdin)
-            self.conn.close(stream.sid)
-            body = self._collect(stream, timeout, lambda ch, data: _append(out, ch, data, limit))
-        except (StreamClosed, OSError) as e:
-            self._end(f"door stream lost: {e}")
-            raise BoxEnded(f"the box has ended: {self.ended}") from None
-        except p.ProtocolError as e:
-            self._end(f"door protocol violation: {e}")
-            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        body = self._exchange({"kind": "command", "argv": list(argv)}, timeout,
+                              lambda ch, data: _append(out, ch, data, limit), stdin)
         code = body.get("exit_code")
         if not isinstance(code, int) or isinstance(code, bool):
             self._end("the box answered a command without an integer exit status")
@@ -215,16 +205,7 @@ class Box:
             if on_output is not None:
                 on_output(msg)
 
-        try:
-            stream = self.conn.open({"kind": "cell", "code": code})
-            self.conn.close(stream.sid)
-            body = self._collect(stream, self.policy.get("exec", "timeout_s"), on_data)
-        except (StreamClosed, OSError) as e:
-            self._end(f"door stream lost: {e}")
-            raise BoxEnded(f"the box has ended: {self.ended}") from None
-        except p.ProtocolError as e:
-            self._end(f"door protocol violation: {e}")
-            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        body = self._exchange({"kind": "cell", "code": code}, self.policy.get("exec", "timeout_s"), on_data)
         status, count = body.get("status"), body.get("execution_count")
         if status not in ("ok", "error") or not isinstance(count, int):
             self._end("the box answered a cell without a status and execution count")
@@ -232,6 +213,22 @@ class Box:
         self.recorder.complete(crossing, status, {"execution_count": count},
                                {"outputs": json.dumps(outputs, sort_keys=True).encode("utf-8")})
         return CellResult(status, outputs, count)
+
+    def _exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
+                  stdin: bytes | None = None) -> dict:
+        """Open one stream for `request`, send stdin and close our side, collect until the box closes it. A lost
+        stream or a protocol violation ends the box."""
+        try:
+            stream = self.conn.open(request)
+            if stdin:
+                self.conn.send_data(stream.sid, p.CH_STDIN, stdin)
+            self.conn.close(stream.sid)
+            return self._collect(stream, timeout, on_data)
+        except (StreamClosed, OSError) as e:
+            self._end(f"door stream lost: {e}")
+        except p.ProtocolError as e:
+            self._end(f"door protocol violation: {e}")
+        raise BoxEnded(f"the box has ended: {self.ended}")
 
     def _collect(self, stream, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
         deadline = time.monotonic() + timeout
