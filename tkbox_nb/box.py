@@ -19,15 +19,14 @@ from typing import Any, Callable
 
 from . import protocol as p
 from .backends import BoxSpec, get_backend
+from .box_kernel import READY_TIMEOUT_S as KERNEL_READY_S, BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
-from .recorder import RunRecorder
+from .recorder import Crossing, RunRecorder
 from .signer import MachineSigner
 
 READY_TIMEOUT_S = 30.0
-OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error"}
-MAX_MESSAGE = 8 << 20
 
 
 @dataclass
@@ -55,7 +54,7 @@ class Box:
 
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
-                 home: str | Path | None = None):
+                 home: str | Path | None = None, agent_argv: list[str] | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
         self.backend = get_backend(name)
@@ -69,7 +68,9 @@ class Box:
         self.running = None
         self.conn: HostConnection | None = None
         self.ended: str | None = None
-        self._lock = threading.Lock()
+        self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
+        self._kernel: BoxKernel | None = None
+        self._lock = threading.RLock()
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def __enter__(self) -> "Box":
@@ -97,7 +98,7 @@ class Box:
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
-                workspace_mib=self.policy.get("box", "workspace_mib")))
+                workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv))
             self.conn = HostConnection(self.running.door, self._violation)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not self.conn.ready.wait(0.1):
@@ -119,6 +120,8 @@ class Box:
                 self.running.kill()
             if self.conn is not None:
                 self.conn.shutdown()
+            if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
+                self._kernel._finish(f"the box stopped: {self.ended or reason}")
             self.recorder.close(self.ended or reason)
             if self.recorder.broken:
                 raise BoxEnded(f"no bundle: the run could not be closed ({self.recorder.broken}); its records up "
@@ -184,35 +187,73 @@ class Box:
                                {"stdout": stdout, "stderr": stderr})
         return CommandResult(code, stdout, stderr)
 
-    def execute(self, code: str, on_output: Callable[[dict], None] | None = None) -> CellResult:
-        """Run a Python cell in the box's persistent interpreter; outputs follow the Jupyter message model."""
+    def decide_cell(self, code: str) -> "Crossing":
+        """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box)."""
         self._check_alive()
         if not isinstance(code, str):
             raise TkboxError("code must be a string")
-        crossing = self._decide("cell", {}, {"code": code.encode("utf-8")})
-        outputs: list[dict] = []
-        limit = self.policy.get("exec", "max_output_bytes")
+        return self._decide("cell", {}, {"code": code.encode("utf-8")})
 
-        def on_data(channel: int, data: bytes) -> None:
-            if channel != p.CH_MSG:
-                raise p.ProtocolError(f"cell output on channel {channel}")
-            if len(data) > MAX_MESSAGE:
-                raise p.ProtocolError("an output message over the limit")
-            msg = _output_message(data)
-            if sum(len(json.dumps(o)) for o in outputs) + len(data) > limit:
-                raise p.ProtocolError(f"cell output over exec.max_output_bytes ({limit})")
-            outputs.append(msg)
-            if on_output is not None:
-                on_output(msg)
+    def kernel(self) -> BoxKernel:
+        """The box's Jupyter kernel (a real ipykernel in the box), started on first use."""
+        self._check_alive()
+        with self._lock:
+            if self._kernel is None or self._kernel.ended:
+                try:
+                    self._kernel = BoxKernel(self)
+                except (StreamClosed, OSError) as e:
+                    self._end(f"door stream lost: {e}")
+                    raise BoxEnded(f"the box has ended: {self.ended}") from None
+            kernel = self._kernel
+        deadline = time.monotonic() + KERNEL_READY_S
+        while not kernel.ready.wait(0.1):
+            if self.ended or not self.running.alive():
+                raise BoxEnded(f"the box has ended: {self.ended or self.running.exit_reason()}")
+            if time.monotonic() > deadline:
+                self._end(f"the box's kernel did not answer within {KERNEL_READY_S:g}s")
+                raise BoxEnded(f"the box has ended: {self.ended}")
+        if kernel.ended:
+            if self.ended:
+                raise BoxEnded(f"the box has ended: {self.ended}")
+            raise TkboxError(f"the box's kernel did not start: {kernel.ended}")
+        return kernel
 
-        body = self._exchange({"kind": "cell", "code": code}, self.policy.get("exec", "timeout_s"), on_data)
-        status, count = body.get("status"), body.get("execution_count")
-        if status not in ("ok", "error") or not isinstance(count, int):
-            self._end("the box answered a cell without a status and execution count")
+    def execute(self, code: str, on_output: Callable[[dict], None] | None = None) -> CellResult:
+        """Run a Python cell in the box's kernel (state persists); outputs follow the Jupyter message model."""
+        crossing = self.decide_cell(code)
+        try:
+            kernel = self.kernel()
+            cell = kernel.execute_request(code, crossing, on_output)
+        except TkboxError:
+            self.recorder.complete(crossing, "error", {"ended": "the box's kernel is not available"})
+            raise
+        except (StreamClosed, OSError, p.ProtocolError) as e:
+            self._end(f"door stream lost: {e}")
+            raise BoxEnded(f"the box has ended: {self.ended}") from None
+        timeout = self.policy.get("exec", "timeout_s")
+        while not cell.done.wait(0.2):
+            if time.monotonic() - cell.started > timeout:
+                self._end(f"exec timed out after {timeout:g}s")
+            elif not self.running.alive():
+                self._end(f"the box died: {self.running.exit_reason()}")
+            if self.ended:
+                raise BoxEnded(f"the box has ended: {self.ended}")
+        if self.ended:
             raise BoxEnded(f"the box has ended: {self.ended}")
-        self.recorder.complete(crossing, status, {"execution_count": count},
-                               {"outputs": json.dumps(outputs, sort_keys=True).encode("utf-8")})
-        return CellResult(status, outputs, count)
+        if cell.ended:
+            raise TkboxError(f"the cell did not finish: {cell.ended}")
+        return CellResult(cell.status, cell.outputs, cell.execution_count)
+
+    def _finish_cell(self, cell: "Cell") -> None:
+        """Sign the end of a cell: its status and execution count, its outputs disclosed."""
+        result: dict = {"execution_count": cell.execution_count}
+        if cell.dropped:
+            result["dropped"] = sorted(set(cell.dropped))[:50]
+        if cell.ended:
+            result["ended"] = cell.ended[:300]
+        status = cell.status if not cell.ended else "error"
+        self.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result,
+                               {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")})
 
     def _exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
                   stdin: bytes | None = None) -> dict:
@@ -263,26 +304,3 @@ def _append(out: dict[int, bytearray], channel: int, data: bytes, limit: int) ->
     if len(out[p.CH_STDOUT]) + len(out[p.CH_STDERR]) + len(data) > limit:
         raise p.ProtocolError(f"command output over exec.max_output_bytes ({limit})")
     out[channel] += data
-
-
-def _output_message(data: bytes) -> dict:
-    """One Jupyter output message from the box, checked strictly (hostile input)."""
-    try:
-        msg = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise p.ProtocolError("an output message that is not JSON") from None
-    if not isinstance(msg, dict) or msg.get("output_type") not in OUTPUT_TYPES:
-        raise p.ProtocolError("an output message of no known output_type")
-    t = msg["output_type"]
-    if t == "stream":
-        ok = msg.get("name") in ("stdout", "stderr") and isinstance(msg.get("text"), str) and len(msg) == 3
-    elif t in ("display_data", "execute_result"):
-        data_ok = isinstance(msg.get("data"), dict) and all(isinstance(k, str) for k in msg["data"])
-        ok = data_ok and isinstance(msg.get("metadata"), dict) and (
-            t == "display_data" or isinstance(msg.get("execution_count"), int))
-    else:
-        ok = (isinstance(msg.get("ename"), str) and isinstance(msg.get("evalue"), str)
-              and isinstance(msg.get("traceback"), list) and all(isinstance(x, str) for x in msg["traceback"]))
-    if not ok:
-        raise p.ProtocolError(f"a malformed {t} message")
-    return msg

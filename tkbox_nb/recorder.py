@@ -190,7 +190,7 @@ class RunRecorder:
         for key, data in content.items():
             result[key] = digests[key] = sha256_digest(data)
             result[key + "_size"] = len(data)
-        if self.broken:
+        if self.broken or self.closed:
             return False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -84,7 +84,7 @@ def test_commands_take_stdin_and_report_exit_status(box):
 def test_cells_keep_state_and_follow_the_jupyter_model(box):
     seen = []
     r = box.execute("y = 40\nprint('side')\ny + 2", on_output=seen.append)
-    assert r.status == "ok" and [o["output_type"] for o in r.outputs] == ["stream", "stream", "execute_result"]
+    assert r.status == "ok" and [o["output_type"] for o in r.outputs] == ["stream", "execute_result"]
     assert seen == r.outputs and r.outputs[-1]["data"]["text/plain"] == "42"
     assert box.execute("y").outputs[0]["data"]["text/plain"] == "40"
     err = box.execute("raise ValueError('no')")
@@ -117,7 +117,7 @@ def test_bundle_discloses_commands_cells_and_outputs(signer, tmp_path):
     assert rows[0].args["argv"] == ["echo", "hello"]
     assert run.content(rows[0].result["stdout"]) == b"hello\n"
     assert run.content(rows[1].args["code"]) == b"print('cell out')"
-    assert json.loads(run.content(rows[1].result["outputs"]))[0]["text"] == "cell out"
+    assert json.loads(run.content(rows[1].result["outputs"]))[0]["text"] == "cell out\n"
     assert verify_bundle(tmp_path / "d.tkb").valid
 
 
@@ -187,21 +187,41 @@ def test_killed_signer_refuses_the_next_command_and_stops_the_box(private_signer
         b.stop()
 
 
+# A guest program in place of the agent: it says hello, waits for the host's first stream, then attacks.
+HOSTILE_AGENT = """
+import os, struct, time
+from tkbox_guest import protocol as p
+fd = int(os.environ["TKBOX_DOOR_FD"])
+os.write(fd, p.encode_json(p.OPEN, 2, {"kind": "hello"}) + p.encode(p.CLOSE, 2))
+got = b""
+while len(got) < 9:
+    got += os.read(fd, 65536)
+"""
+KERNEL_MSG = {"channel": "iopub", "header": {"msg_id": "m", "msg_type": "stream"}, "parent_header": {},
+              "metadata": {}, "content": {"name": "stdout", "text": "x"}, "buffers": []}
 HOSTILE = {
     "garbage": "os.write(fd, b'\\xff' * 64)",
-    "oversized frame": "import struct; os.write(fd, struct.pack('>IBI', 100 << 20, 2, 1))",
-    "too many streams": ("import json, struct\nfor i in range(2, 200, 2):\n"
-                         "    body = b'{}'\n    os.write(fd, struct.pack('>IBI', len(body), 1, 1000 + i) + body)"),
-    "data past the window": ("import struct\nchunk = struct.pack('>IBI', 1 + 200000, 2, 1) + b'\\x01' + b'x' * 200000"
-                             "\nfor _ in range(20):\n    os.write(fd, chunk)"),
+    "oversized frame": "os.write(fd, struct.pack('>IBI', 100 << 20, 2, 1))",
+    "too many streams": ("for i in range(4, 400, 2):\n"
+                         "    os.write(fd, p.encode_json(p.OPEN, i, {}))"),
+    "data past the window": ("chunk = p.encode(p.DATA, 1, b'\\x03' + b'x' * 200000)\n"
+                             "for _ in range(20):\n    os.write(fd, chunk)"),
+    "oversized kernel message": "os.write(fd, p.encode(p.DATA, 1, b'\\x03' + struct.pack('>I', 100 << 20)))",
+    "kernel message not JSON": "os.write(fd, p.encode(p.DATA, 1, b'\\x03' + struct.pack('>I', 3) + b'{{{'))",
+    "malformed kernel message": ("msg = dict(%r)\nmsg['content'] = {'name': 'stdin', 'text': 7}\n"
+                                 "os.write(fd, p.encode(p.DATA, 1, b'\\x03' + p.encode_message(msg)))") % KERNEL_MSG,
+    "kernel message with extra keys": ("msg = dict(%r, extra=1)\n"
+                                       "os.write(fd, p.encode(p.DATA, 1, b'\\x03' + p.encode_message(msg)))")
+                                      % KERNEL_MSG,
 }
 
 
 @pytest.mark.parametrize("attack", sorted(HOSTILE))
 def test_hostile_guest_ends_its_own_box_and_the_host_stays_up(signer, tmp_path, attack):
-    b = Box(backend="bwrap", bundle_path=tmp_path / "h.tkb").start()
+    program = HOSTILE_AGENT + HOSTILE[attack] + "\ntime.sleep(30)\n"
+    b = Box(backend="bwrap", bundle_path=tmp_path / "h.tkb", agent_argv=["python3", "-c", program]).start()
     with pytest.raises(BoxEnded, match="protocol violation|door stream"):
-        b.execute("import os\nfd = int(os.environ['TKBOX_DOOR_FD'])\n" + HOSTILE[attack] + "\nimport time; time.sleep(5)")
+        b.execute("1 + 1")
     b.stop()
     run = open_run(tmp_path / "h.tkb")
     assert "protocol violation" in run.box["end_reason"] or "door stream" in run.box["end_reason"]

@@ -23,6 +23,7 @@ class BoxSpec:
     max_processes: int = 256
     workspace_mib: int = 1024
     env: dict[str, str] = field(default_factory=dict)
+    agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
 
 
 class RunningBox(abc.ABC):

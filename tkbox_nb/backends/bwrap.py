@@ -122,7 +122,7 @@ class BwrapBackend(Backend):
             env["TKBOX_SEED"] = "/run/tkbox/seed"
         for k, v in env.items():
             a += ["--setenv", k, v]
-        a += [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
+        a += spec.agent_argv or [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
         return a
 
     def start(self, spec: BoxSpec) -> BwrapRunning:

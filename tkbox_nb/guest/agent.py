@@ -1,21 +1,17 @@
 """The guest agent: the one process in the box that speaks the door stream. Standard library only (Python >= 3.9).
 
 It runs what the host asks, after the host's exec door has a signed allow: commands (argv, env, cwd, stdin; stdout
-and stderr streamed back; the exit status at the end) and Python cells in one persistent namespace (outputs in the
-Jupyter message model). It trusts nothing but the door: it has no other channel, no network and no secrets.
+and stderr streamed back; the exit status at the end) and a real ipykernel whose Jupyter messages it carries
+(kernel.py, imported only then). It trusts nothing but the door: it has no other channel, no network and no secrets.
 
 Run as `python3 -m tkbox_guest.agent` with the door's file descriptor in $TKBOX_DOOR_FD.
 """
 
-import ast
-import io
-import json
 import os
 import socket
 import subprocess
 import sys
 import threading
-import traceback
 
 from . import protocol as p
 
@@ -45,9 +41,6 @@ class Door:
                 self.session.sent(sid, n)
                 self.send_raw(p.encode(p.DATA, sid, bytes([channel]) + bytes(view[:n])))
             view = view[n:]
-
-    def send_msg(self, sid, obj):
-        self.send_data(sid, p.CH_MSG, json.dumps(obj).encode("utf-8"))
 
     def close(self, sid, body):
         with self.lock:
@@ -100,90 +93,9 @@ class Command:
             pass
 
 
-class _Stream(io.TextIOBase):
-    """sys.stdout / sys.stderr while a cell runs: each write becomes a Jupyter stream message."""
-
-    def __init__(self, cells, name):
-        self.cells, self.name = cells, name
-
-    def writable(self):
-        return True
-
-    def write(self, text):
-        if text:
-            self.cells.emit({"output_type": "stream", "name": self.name, "text": str(text)})
-        return len(text)
-
-
-class Cells:
-    """Python cells, one at a time, in one namespace that persists for the life of the box."""
-
-    def __init__(self, door):
-        self.door = door
-        self.count = 0
-        self.namespace = {"__name__": "__main__", "display": self.display}
-        self.lock = threading.Lock()
-        self.sid = None
-
-    def emit(self, msg):
-        if self.sid is not None:
-            self.door.send_msg(self.sid, msg)
-
-    def bundle(self, obj):
-        data = {"text/plain": repr(obj)}
-        for method, mime in (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
-                             ("_repr_json_", "application/json")):
-            f = getattr(obj, method, None)
-            if callable(f):
-                try:
-                    value = f()
-                except Exception:
-                    value = None
-                if value is not None:
-                    data[mime] = value
-        return data
-
-    def display(self, *objs):
-        for obj in objs:
-            self.emit({"output_type": "display_data", "data": self.bundle(obj), "metadata": {}})
-
-    def run(self, sid, code):
-        threading.Thread(target=self._run, args=(sid, code), daemon=True).start()
-
-    def _run(self, sid, code):
-        with self.lock:
-            self.sid = sid
-            self.count += 1
-            status = "ok"
-            old = sys.stdout, sys.stderr
-            sys.stdout, sys.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
-            try:
-                tree = ast.parse(code, "<cell>", "exec")
-                last = None
-                if tree.body and isinstance(tree.body[-1], ast.Expr):
-                    last = ast.Expression(tree.body.pop().value)
-                exec(compile(tree, "<cell>", "exec"), self.namespace)
-                if last is not None:
-                    value = eval(compile(last, "<cell>", "eval"), self.namespace)
-                    if value is not None:
-                        self.namespace["_"] = value
-                        self.emit({"output_type": "execute_result", "execution_count": self.count,
-                                   "data": self.bundle(value), "metadata": {}})
-            except BaseException as e:  # SystemExit and KeyboardInterrupt too: the cell failed, the box goes on
-                status = "error"
-                tb = traceback.format_exception(type(e), e, e.__traceback__)
-                self.emit({"output_type": "error", "ename": type(e).__name__, "evalue": str(e),
-                           "traceback": [line.rstrip("\n") for line in tb]})
-            finally:
-                sys.stdout, sys.stderr = old
-                self.sid = None
-            self.door.close(sid, {"status": status, "execution_count": self.count})
-
-
 def serve(sock):
     door = Door(sock)
-    cells = Cells(door)
-    commands = {}
+    commands, kernels, readers = {}, {}, {}
     hello = door.session.open()
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
@@ -202,20 +114,30 @@ def serve(sock):
                 try:
                     if req.get("kind") == "command":
                         commands[sid] = Command(door, sid, req)
-                    elif req.get("kind") == "cell" and isinstance(req.get("code"), str):
-                        cells.run(sid, req["code"])
+                    elif req.get("kind") == "kernel":
+                        from .kernel import KernelBridge
+                        kernels[sid] = KernelBridge(door, sid)
+                        readers[sid] = p.MessageReader()
                     else:
                         door.close(sid, {"error": "unknown request"})
                 except (OSError, ValueError) as e:
                     door.close(sid, {"error": str(e)[:500], "exit_code": 127})
+                except Exception as e:  # no ipykernel in this image, or it would not start
+                    door.close(sid, {"error": "%s: %s" % (type(e).__name__, str(e)[:400])})
             elif kind == "data":
                 with door.lock:
                     door.send_raw(door.session.consumed(sid, len(event[3])))
                 if sid in commands and event[2] == p.CH_STDIN:
                     commands[sid].stdin(event[3])
+                elif sid in kernels and event[2] == p.CH_MSG:
+                    for msg in readers[sid].feed(event[3]):
+                        kernels[sid].from_host(msg)
             elif kind == "close":
                 if sid in commands:
                     commands.pop(sid).end_stdin()
+                elif sid in kernels:
+                    readers.pop(sid, None)
+                    kernels.pop(sid).stop()
 
 
 def main():

@@ -198,3 +198,47 @@ class Session:
         st = self.streams.get(sid)
         if st and st["recv_closed"] and st["sent_closed"]:
             del self.streams[sid]
+
+
+# -- messages on a stream's channel 3 ----------------------------------------------------------------------------------
+# A JSON message may be larger than one frame: on channel 3 each message is length:u32be followed by that many bytes
+# of UTF-8 JSON, and may span DATA frames. MessageReader is the receiving side, with its own size limit.
+MSG_HEADER = struct.Struct(">I")
+MAX_MESSAGE = 32 * 1024 * 1024
+
+
+def encode_message(obj):
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return MSG_HEADER.pack(len(body)) + body
+
+
+class MessageReader:
+    """Bytes of one stream's channel 3 in, JSON objects out. Raises ProtocolError on an oversized or invalid one."""
+
+    def __init__(self, max_message=MAX_MESSAGE):
+        self.max_message = max_message
+        self._buf = bytearray()
+
+    def feed(self, data):
+        self._buf += data
+        out = []
+        while len(self._buf) >= MSG_HEADER.size:
+            (length,) = MSG_HEADER.unpack_from(self._buf)
+            if length > self.max_message:
+                raise ProtocolError("a message of %d bytes, over the limit of %d" % (length, self.max_message))
+            if len(self._buf) < MSG_HEADER.size + length:
+                break
+            body = bytes(self._buf[MSG_HEADER.size:MSG_HEADER.size + length])
+            del self._buf[:MSG_HEADER.size + length]
+            try:
+                obj = json.loads(body.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                raise ProtocolError("a message that is not JSON") from None
+            if not isinstance(obj, dict):
+                raise ProtocolError("a message that is not a JSON object")
+            out.append(obj)
+        return out
+
+    @property
+    def buffered(self):
+        return len(self._buf)

@@ -1,0 +1,180 @@
+"""The host end of the box's Jupyter kernel: one door stream to a real ipykernel in the box (guest/kernel.py).
+
+Messages in are the frontend's (or `Box.execute`'s), already through the exec door. Messages out are hostile: each
+is decoded by the codec's MessageReader (size limit), checked by `box_messages.check_box_message`, and only then
+routed: to the cell it belongs to (whose outputs are collected, limited and signed when the cell ends) and to any
+listener (the Tracekit Box kernel, which forwards it to the frontend). A malformed message ends the box.
+
+A cell ends when both its `execute_reply` and its `status: idle` have come, as a Jupyter client reckons it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import protocol as p
+from .box_messages import BoxMessage, check_box_message
+
+if TYPE_CHECKING:
+    from .box import Box
+    from .recorder import Crossing
+
+READY_TIMEOUT_S = 90.0
+PROTOCOL_VERSION = "5.3"
+
+
+def new_header(msg_type: str, session: str) -> dict[str, Any]:
+    return {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "session": session, "username": "tkbox",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": PROTOCOL_VERSION}
+
+
+@dataclass
+class Cell:
+    """One execute_request in flight: its signed crossing and what the box has said about it so far."""
+
+    msg_id: str
+    crossing: "Crossing"
+    on_output: Callable[[dict], None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    output_bytes: int = 0
+    dropped: list[str] = field(default_factory=list)
+    reply: dict[str, Any] | None = None
+    idle: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    ended: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.reply is None:
+            return "error"
+        return self.reply.get("status", "error")
+
+    @property
+    def execution_count(self) -> int | None:
+        count = (self.reply or {}).get("execution_count")
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+class BoxKernel:
+    """The box's kernel, as the host sees it. Start with `Box.kernel()`, which waits until it answers."""
+
+    def __init__(self, box: "Box"):
+        self.box = box
+        self.session = box.box_id
+        self.reader = p.MessageReader()
+        self.ready = threading.Event()
+        self.info: dict[str, Any] | None = None
+        self.ended: str | None = None
+        self.cells: dict[str, Cell] = {}
+        self.listeners: list[Callable[[BoxMessage], None]] = []
+        self._lock = threading.Lock()
+        self.stream = box.conn.open({"kind": "kernel"})
+        threading.Thread(target=self._read, daemon=True, name="tkbox-kernel-reader").start()
+
+    # -- to the box ----------------------------------------------------------------------------------------------
+    def send(self, channel: str, msg: dict[str, Any], buffers: list[bytes] = ()) -> None:
+        import base64
+        body = {"channel": channel, "header": msg["header"], "parent_header": msg.get("parent_header") or {},
+                "metadata": msg.get("metadata") or {}, "content": msg.get("content") or {},
+                "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers]}
+        self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message(body))
+
+    def interrupt(self) -> None:
+        """SIGINT to the box's kernel process: the running cell stops, the kernel and the box go on."""
+        self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message({"channel": "bridge", "op": "interrupt"}))
+
+    def execute_request(self, code: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None,
+                        silent: bool = False) -> Cell:
+        """Send one cell (already allowed through the exec door) and return what tracks it."""
+        header = new_header("execute_request", self.session)
+        cell = self.track(header["msg_id"], crossing, on_output)
+        self.send("shell", {"header": header, "content": {
+            "code": code, "silent": silent, "store_history": not silent, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True}})
+        return cell
+
+    def track(self, msg_id: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None) -> Cell:
+        cell = Cell(msg_id, crossing, on_output)
+        with self._lock:
+            if self.ended:
+                raise p.ProtocolError(self.ended)
+            self.cells[msg_id] = cell
+        return cell
+
+    # -- from the box --------------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        reason = "the box's kernel ended"
+        try:
+            while True:
+                event = self.stream.get()
+                if event[0] == "data":
+                    if event[1] != p.CH_MSG:
+                        raise p.ProtocolError(f"kernel data on channel {event[1]}")
+                    for raw in self.reader.feed(event[2]):
+                        msg = check_box_message(raw)
+                        if msg is not None:
+                            self._route(msg)
+                elif event[0] == "close":
+                    body = event[1]
+                    reason = f"the box's kernel ended: {str(body.get('error') or body)[:300]}"
+                    break
+                else:
+                    reason = f"the box's kernel stream ended: {event[1]}"
+                    break
+        except p.ProtocolError as e:
+            reason = f"door protocol violation: {e}"
+            self.box._end(reason)
+        self._finish(reason)
+
+    def _route(self, msg: BoxMessage) -> None:
+        if msg.channel == "bridge":
+            self.info = msg.content
+            self.ready.set()
+            return
+        cell = self.cells.get(msg.parent_id) if msg.parent_id else None
+        if cell is not None:
+            self._collect(cell, msg)
+        for listener in list(self.listeners):
+            listener(msg)
+        if cell is not None and cell.reply is not None and cell.idle:
+            with self._lock:
+                self.cells.pop(cell.msg_id, None)
+            self.box._finish_cell(cell)
+            cell.done.set()
+
+    def _collect(self, cell: Cell, msg: BoxMessage) -> None:
+        cell.dropped += msg.dropped
+        if msg.msg_type == "execute_reply":
+            cell.reply = msg.content
+        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
+            cell.idle = True
+        output = msg.as_output()
+        if output is not None:
+            size = len(json.dumps(output))
+            limit = self.box.policy.get("exec", "max_output_bytes")
+            if cell.output_bytes + size > limit:
+                raise p.ProtocolError(f"cell output over exec.max_output_bytes ({limit})")
+            cell.output_bytes += size
+            cell.outputs.append(output)
+            if cell.on_output is not None:
+                cell.on_output(output)
+
+    def _finish(self, reason: str) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = reason
+            pending, self.cells = list(self.cells.values()), {}
+        self.ready.set()
+        for cell in pending:
+            cell.ended = reason
+            self.box._finish_cell(cell)
+            cell.done.set()
+        for listener in list(self.listeners):
+            listener(None)

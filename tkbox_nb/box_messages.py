@@ -1,0 +1,218 @@
+"""Jupyter messages from the box's kernel, checked before anything on the host signs, records or forwards them.
+
+A pure function (`check_box_message`) of one decoded message: hostile input, so every field the host reads is checked
+for type and size. Three outcomes: the message is well-formed and passes (maybe with parts removed, each named in
+`dropped`); its type is not one a kernel sends on that channel, and it is dropped whole; or it is malformed, which is
+a `ProtocolError` that ends the box.
+
+What is removed, and why (docs/threat-model.md, I14):
+- JavaScript outputs (`application/javascript` and kin) would run in the notebook's origin, where they could type
+  host-side magics (a looser `%%box_policy`) into the kernel: dropped.
+- `execute_reply` payloads act on the frontend: `set_next_input` puts a new cell in front of the user (say, a
+  `%%box_policy` that loosens the policy), `ask_exit` and `edit_magic` act on the session. Dropped; `page` (the
+  `obj?` help pager) passes with its text/plain only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import ProtocolError
+
+CHANNEL_TYPES: dict[str, frozenset[str]] = {
+    "iopub": frozenset({"status", "stream", "display_data", "update_display_data", "execute_input", "execute_result",
+                        "error", "clear_output", "comm_open", "comm_msg", "comm_close"}),
+    "shell": frozenset({"execute_reply", "complete_reply", "inspect_reply", "is_complete_reply", "history_reply",
+                        "kernel_info_reply", "comm_info_reply"}),
+    "control": frozenset({"shutdown_reply", "interrupt_reply", "kernel_info_reply"}),
+    "stdin": frozenset({"input_request"}),
+    "bridge": frozenset({"ready"}),
+}
+JAVASCRIPT_MIME = frozenset({"application/javascript", "text/javascript", "application/x-javascript",
+                             "application/ecmascript", "text/ecmascript"})
+MESSAGE_KEYS = frozenset({"channel", "header", "parent_header", "metadata", "content", "buffers"})
+HEADER_STR_LIMIT = 256
+MAX_BUFFERS = 64
+
+
+@dataclass
+class BoxMessage:
+    channel: str
+    header: dict[str, Any]
+    parent_header: dict[str, Any]
+    metadata: dict[str, Any]
+    content: dict[str, Any]
+    buffers: list[bytes] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def msg_type(self) -> str:
+        return self.header["msg_type"]
+
+    @property
+    def parent_id(self) -> str | None:
+        return self.parent_header.get("msg_id")
+
+    def as_output(self) -> dict[str, Any] | None:
+        """The nbformat output this message adds to a cell (or None). update_display_data and clear_output are kept
+        as items of their own type, so a replay can apply them in order."""
+        c, t = self.content, self.msg_type
+        if t == "stream":
+            return {"output_type": "stream", "name": c["name"], "text": c["text"]}
+        if t in ("display_data", "update_display_data"):
+            out = {"output_type": t, "data": c["data"], "metadata": c.get("metadata", {})}
+            display_id = (c.get("transient") or {}).get("display_id")
+            if isinstance(display_id, str):
+                out["display_id"] = display_id
+            return out
+        if t == "execute_result":
+            return {"output_type": t, "data": c["data"], "metadata": c.get("metadata", {}),
+                    "execution_count": c["execution_count"]}
+        if t == "error":
+            return {"output_type": t, "ename": c["ename"], "evalue": c["evalue"], "traceback": c["traceback"]}
+        if t == "clear_output":
+            return {"output_type": t, "wait": bool(c.get("wait"))}
+        return None
+
+    def wire(self) -> dict[str, Any]:
+        """The message as the host forwards it (without the channel and buffers)."""
+        return {"header": self.header, "parent_header": self.parent_header, "metadata": self.metadata,
+                "content": self.content}
+
+
+def _fail(what: str) -> ProtocolError:
+    return ProtocolError(f"a malformed kernel message: {what}")
+
+
+def _str(value: Any, what: str, limit: int | None = HEADER_STR_LIMIT) -> str:
+    if not isinstance(value, str) or (limit is not None and len(value) > limit) or "\x00" in value:
+        raise _fail(what)
+    return value
+
+
+def _dict(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(f"{what} is not an object")
+    return value
+
+
+def _header(value: Any, what: str, required: bool) -> dict:
+    h = _dict(value, what)
+    if not h and not required:
+        return h
+    for key in ("msg_id", "msg_type"):
+        _str(h.get(key), f"{what}.{key}")
+    for key in ("session", "username", "date", "version"):
+        if key in h:
+            _str(h[key], f"{what}.{key}")
+    return h
+
+
+def _mimebundle(data: Any, what: str, dropped: list[str]) -> dict:
+    data = _dict(data, what)
+    for mime in list(data):
+        _str(mime, f"{what} key")
+        if mime in JAVASCRIPT_MIME or "javascript" in mime.lower():
+            del data[mime]
+            dropped.append(f"{what}:{mime}")
+    return data
+
+
+def check_box_message(raw: Any) -> BoxMessage | None:
+    """The checked message, or None when its type is not one a kernel sends on its channel (dropped whole)."""
+    obj = _dict(raw, "message")
+    if set(obj) != MESSAGE_KEYS:
+        raise _fail(f"keys {sorted(obj)[:8]}")
+    channel = obj["channel"]
+    if not isinstance(channel, str) or channel not in CHANNEL_TYPES:
+        raise _fail(f"channel {str(channel)[:40]!r}")
+    if channel == "bridge":  # the bridge's own word (ready): only its type is read
+        header = _dict(obj["header"], "header")
+        _str(header.get("msg_type"), "header.msg_type")
+    else:
+        header = _header(obj["header"], "header", required=True)
+    parent = _header(obj["parent_header"], "parent_header", required=False)
+    metadata = _dict(obj["metadata"], "metadata")
+    content = _dict(obj["content"], "content")
+    if not isinstance(obj["buffers"], list) or len(obj["buffers"]) > MAX_BUFFERS:
+        raise _fail("buffers")
+    try:
+        buffers = [base64.b64decode(_str(b, "buffer", None), validate=True) for b in obj["buffers"]]
+    except (binascii.Error, ValueError):
+        raise _fail("a buffer that is not base64") from None
+    if header["msg_type"] not in CHANNEL_TYPES[channel]:
+        return None
+    msg = BoxMessage(channel, header, parent, metadata, content, buffers)
+    _check_content(msg)
+    return msg
+
+
+def _check_content(m: BoxMessage) -> None:
+    c, t = m.content, m.msg_type
+    if t == "status":
+        if c.get("execution_state") not in ("busy", "idle", "starting"):
+            raise _fail("status.execution_state")
+    elif t == "stream":
+        if c.get("name") not in ("stdout", "stderr"):
+            raise _fail("stream.name")
+        _str(c.get("text"), "stream.text", None)
+    elif t in ("display_data", "update_display_data", "execute_result"):
+        c["data"] = _mimebundle(c.get("data"), f"{t}.data", m.dropped)
+        _dict(c.get("metadata", {}), f"{t}.metadata")
+        if "transient" in c:
+            _dict(c["transient"], f"{t}.transient")
+        if t == "execute_result" and not _is_int(c.get("execution_count")):
+            raise _fail("execute_result.execution_count")
+    elif t == "execute_input":
+        _str(c.get("code"), "execute_input.code", None)
+    elif t == "error":
+        _str(c.get("ename"), "error.ename", None)
+        _str(c.get("evalue"), "error.evalue", None)
+        if not (isinstance(c.get("traceback"), list) and all(isinstance(x, str) for x in c["traceback"])):
+            raise _fail("error.traceback")
+    elif t == "clear_output":
+        if not isinstance(c.get("wait", False), bool):
+            raise _fail("clear_output.wait")
+    elif t in ("comm_open", "comm_msg", "comm_close"):
+        _str(c.get("comm_id"), f"{t}.comm_id")
+        _dict(c.get("data", {}), f"{t}.data")
+        if t == "comm_open":
+            _str(c.get("target_name"), "comm_open.target_name")
+    elif t == "execute_reply":
+        if c.get("status") not in ("ok", "error", "aborted"):
+            raise _fail("execute_reply.status")
+        if "execution_count" in c and c["execution_count"] is not None and not _is_int(c["execution_count"]):
+            raise _fail("execute_reply.execution_count")
+        payloads = c.get("payload", [])
+        if not isinstance(payloads, list):
+            raise _fail("execute_reply.payload")
+        kept = []
+        for item in payloads:
+            source = item.get("source") if isinstance(item, dict) else None
+            if source == "page" and isinstance(item.get("data"), dict) and \
+                    isinstance(item["data"].get("text/plain"), str):
+                kept.append({"source": "page", "data": {"text/plain": item["data"]["text/plain"]},
+                             "start": item.get("start", 0) if _is_int(item.get("start", 0)) else 0})
+                if set(item["data"]) - {"text/plain"}:
+                    m.dropped.append("execute_reply.payload:page rich data")
+            else:
+                m.dropped.append(f"execute_reply.payload:{str(source)[:40]}")
+        c["payload"] = kept
+    elif t == "input_request":
+        _str(c.get("prompt"), "input_request.prompt", 4096)
+        if not isinstance(c.get("password", False), bool):
+            raise _fail("input_request.password")
+    elif t in ("inspect_reply",):
+        if c.get("status") == "ok" and "data" in c:
+            c["data"] = _mimebundle(c["data"], "inspect_reply.data", m.dropped)
+    elif t == "complete_reply":
+        if c.get("status") == "ok" and not (isinstance(c.get("matches"), list)
+                                            and all(isinstance(x, str) for x in c["matches"])):
+            raise _fail("complete_reply.matches")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

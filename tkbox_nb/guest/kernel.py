@@ -1,0 +1,168 @@
+"""The in-box Jupyter kernel: a real ipykernel in the box, its messages carried over one door stream.
+
+Imported only when the host opens a kernel stream, so the agent itself stays standard-library only: this part needs
+ipykernel (and with it pyzmq and jupyter_client) in the box's Python, as any notebook kernel does. The kernel listens
+on IPC sockets in the box's own /tmp with a key made here; the
+host never learns it and never needs it, since it re-signs every message with the frontend's key after checking it.
+
+On the stream, both ways, each message is one JSON object on channel 3 (protocol.encode_message):
+    {"channel": "shell"|"control"|"stdin"|"iopub", "header", "parent_header", "metadata", "content", "buffers"}
+with buffers base64. The bridge's own messages use channel "bridge": host -> box {"op": "interrupt"}; box -> host
+{"event": "ready", "kernel_info": {...}} once the kernel answers on shell and iopub.
+"""
+
+import base64
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from . import protocol as p
+
+READY_TIMEOUT_S = 60.0
+CHANNELS = ("shell", "control", "stdin")
+
+
+class KernelBridge:
+    """One ipykernel process in the box and the sockets that talk to it; messages go to and from the door."""
+
+    def __init__(self, door, sid):
+        import zmq
+        from jupyter_client.jsonutil import json_default
+        from jupyter_client.session import Session
+
+        self.zmq, self.json_default = zmq, json_default
+        self.door, self.sid = door, sid
+        self.session = Session(key=secrets.token_hex(32).encode(), username="box")
+        # IPC sockets in a private directory of the box's own /tmp: no port to race for, no TCP at all
+        self.sock_dir = tempfile.mkdtemp(prefix="tkbox-kernel-")
+        ip = os.path.join(self.sock_dir, "k")
+        conn = {"transport": "ipc", "ip": ip, "shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4,
+                "hb_port": 5, "key": self.session.key.decode(), "signature_scheme": "hmac-sha256"}
+        self.conn_path = os.path.join(self.sock_dir, "connection.json")
+        with open(self.conn_path, "w") as f:
+            json.dump(conn, f)
+        env = dict(os.environ)
+        env.pop("TKBOX_DOOR_FD", None)
+        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", self.conn_path],
+                                     env=env, cwd="/workspace" if os.path.isdir("/workspace") else None,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.ctx = zmq.Context()
+        self.sockets = {}
+        for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
+                           ("iopub", zmq.SUB)):
+            s = self.ctx.socket(kind)
+            s.linger = 0
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect("ipc://%s-%d" % (ip, conn[name + "_port"]))
+            self.sockets[name] = s
+        self.inbox = self.ctx.socket(zmq.PULL)  # messages from the host, pushed by the agent's reader thread
+        self.inbox.bind("inproc://tkbox-to-kernel")
+        self.outbox_lock = threading.Lock()
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect("inproc://tkbox-to-kernel")
+        self.own = set()  # msg_ids of the bridge's own probes: their replies stay here
+        self.ready = False
+        self.stopped = False
+        threading.Thread(target=self._loop, daemon=True, name="tkbox-kernel").start()
+
+    # -- from the host -------------------------------------------------------------------------------------------
+    def from_host(self, msg):
+        """Called on the agent's reader thread for each message the host sent on this stream."""
+        with self.outbox_lock:
+            self.outbox.send(json.dumps(msg).encode("utf-8"))
+
+    def _to_kernel(self, raw):
+        msg = json.loads(raw.decode("utf-8"))
+        channel = msg.get("channel")
+        if channel == "bridge":
+            if msg.get("op") == "interrupt" and self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGINT)
+            return
+        if channel not in CHANNELS:
+            return
+        buffers = [base64.b64decode(b) for b in msg.get("buffers") or []]
+        out = {k: msg.get(k) or {} for k in ("header", "parent_header", "metadata", "content")}
+        self.session.send(self.sockets[channel], out, buffers=buffers)
+
+    # -- to the host ---------------------------------------------------------------------------------------------
+    def _to_host(self, channel, msg):
+        body = {"channel": channel, "header": msg["header"], "parent_header": msg["parent_header"],
+                "metadata": msg["metadata"], "content": msg["content"],
+                "buffers": [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers") or []]}
+        data = json.dumps(body, default=self.json_default, separators=(",", ":")).encode("utf-8")
+        self.door.send_data(self.sid, p.CH_MSG, p.MSG_HEADER.pack(len(data)) + data)
+
+    def _probe(self):
+        msg = self.session.msg("kernel_info_request", {})
+        self.own.add(msg["header"]["msg_id"])
+        self.session.send(self.sockets["shell"], msg)
+
+    def _loop(self):
+        zmq = self.zmq
+        poller = zmq.Poller()
+        for s in list(self.sockets.values()) + [self.inbox]:
+            poller.register(s, zmq.POLLIN)
+        names = {s: n for n, s in self.sockets.items()}
+        info, iopub_seen, next_probe = None, False, 0.0
+        started = time.monotonic()
+        try:
+            while not self.stopped:
+                if not self.ready:
+                    now = time.monotonic()
+                    if now - started > READY_TIMEOUT_S:
+                        raise RuntimeError("the kernel did not answer within %ds" % READY_TIMEOUT_S)
+                    if now >= next_probe:
+                        self._probe()
+                        next_probe = now + 0.05
+                if self.proc.poll() is not None:
+                    raise RuntimeError("the kernel exited with status %s" % self.proc.returncode)
+                for sock, _ in poller.poll(200):
+                    if sock is self.inbox:
+                        self._to_kernel(sock.recv())
+                        continue
+                    frames = sock.recv_multipart(copy=True)
+                    try:
+                        _, msg_list = self.session.feed_identities(frames, copy=True)
+                        msg = self.session.deserialize(msg_list, content=True, copy=True)
+                    except Exception:  # not the kernel's: nothing else speaks on these sockets, drop it
+                        continue
+                    name, parent = names[sock], msg["parent_header"].get("msg_id")
+                    if parent in self.own:
+                        if msg["header"]["msg_type"] == "kernel_info_reply":
+                            info = msg["content"]
+                        elif name == "iopub":
+                            iopub_seen = True
+                        if not self.ready and info is not None and iopub_seen:
+                            self.ready = True
+                            self._to_host("bridge", {"header": {"msg_type": "ready"}, "parent_header": {},
+                                                     "metadata": {}, "content": info})
+                        continue
+                    if name == "iopub" and msg["header"]["msg_type"] == "iopub_welcome":
+                        continue
+                    self._to_host(name, msg)
+            reason = {"exit_code": 0}
+        except Exception as e:
+            reason = {"error": str(e)[:500], "exit_code": self.proc.poll()}
+        self.stop()
+        with self.door.lock:
+            self.door.send_raw(self.door.session.close(self.sid, reason))
+
+    def stop(self):
+        self.stopped = True
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+        import shutil
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
