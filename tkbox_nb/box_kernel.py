@@ -34,6 +34,13 @@ def new_header(msg_type: str, session: str) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": PROTOCOL_VERSION}
 
 
+def _json_default(obj: Any) -> str:
+    """Dates in a frontend's headers (jupyter_client parses them) go into the box as ISO 8601 text."""
+    if isinstance(obj, (datetime.datetime, datetime.date)):
+        return obj.isoformat()
+    raise TypeError(f"{type(obj).__name__} is not JSON")
+
+
 @dataclass
 class Cell:
     """One execute_request in flight: its signed crossing and what the box has said about it so far."""
@@ -84,7 +91,7 @@ class BoxKernel:
         body = {"channel": channel, "header": msg["header"], "parent_header": msg.get("parent_header") or {},
                 "metadata": msg.get("metadata") or {}, "content": msg.get("content") or {},
                 "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers]}
-        self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message(body))
+        self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message(body, default=_json_default))
 
     def interrupt(self) -> None:
         """SIGINT to the box's kernel process: the running cell stops, the kernel and the box go on."""

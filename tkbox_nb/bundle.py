@@ -216,8 +216,9 @@ def parse(files: dict[str, bytes]) -> BundleContents:
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
-def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path) -> Path:
-    """Export `run_id` from `signer` and write `out_path` (atomically: a temporary file beside it, then rename)."""
+def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: bool = True) -> Path:
+    """Export `run_id` from `signer` and write `out_path` (atomically: a temporary file beside it, then rename).
+    `final=False` writes the run so far: the records a checkpoint covers now, and what they disclose."""
     from tracekit.format.canon import canonical, event_hash
     from tracekit.signer.pipeline import salt_label
 
@@ -225,7 +226,7 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path) -> Path
 
     out_path = Path(out_path)
     export_tmp = spool / "tracekit-export.tkb"
-    signer.export(run_id, export_tmp)
+    signer.export(run_id, export_tmp, final=final)
     files = read_bundle_file(export_tmp)
     export_tmp.unlink()
     manifest = loads_json(files.pop("manifest.json"), "tracekit manifest")
@@ -243,6 +244,8 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path) -> Path
         kind = "policy.decision" if entry["kind"] == "decision" else "tool.result"
         event = by_decision.get((kind, entry["decision_id"]))
         if event is None:
+            if not final:  # recorded after the checkpoint this snapshot stops at
+                continue
             raise SignerError(f"the export lacks the {kind} of {entry['decision_id']}")
         salt = salt_for(salt_key, salt_label(event))
         item = {"run_seq": event["run_seq"], "type": kind, "salt": salt.hex(), "content": entry["content"]}

@@ -50,6 +50,19 @@ def _cmd_doctor(a) -> int:
     return 0 if ok_any else 1
 
 
+def _cmd_kernel(a) -> int:
+    from .kernel.install import install
+    if sum(bool(x) for x in (a.user, a.sys_prefix, a.prefix)) > 1:
+        raise SystemExit("tkbox kernel install: error: give at most one of --user, --sys-prefix, --prefix")
+    try:
+        path = install(user=a.user, prefix=a.prefix, sys_prefix=a.sys_prefix)
+    except OSError as e:
+        from .errors import TkboxError
+        raise TkboxError(f"cannot install the kernelspec: {e.strerror or e} (try --user or --sys-prefix)") from None
+    print(f"installed kernelspec tkbox (Python 3 (Tracekit Box)) in {path}")
+    return 0
+
+
 def add_commands(sub) -> None:
     r = sub.add_parser("run", help="run one command in a fresh box and write its signed bundle")
     r.add_argument("--policy", help="box policy (TOML)")
@@ -61,3 +74,9 @@ def add_commands(sub) -> None:
     r.set_defaults(fn=_cmd_run)
     d = sub.add_parser("doctor", help="which backends can run here, and why not")
     d.set_defaults(fn=_cmd_doctor)
+    k = sub.add_parser("kernel", help="the Tracekit Box Jupyter kernel")
+    k.add_argument("action", choices=["install"])
+    k.add_argument("--user", action="store_true", help="install for this user")
+    k.add_argument("--sys-prefix", action="store_true", help="install into this Python's prefix (a venv)")
+    k.add_argument("--prefix", help="install under this prefix")
+    k.set_defaults(fn=_cmd_kernel)

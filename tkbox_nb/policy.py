@@ -39,13 +39,14 @@ timeout_s = 600
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "box": {"backend": str, "memory_mib": int, "cpus": int, "cpu_time_s": int, "max_processes": int,
             "workspace_mib": int},
-    "exec": {"cells": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
+    "exec": {"cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
             "workspace_mib": 1024},
-    "exec": {"cells": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600, "max_output_bytes": 16 << 20},
+    "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
+             "max_output_bytes": 16 << 20},
 }
 _LATER = {"egress": "the egress door", "secrets": "the secrets door", "models": "the model door",
           "patch": "the patch door"}
@@ -132,6 +133,10 @@ class Policy:
             return Verdict("deny", "box.unknown", f"unknown box event {kind!r}")
         if door == "exec":
             return self._decide_exec(kind, facts)
+        if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
+            if kind == "magic" and isinstance(facts.get("magic"), str):
+                return Verdict("allow", "host.magic")
+            return Verdict("deny", "host.unknown", f"unknown host event {kind!r}")
         return Verdict("deny", "door.unknown", f"no door {door!r} in this version")
 
     def _decide_exec(self, kind: Any, facts: dict[str, Any]) -> Verdict:
@@ -139,6 +144,10 @@ class Policy:
             if self.get("exec", "cells"):
                 return Verdict("allow", "exec.cells")
             return Verdict("deny", "exec.cells", "the policy runs no cells ([exec] cells = false)")
+        if kind == "comm":  # a widget's message from the frontend into the box
+            if self.get("exec", "cells") and self.get("exec", "comms"):
+                return Verdict("allow", "exec.comms")
+            return Verdict("deny", "exec.comms", "the policy takes no comm messages ([exec] comms = false)")
         if kind == "command":
             argv = facts.get("argv")
             if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):

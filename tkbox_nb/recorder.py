@@ -62,6 +62,7 @@ class RunRecorder:
     def __init__(self, signer: MachineSigner, policy: Policy, box: dict[str, Any], agent: str = "tkbox"):
         self.signer = signer
         self.policy = policy
+        self.start_policy = policy  # the box manifest names the policy the box started with; later ones are listed
         self.box = dict(box)
         self.agent = agent
         self.broken: str | None = None
@@ -75,6 +76,7 @@ class RunRecorder:
         self._spool_file = None
         self._spooled: set[str] = set()
         self.policies: dict[str, Policy] = {}
+        self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def open(self) -> "RunRecorder":
@@ -144,7 +146,7 @@ class RunRecorder:
             args["verdict_reason"] = verdict.reason[:500]
         tool = "box." + ("start" if (door, kind) == ("box", "start") else "stop" if door == "box" else
                          {"exec": "exec", "egress": "connect", "secrets": "secret", "model": "model",
-                          "patch": "patch"}.get(door, door))
+                          "patch": "patch", "host": "host"}.get(door, door))
         with self._lock:
             self._seq += 1
             call_id = f"{door}-{self._seq}"
@@ -174,6 +176,8 @@ class RunRecorder:
         crossing.rule_ids = list(reply.get("rule_ids") or [])
         crossing.decision_id = reply["decision_id"]
         crossing.run_seq = reply.get("run_seq")
+        with self._lock:
+            self.counts[(door, crossing.decision)] = self.counts.get((door, crossing.decision), 0) + 1
         crossing.reason = reply.get("reason", verdict.reason)
         self._spool({"kind": "decision", "decision_id": crossing.decision_id, "tool": tool, "args": args,
                      "content": digests}, content)
@@ -229,7 +233,7 @@ class RunRecorder:
             (path / (policy.hash.removeprefix("sha256:") + ".toml")).write_text(policy.source, encoding="utf-8")
 
     def _write_box_manifest(self) -> None:
-        box = dict(self.box, policy={"hash": self.policy.hash, "name": self.policy.name},
+        box = dict(self.box, policy={"hash": self.start_policy.hash, "name": self.start_policy.name},
                    policies=sorted(self.policies))
         tmp = self.spool / "box.json.tmp"
         tmp.write_text(json.dumps(box, sort_keys=True, indent=1))
@@ -242,6 +246,14 @@ class RunRecorder:
         if not self.closed:
             raise SignerError("close the run before writing its bundle")
         return write_bundle(self.signer, self.run_id, self.spool, out_path)
+
+    def write_snapshot(self, out_path: str | Path) -> Path:
+        """The run so far, still open, as a `.tkb` (verifies as open: `VERIFIED TO HEAD n`)."""
+        from .bundle import write_bundle
+        with self._lock:
+            self._spool_file.flush()
+        self._write_box_manifest()
+        return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
 
 
 def salt_for(salt_key: bytes, label: str) -> bytes:

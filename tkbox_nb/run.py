@@ -14,7 +14,7 @@ from typing import Any
 from .bundle import BundleContents, parse, read_bundle_file
 
 DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
-                "box.secret": "secrets", "box.model": "model", "box.patch": "patch"}
+                "box.secret": "secrets", "box.model": "model", "box.patch": "patch", "box.host": "host"}
 COLUMNS = ["seq", "time", "door", "tool", "kind", "decision", "rule_ids", "box_rule", "status", "summary", "content"]
 
 

@@ -47,6 +47,7 @@ tools:
   'box.secret': app
   'box.model': app
   'box.patch': app
+  'box.host': app
 unknown_tools: deny
 deny:
   - id: TKB-POLICY-DENY
@@ -106,7 +107,8 @@ class MachineSigner:
         self.runs_dir = self.home / "runs"
 
     # -- set-up --------------------------------------------------------------------------------------------------
-    def _write_config(self) -> None:
+    def _write_config(self) -> bool:
+        """Write signer.yaml and the box pack; True when either changed (a running signer must then restart)."""
         _private_dir(self.home)
         _private_dir(self.dir)
         _private_dir(self.runs_dir)
@@ -123,12 +125,15 @@ class MachineSigner:
             f"origin: {origin_name()}\n"
             "posture: {network: enforced, tool_calls: enforced}\n"
         )
+        changed = False
         for path, text in ((self.pack_path, BOX_PACK), (self.config_path, config)):
             if not path.exists() or path.read_text() != text:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(text)
                 os.chmod(tmp, 0o600)
                 os.replace(tmp, path)
+                changed = True
+        return changed
 
     def answering(self, timeout: float = 2.0) -> bool:
         if not self.socket_path.exists():
@@ -153,7 +158,8 @@ class MachineSigner:
 
     def ensure(self, timeout: float = START_TIMEOUT_S) -> "MachineSigner":
         """Start the signer unless it already answers. Safe to call from several processes at once."""
-        self._write_config()
+        if self._write_config() and self.answering():  # a signer of an older pack or config: replace it
+            self.stop()
         if self.answering():
             self._ensure_trust()
             return self
@@ -234,8 +240,9 @@ class MachineSigner:
             raise SignerError(f"cannot read the signer's salt key: {e}") from None
 
     # -- export --------------------------------------------------------------------------------------------------
-    def export(self, run_id: str, out_path: str | Path, wait_final_s: float = 15.0) -> dict:
-        """Tracekit's v2 export of `run_id`, once its run.final record is covered by a checkpoint."""
+    def export(self, run_id: str, out_path: str | Path, wait_final_s: float = 15.0, final: bool = True) -> dict:
+        """Tracekit's v2 export of `run_id`, once its run.final record is covered by a checkpoint. With
+        `final=False`, the run so far (still open), once its last record is covered."""
         from tracekit.bundle_v2 import export
         from tracekit.signer.service import reader as open_reader
         from tracekit.signer.service import signer_config
@@ -252,15 +259,15 @@ class MachineSigner:
                     raise SignerError(f"the signer has no run {run_id}")
                 last = records[-1]["event"]
                 note = r.checkpoint_latest()
-                final = last["type"] == "run.final"
-                if final and note and note[0] > last["seq"]:
+                ended = last["type"] == "run.final" or not final
+                if ended and note and note[0] > last["seq"]:
                     export(r, TENANT, run_id, note[1], str(out_path), policy_dir=str(self.data_dir / "policies"))
-                    return {"records": len(records), "final": True}
+                    return {"records": len(records), "final": last["type"] == "run.final"}
             finally:
                 r.close()
             if time.monotonic() > deadline:
                 raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
-            if final and not nudged:
+            if ended and not nudged:
                 c = self.client()
                 try:
                     c.checkpoint_nudge({})

@@ -62,6 +62,8 @@ class KernelBridge:
             s.linger = 0
             if kind == zmq.SUB:
                 s.setsockopt(zmq.SUBSCRIBE, b"")
+            else:  # one identity, as jupyter_client does: the kernel sends input_request to the shell's identity
+                s.setsockopt(zmq.IDENTITY, self.session.bsession)
             s.connect("ipc://%s-%d" % (ip, conn[name + "_port"]))
             self.sockets[name] = s
         self.inbox = self.ctx.socket(zmq.PULL)  # messages from the host, pushed by the agent's reader thread

@@ -207,8 +207,8 @@ MSG_HEADER = struct.Struct(">I")
 MAX_MESSAGE = 32 * 1024 * 1024
 
 
-def encode_message(obj):
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+def encode_message(obj, default=None):
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=default).encode("utf-8")
     return MSG_HEADER.pack(len(body)) + body
 
 

@@ -1,0 +1,246 @@
+"""The Tracekit Box kernel, driven by real Jupyter clients (jupyter_client, nbclient) with real boxes behind it.
+
+The kernelspec under test is the shipped one (`kernels/tkbox`), found through JUPYTER_PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.manager import KernelManager
+
+from tkbox_nb import open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def kernel_env(signer, tmp_path, monkeypatch):
+    bundles = tmp_path / "bundles"
+    monkeypatch.setenv("JUPYTER_PATH", str(ROOT))
+    monkeypatch.setenv("TKBOX_BUNDLE_DIR", str(bundles))
+    return bundles
+
+
+class Client:
+    """A jupyter_client kernel with a few helpers; outputs are (msg_type, content) pairs, status messages left out."""
+
+    def __init__(self):
+        self.km = KernelManager(kernel_name="tkbox")
+        self.km.start_kernel()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, stdin=None, timeout: float = 90):
+        outs = []
+        reply = self.kc.execute_interactive(
+            code, timeout=timeout, allow_stdin=stdin is not None, stdin_hook=stdin,
+            output_hook=lambda m: outs.append((m["msg_type"], m["content"])) if m["msg_type"] != "status" else None)
+        return reply["content"], outs
+
+    def stop(self):
+        if self.km.has_kernel:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+
+
+@pytest.fixture
+def client(kernel_env):
+    c = Client()
+    yield c
+    c.stop()
+
+
+def only_bundle(bundles: Path) -> Path:
+    found = sorted(bundles.glob("*.tkb"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_kernelspec_is_listed_with_its_display_name_and_logos(kernel_env):
+    from jupyter_client.kernelspec import KernelSpecManager
+    spec = KernelSpecManager().get_kernel_spec("tkbox")
+    assert spec.display_name == "Python 3 (Tracekit Box)" and spec.interrupt_mode == "message"
+    assert {"logo-32x32.png", "logo-64x64.png", "logo-svg.svg"} <= {p.name for p in Path(spec.resource_dir).iterdir()}
+
+
+def test_streams_rich_display_results_and_errors_reach_the_frontend(client):
+    reply, outs = client.run("import socket\nprint('inside')\nsorted(n for _, n in socket.if_nameindex())")
+    assert reply["status"] == "ok"
+    assert ("stream", {"name": "stdout", "text": "inside\n"}) in outs
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "['lo']" for t, c in outs)
+    reply, outs = client.run("import pandas as pd\nfrom IPython.display import display, HTML\n"
+                             "display(HTML('<b>bold</b>'))\npd.DataFrame({'a': [1, 2]})")
+    kinds = [(t, sorted(c.get("data", {}))) for t, c in outs if t in ("display_data", "execute_result")]
+    assert kinds[0] == ("display_data", ["text/html", "text/plain"])
+    assert kinds[1][0] == "execute_result" and "text/html" in kinds[1][1]
+    reply, outs = client.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+    assert any(t == "display_data" and "image/png" in c["data"] for t, c in outs), outs
+    reply, outs = client.run("h = display('first', display_id=True)\nh.update('second')")
+    assert [t for t, _ in outs if t.endswith("display_data")] == ["display_data", "update_display_data"]
+    reply, outs = client.run("1 / 0")
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
+    assert any(t == "error" and "ZeroDivisionError" in "".join(c["traceback"]) for t, c in outs)
+
+
+def test_javascript_from_the_box_never_reaches_the_frontend(client):
+    reply, outs = client.run("from IPython.display import Javascript, display\n"
+                             "display(Javascript('alert(1)'))\nget_ipython().set_next_input('%box_restart')")
+    assert reply["status"] == "ok" and reply["payload"] == []
+    assert not any("application/javascript" in c.get("data", {}) for _, c in outs)
+
+
+def test_input_and_getpass_go_through_stdin(client):
+    prompts = []
+
+    def answer(msg):
+        prompts.append((msg["content"]["prompt"], msg["content"]["password"]))
+        client.kc.input("typed" if not msg["content"]["password"] else "hidden")
+
+    reply, outs = client.run("import getpass\na = input('name? ')\nb = getpass.getpass('pw? ')\nprint(a, b)",
+                             stdin=answer)
+    assert reply["status"] == "ok" and prompts == [("name? ", False), ("pw? ", True)]
+    assert ("stream", {"name": "stdout", "text": "typed hidden\n"}) in outs
+
+
+def test_interrupt_stops_the_cell_and_the_box_survives(client):
+    client.run("x = 41")
+    msg_id = client.kc.execute("import time; time.sleep(60)")
+    time.sleep(2)
+    t = time.monotonic()
+    client.km.interrupt_kernel()
+    reply = client.kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - t < 10
+    reply, outs = client.run("x + 1")
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "42" for t, c in outs)
+
+
+def test_completion_inspection_and_is_complete_come_from_the_box(client):
+    client.run("box_only_name = 123")
+    client.kc.complete("box_only_", 9)
+    assert "box_only_name" in client.kc.get_shell_msg(timeout=30)["content"]["matches"]
+    client.kc.inspect("box_only_name", 13)
+    reply = client.kc.get_shell_msg(timeout=30)["content"]
+    assert reply["found"] and "int" in reply["data"]["text/plain"]
+    client.kc.is_complete("for i in x:")
+    assert client.kc.get_shell_msg(timeout=30)["content"]["status"] == "incomplete"
+
+
+def test_widget_comm_round_trip(client):
+    reply, outs = client.run("import ipywidgets as w\ns = w.IntSlider(value=1)\ndisplay(s)")
+    assert reply["status"] == "ok"
+    opens = [c for t, c in outs if t == "comm_open" and c["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert opens, [t for t, _ in outs]
+    comm_id = opens[0]["comm_id"]
+    msg = client.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    client.kc.shell_channel.send(msg)
+    time.sleep(1)
+    reply, outs = client.run("s.value")
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "7" for t, c in outs)
+
+
+def test_restart_gives_a_new_box_and_writes_the_old_bundle(client, kernel_env):
+    client.run("y = 1")
+    client.km.restart_kernel(now=False)
+    client.kc.wait_for_ready(timeout=60)
+    old = only_bundle(kernel_env)
+    assert verify_bundle(old).valid
+    reply, outs = client.run("'y' in globals()")
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "False" for t, c in outs)
+
+
+def test_bundle_holds_one_signed_exec_decision_per_cell_and_verifies(kernel_env):
+    c = Client()
+    cells = ["a = 1", "print(a)", "%box_status", "a + 1"]
+    for code in cells:
+        c.run(code)
+    c.stop()
+    bundle = only_bundle(kernel_env)
+    report = verify_bundle(bundle)
+    assert report.valid, report.summary()
+    run = open_run(bundle)
+    exec_cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert [run.content(x.args["code"]).decode() for x in exec_cells] == ["a = 1", "print(a)", "a + 1"]
+    assert all(x.decision == "allow" and x.result["status"] == "ok" for x in exec_cells)
+    host = [x for x in run.crossings() if x.door == "host"]
+    assert [x.args["magic"] for x in host] == ["box_status"]
+
+
+def test_host_policy_magic_takes_effect_and_refusals_show_in_the_notebook(client, kernel_env):
+    reply, outs = client.run("%%box_policy\n[exec]\ncells = false\n")
+    assert reply["status"] == "ok" and "the box starts with it" in outs[0][1]["text"]
+    reply, outs = client.run("print('should not run')")
+    assert reply["status"] == "error" and reply["ename"] == "DoorRefused"
+    assert not any(t == "stream" and "should not run" in c["text"] for t, c in outs)
+    reply, outs = client.run("%%box_policy\n[exec]\ncells = true\n")
+    assert "in force for every crossing from now" in outs[0][1]["text"]
+    reply, outs = client.run("print('runs')")
+    assert reply["status"] == "ok"
+    client.stop()
+    run = open_run(only_bundle(kernel_env))
+    cells = [(x.decision, x.args["rule"]) for x in run.crossings() if x.door == "exec"]
+    assert cells == [("deny", "exec.cells"), ("allow", "exec.cells")]
+    assert [x.args["magic"] for x in run.crossings() if x.door == "host"] == ["box_policy", "box_policy"]
+    assert verify_bundle(only_bundle(kernel_env)).valid
+
+
+def test_secret_value_never_reaches_the_notebook_the_box_or_the_bundle(client, kernel_env):
+    value = "sk-test-" + os.urandom(8).hex()
+
+    def answer(msg):
+        assert msg["content"]["password"] is True
+        client.kc.input(value)
+
+    reply, outs = client.run("%box_secret API_KEY --host api.example.org --header Authorization "
+                             "--format 'Bearer {value}'", stdin=answer)
+    assert reply["status"] == "ok", reply
+    assert value not in repr(outs)
+    reply, outs = client.run("import os\nprint(value_seen := [k for k, v in os.environ.items() if "
+                             f"{value!r} in v])")
+    assert ("stream", {"name": "stdout", "text": "[]\n"}) in outs
+    client.stop()
+    data = only_bundle(kernel_env).read_bytes()
+    import zipfile, io  # noqa: E401
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert not any(value.encode() in z.read(n) for n in z.namelist())
+    run = open_run(only_bundle(kernel_env))
+    assert [x.args["magic"] for x in run.crossings() if x.door == "host"] == ["box_secret"]
+
+
+def test_malformed_message_from_the_box_ends_the_box_and_the_kernel_stays_up(client, kernel_env):
+    client.run("z = 1")
+    reply, outs = client.run("k = get_ipython().kernel\n"
+                             "k.session.send(k.iopub_socket, 'stream', {'name': 'bogus', 'text': 5}, "
+                             "parent=k.get_parent('shell'))\nimport time; time.sleep(5)")
+    assert reply["status"] == "error" and reply["ename"] == "BoxEnded"
+    assert any(t == "stream" and "protocol violation" in c["text"] for t, c in outs)
+    reply, outs = client.run("'z' in globals()")  # a fresh box, a new run
+    assert reply["status"] == "ok"
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "False" for t, c in outs)
+    ended = only_bundle(kernel_env)
+    assert "protocol violation" in open_run(ended).box["end_reason"]
+    assert verify_bundle(ended).valid
+
+
+def test_nbclient_executes_a_notebook_with_this_kernel(kernel_env, tmp_path):
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("%box_status"), nbformat.v4.new_code_cell("n = 5\nn * 2"),
+                nbformat.v4.new_code_cell("print('done')")]
+    NotebookClient(nb, timeout=120, kernel_name="tkbox").execute()
+    assert nb.cells[1].outputs[0]["data"]["text/plain"] == "10"
+    assert nb.cells[2].outputs[0]["text"] == "done\n"
+    assert "bwrap" in nb.cells[0].outputs[0]["text"] or "not started" in nb.cells[0].outputs[0]["text"]
+    assert verify_bundle(only_bundle(kernel_env)).valid

@@ -1,0 +1,1 @@
+"""The Tracekit Box Jupyter kernel (app.py) and its kernelspec installer (install.py)."""

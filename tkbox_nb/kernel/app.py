@@ -1,0 +1,350 @@
+"""The Tracekit Box kernel: a Jupyter kernel on the host whose cells run in a box, through the exec door.
+
+To the frontend (JupyterLab, Notebook 7, VS Code, nbclient) this is a kernel like any other: it binds the five
+sockets of its connection file and signs with the frontend's key. Behind it is the notebook's box and, in the box, a
+real ipykernel (guest/kernel.py); messages pass through the door stream, and every one from the box has been checked
+(box_messages) before it is re-signed here with the frontend's key, which the box never learns.
+
+What happens to each request from the frontend:
+- execute_request: host-side magics (notebook_box) are done here; any other code is decided by the exec door
+  (signed) before it reaches the box, and its outputs are signed when it ends. A refusal is shown as an error.
+- comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded.
+- complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
+- kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on). shutdown: the box stops and its
+  bundle is written, then the process exits; a restart is a new process, so a new box and a new run.
+
+The box starts with the first cell that needs it. A box that breaks the protocol is ended; the cell shows why, and the
+next cell starts a fresh box (a new run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+import uuid
+from typing import Any
+
+import zmq
+from jupyter_client.session import Session
+
+from .. import __version__
+from ..box_messages import BoxMessage
+from ..errors import DoorRefused, TkboxError
+from ..notebook_box import HostMagics, NotebookBox, split_host_magics
+
+PROTOCOL_VERSION = "5.3"
+FORWARDED = {"complete_request", "inspect_request", "is_complete_request", "history_request", "comm_info_request"}
+COMMS = {"comm_open", "comm_msg", "comm_close"}
+
+
+def _url(info: dict, port_name: str) -> str:
+    if info.get("transport", "tcp") == "ipc":
+        return f"ipc://{info['ip']}-{info[port_name]}"
+    return f"tcp://{info['ip']}:{info[port_name]}"
+
+
+class TkboxKernel:
+    def __init__(self, connection_file: str, nb: NotebookBox | None = None):
+        with open(connection_file) as f:
+            info = json.load(f)
+        self.session = Session(key=info["key"].encode(), signature_scheme=info.get("signature_scheme",
+                                                                                   "hmac-sha256"),
+                               username="tkbox")
+        self.ctx = zmq.Context()
+        self.sockets: dict[str, zmq.Socket] = {}
+        for name, kind in (("shell", zmq.ROUTER), ("control", zmq.ROUTER), ("stdin", zmq.ROUTER),
+                           ("iopub", zmq.PUB)):
+            s = self.ctx.socket(kind)
+            s.linger = 1000
+            s.bind(_url(info, name + "_port"))
+            self.sockets[name] = s
+        self._hb_url = _url(info, "hb_port")
+        threading.Thread(target=self._heartbeat, daemon=True, name="tkbox-hb").start()
+        self.wake_url = f"inproc://tkbox-wake-{uuid.uuid4().hex}"
+        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake.bind(self.wake_url)
+        self._wake_local = threading.local()
+        self.from_box: queue.Queue = queue.Queue()
+        self.nb = nb or NotebookBox(bundle_dir=os.environ.get("TKBOX_BUNDLE_DIR") or None)
+        self.magics = HostMagics(self.nb, self._read_secret)
+        self.requests: dict[str, tuple[str, list[bytes], dict]] = {}  # msg_id -> (socket, idents, header)
+        self.execution_count = 0
+        self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
+        self.running = True
+        self.kernel = None
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        hb = self.ctx.socket(zmq.REP)
+        hb.linger = 0
+        hb.bind(self._hb_url)
+        try:
+            while True:
+                hb.send(hb.recv())
+        except zmq.ZMQError:
+            return
+
+    def _on_box_message(self, msg: BoxMessage | None) -> None:
+        """Called on the box reader thread: hand the message to the main loop."""
+        self.from_box.put(msg)
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = self._wake_local.sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(self.wake_url)
+        sock.send(b"")
+
+    def send(self, channel: str, msg_type: str, content: dict, parent: dict | None, idents=None,
+             metadata: dict | None = None) -> None:
+        self.session.send(self.sockets[channel], msg_type, content, parent=parent, ident=idents,
+                          metadata=metadata)
+
+    def publish_status(self, state: str, parent: dict | None) -> None:
+        self.send("iopub", "status", {"execution_state": state}, parent)
+
+    # -- main loop -----------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        for name in ("shell", "control", "stdin"):
+            poller.register(self.sockets[name], zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
+        self.publish_status("starting", None)
+        while self.running:
+            for sock, _ in poller.poll(500):
+                if sock is self.wake:
+                    sock.recv()
+                    self._drain_box()
+                    continue
+                name = next(n for n, s in self.sockets.items() if s is sock)
+                idents, msg_list = self.session.feed_identities(sock.recv_multipart(copy=True), copy=True)
+                try:
+                    msg = self.session.deserialize(msg_list, content=True, copy=True)
+                except Exception:  # a bad signature: not from our frontend
+                    continue
+                try:
+                    self._dispatch(name, idents, msg)
+                except Exception as e:  # a bug of ours must not take the notebook down
+                    self._log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
+            self._check_deadlines()
+        self.close()
+
+    def _log(self, text: str) -> None:
+        sys.stderr.write(f"[tkbox kernel] {text}\n")
+        sys.stderr.flush()
+
+    def _dispatch(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        header = msg["header"]
+        t = header["msg_type"]
+        if t == "kernel_info_request":
+            self.publish_status("busy", header)
+            self.send(channel, "kernel_info_reply", self.kernel_info(), header, idents)
+            self.publish_status("idle", header)
+        elif t == "shutdown_request":
+            restart = bool(msg["content"].get("restart"))
+            self.nb.stop("kernel restart" if restart else "kernel shutdown")
+            self.send(channel, "shutdown_reply", {"status": "ok", "restart": restart}, header, idents)
+            self.running = False
+        elif t == "interrupt_request":
+            if self.kernel is not None and not self.kernel.ended:
+                self.kernel.interrupt()
+            self.send(channel, "interrupt_reply", {"status": "ok"}, header, idents)
+        elif t == "execute_request":
+            self._execute(channel, idents, msg)
+        elif t in COMMS:
+            self._comm(channel, idents, msg)
+        elif t in FORWARDED:
+            if self.kernel is None or self.kernel.ended:
+                self._answer_without_box(channel, idents, msg)
+            else:
+                self.requests[header["msg_id"]] = (channel, idents, header)
+                self.kernel.send(channel, msg)
+        elif t == "input_reply":
+            if self.kernel is not None and not self.kernel.ended:
+                self.kernel.send("stdin", msg)
+
+    def kernel_info(self) -> dict:
+        info = (self.kernel.info if self.kernel is not None and self.kernel.info else {}) or {}
+        language = info.get("language_info") or {
+            "name": "python", "version": sys.version.split()[0], "mimetype": "text/x-python",
+            "file_extension": ".py", "pygments_lexer": "ipython3", "codemirror_mode": {"name": "ipython", "version": 3},
+            "nbconvert_exporter": "python"}
+        return {"status": "ok", "protocol_version": PROTOCOL_VERSION, "implementation": "tkbox-nb",
+                "implementation_version": __version__, "language_info": language,
+                "banner": "Python 3 (Tracekit Box): every cell runs in a box, decided and signed",
+                "help_links": [{"text": "tkbox-nb", "url": "https://pypi.org/project/tracekit-ai/"}]}
+
+    # -- execute -------------------------------------------------------------------------------------------------
+    def _host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
+        content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
+        if status == "ok":
+            content.update(payload=[], user_expressions={})
+        else:
+            content.update(ename=error[0], evalue=error[1], traceback=[f"{error[0]}: {error[1]}"])
+            if not silent:
+                self.send("iopub", "error", {"ename": error[0], "evalue": error[1],
+                                             "traceback": [f"\x1b[0;31m{error[0]}\x1b[0m: {error[1]}"]}, header)
+        self.send(channel, "execute_reply", content, header, idents)
+        self.publish_status("idle", header)
+
+    def _execute(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        header, content = msg["header"], msg["content"]
+        code, silent = content.get("code", ""), bool(content.get("silent"))
+        magics, remainder = split_host_magics(code)
+        if magics or not remainder.strip():
+            self.publish_status("busy", header)  # the count stays the box's: host cells do not take a number
+            self.parent = (idents, header, bool(content.get("allow_stdin")))
+            try:
+                for name, line, body in magics:
+                    text = self.magics.run(name, line, body)
+                    if text and not silent:
+                        self.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
+            except TkboxError as e:
+                return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+            finally:
+                self.parent = None
+            if not remainder.strip():
+                return self._host_reply(channel, idents, header, "ok", silent)
+            msg = dict(msg, content=dict(content, code=remainder))
+            code = remainder
+        try:
+            box = self.nb.ensure_box()
+            crossing = box.decide_cell(code)
+        except (DoorRefused, TkboxError) as e:
+            self.publish_status("busy", header)
+            return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+        try:
+            self._ensure_kernel(box)
+            self.kernel.track(header["msg_id"], crossing)
+        except Exception as e:
+            box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
+            self.publish_status("busy", header)
+            return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+        self.requests[header["msg_id"]] = (channel, idents, header)
+        self.kernel.send("shell", msg)
+
+    def _ensure_kernel(self, box) -> None:
+        kernel = box.kernel()
+        if kernel is not self.kernel:
+            kernel.listeners.append(self._on_box_message)
+            self.kernel = kernel
+
+    def _comm(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        if not self.nb.live or self.kernel is None or self.kernel.ended:
+            return  # no box: the comm's other end is gone, as with a dead kernel
+        data = json.dumps(msg["content"], sort_keys=True, default=str).encode("utf-8")
+        comm_id = str(msg["content"].get("comm_id", ""))[:128]
+        crossing = self.nb.box.recorder.decide("exec", "comm", {"msg_type": msg["header"]["msg_type"],
+                                                                "comm_id": comm_id}, {"data": data})
+        if crossing.allowed:
+            self.kernel.send(channel, msg, msg.get("buffers") or [])
+
+    def _answer_without_box(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        header, t = msg["header"], msg["header"]["msg_type"]
+        replies = {
+            "complete_request": {"status": "ok", "matches": [], "cursor_start": msg["content"].get("cursor_pos", 0),
+                                 "cursor_end": msg["content"].get("cursor_pos", 0), "metadata": {}},
+            "inspect_request": {"status": "ok", "found": False, "data": {}, "metadata": {}},
+            "is_complete_request": {"status": "unknown"},
+            "history_request": {"status": "ok", "history": []},
+            "comm_info_request": {"status": "ok", "comms": {}},
+        }
+        self.send(channel, t.replace("_request", "_reply"), replies[t], header, idents)
+
+    # -- from the box --------------------------------------------------------------------------------------------
+    def _drain_box(self) -> None:
+        while True:
+            try:
+                msg = self.from_box.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None:
+                self._box_kernel_ended()
+                continue
+            wire = msg.wire()
+            if msg.msg_type == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
+                self.execution_count = max(self.execution_count, msg.content["execution_count"])
+            if msg.channel == "iopub":
+                self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
+                continue
+            parent = msg.parent_id
+            if msg.channel == "stdin":
+                target = self.requests.get(parent)
+                if target is not None:
+                    self.session.send(self.sockets["stdin"], wire, ident=target[1])
+                continue
+            target = self.requests.pop(parent, None) if parent else None
+            if target is not None:
+                self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
+
+    def _box_kernel_ended(self) -> None:
+        """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
+        reason = (self.nb.box.ended if self.nb.box is not None and self.nb.box.ended else None) or \
+            (self.kernel.ended if self.kernel is not None else "the box's kernel ended")
+        for msg_id, (channel, idents, header) in list(self.requests.items()):
+            self.requests.pop(msg_id, None)
+            if header["msg_type"] == "execute_request":
+                self.send("iopub", "stream", {"name": "stderr", "text": f"[tkbox] {reason}\n"
+                                              "[tkbox] the next cell starts a new box\n"}, header)
+                self._host_reply(channel, idents, header, "error", False, ("BoxEnded", reason))
+            else:
+                self._answer_without_box(channel, idents, {"header": header, "content": {}})
+        self.kernel = None
+        if self.nb.box is not None and self.nb.box.ended:
+            try:
+                self.nb.stop(reason)
+            except TkboxError as e:
+                self._log(str(e))
+
+    def _check_deadlines(self) -> None:
+        box = self.nb.box if self.nb.live else None
+        if box is None or self.kernel is None:
+            return
+        import time
+        timeout = box.policy.get("exec", "timeout_s")
+        if any(time.monotonic() - c.started > timeout for c in list(self.kernel.cells.values())):
+            box._end(f"exec timed out after {timeout:g}s")
+        elif not box.running.alive():
+            box._end(f"the box died: {box.running.exit_reason()}")
+
+    # -- host-side input (for %box_secret) -----------------------------------------------------------------------
+    def _read_secret(self, prompt: str) -> str:
+        if self.parent is None or not self.parent[2]:
+            raise TkboxError("%box_secret: this frontend takes no input (allow_stdin is false); "
+                             "use --env VAR to read the value from the host's environment")
+        idents, header, _ = self.parent
+        self.send("stdin", "input_request", {"prompt": prompt, "password": True}, header, idents)
+        stdin = self.sockets["stdin"]
+        while True:
+            if not stdin.poll(300_000):
+                raise TkboxError("%box_secret: no answer to the prompt")
+            _, msg_list = self.session.feed_identities(stdin.recv_multipart(), copy=True)
+            reply = self.session.deserialize(msg_list, content=True)
+            if reply["header"]["msg_type"] == "input_reply":
+                return str(reply["content"].get("value", ""))
+
+    def close(self) -> None:
+        try:
+            self.nb.stop("kernel shutdown")
+        except TkboxError as e:
+            self._log(str(e))
+        for s in self.sockets.values():
+            s.close(linger=1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m tkbox_nb.kernel")
+    p.add_argument("-f", "--connection-file", required=True)
+    a = p.parse_args(argv)
+    kernel = TkboxKernel(a.connection_file)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages (kernel.json interrupt_mode)
+
+    def on_term(signum, frame):
+        kernel.running = False
+    signal.signal(signal.SIGTERM, on_term)
+    kernel.serve()
+    return 0

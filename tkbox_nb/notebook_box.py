@@ -1,0 +1,239 @@
+"""The box of one notebook session, held on the host, and the host-side magics that act on it.
+
+One implementation for both notebook front doors: the Tracekit Box kernel (every cell in the box) and the IPython
+extension (`%%box` cells only). The box starts on the first cell that needs it, so a `%%box_policy` cell at the top of
+a notebook sets the policy the box starts with. Host-side magics never enter the box; each is recorded in the run as
+a host event (`door = "host"`) with its line, never a secret value. Events before the box exists are recorded as soon
+as it starts.
+
+Policy changes take effect at once for the doors' decisions (`[exec]` and later sections); `[box]` (backend and
+limits) is fixed when a box starts, so a change there applies from the next box (`%box_restart`), and the magic says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .box import Box
+from .errors import PolicyError, TkboxError
+from .policy import Policy
+
+HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart")
+
+
+@dataclass
+class SecretBinding:
+    """A secret held on the host for the secrets door. Its value is never printed, recorded or sent into the box."""
+
+    name: str
+    hosts: list[str]
+    header: str
+    format: str
+    source: str
+    value: str = field(repr=False)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.header} for {', '.join(self.hosts)} (from {self.source})"
+
+
+class NotebookBox:
+    """The notebook's box, its policy and its secret bindings."""
+
+    def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
+                 workspace: str | Path | None = None, bundle_dir: str | Path | None = None,
+                 home: str | Path | None = None):
+        self.policy = Policy.coerce(policy if policy is not None else os.environ.get("TKBOX_POLICY") or None)
+        self.backend = backend
+        self.workspace = workspace
+        self.bundle_dir = Path(bundle_dir) if bundle_dir else None
+        self.home = home
+        self.box: Box | None = None
+        self.secrets: dict[str, SecretBinding] = {}
+        self.bundles: list[Path] = []
+        self._pending: list[tuple[dict, dict[str, bytes]]] = []
+
+    # -- the box -------------------------------------------------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        return self.box is not None and not self.box.ended and self.box.recorder is not None \
+            and not self.box.recorder.closed
+
+    def ensure_box(self) -> Box:
+        """The running box, started now if there is none (or the last one ended)."""
+        if self.live:
+            return self.box
+        if self.box is not None:
+            self.stop("the box ended")
+        bundle = None
+        if self.bundle_dir is not None:
+            self.bundle_dir.mkdir(parents=True, exist_ok=True)
+            bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
+        box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
+                  home=self.home)
+        box.start()
+        self.box = box
+        pending, self._pending = self._pending, []
+        for facts, content in pending:
+            self._record(facts, content)
+        return box
+
+    def stop(self, reason: str = "box stopped") -> Path | None:
+        """Stop the box (if any) and write its bundle; returns the bundle's path."""
+        box, self.box = self.box, None
+        if box is None:
+            return None
+        path = box.stop(reason)
+        if path is not None:
+            self.bundles.append(path)
+        return path
+
+    # -- host events ---------------------------------------------------------------------------------------------
+    def host_event(self, magic: str, line: str, body: str | None = None) -> None:
+        facts = {"magic": magic, "line": line[:2000]}
+        content = {"body": body.encode("utf-8")} if body else {}
+        if self.live:
+            self._record(facts, content)
+        else:
+            self._pending.append((facts, content))
+
+    def _record(self, facts: dict, content: dict[str, bytes]) -> None:
+        crossing = self.box.recorder.decide("host", "magic", facts, content)
+        if crossing.allowed:
+            self.box.recorder.complete(crossing, "ok", {})
+
+    # -- what the magics do --------------------------------------------------------------------------------------
+    def set_policy(self, policy: Policy) -> str:
+        old, self.policy = self.policy, policy
+        if not self.live:
+            return f"policy {policy.name} ({policy.hash[:19]}...) set: the box starts with it"
+        self.box.policy = policy
+        self.box.recorder.set_policy(policy)
+        note = ""
+        if policy.data.get("box", {}) != old.data.get("box", {}):
+            note = "; its [box] section (backend, limits) applies from the next box (%box_restart)"
+        return f"policy {policy.name} ({policy.hash[:19]}...) in force for every crossing from now{note}"
+
+    def status(self) -> str:
+        lines = [f"policy   {self.policy.name} ({self.policy.hash[:19]}...)"]
+        if not self.live:
+            lines.append("box      not started (starts with the first cell that needs it)")
+        else:
+            b, rec = self.box, self.box.recorder
+            lines += [f"box      {b.box_id} ({b.backend.name}, isolation {b.backend.isolation})",
+                      f"run      {rec.run_id}"]
+            doors: dict[str, dict[str, int]] = {}
+            for (door, decision), n in sorted(rec.counts.items()):
+                doors.setdefault(door, {})[decision] = n
+            for door, counts in doors.items():
+                lines.append(f"{door:8s} " + ", ".join(f"{n} {d}" for d, n in counts.items()))
+        if self.secrets:
+            lines.append("secrets  " + "; ".join(s.describe() for s in self.secrets.values()))
+        if self.bundles:
+            lines.append(f"bundles  {', '.join(str(p) for p in self.bundles)}")
+        return "\n".join(lines)
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise TkboxError(f"%{self.prog}: {message}")
+
+
+def split_host_magics(code: str) -> tuple[list[tuple[str, str, str | None]], str]:
+    """The host-side magics a cell starts with, as (name, line, body), and the code left for the box.
+
+    `%%box_policy` takes the whole cell as its body. Otherwise each leading line `%box_NAME ...` (blank lines between
+    allowed) is a host magic, and the rest of the cell, if any, is code for the box."""
+    stripped = code.lstrip()
+    if stripped.startswith("%%box_policy"):
+        first, _, body = stripped.partition("\n")
+        return [("box_policy", first[len("%%box_policy"):].strip(), body)], ""
+    magics, lines = [], code.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if not line:
+            i += 1
+            continue
+        name = line[1:].split(None, 1)[0] if line.startswith("%") and not line.startswith("%%") else ""
+        if name not in HOST_MAGICS:
+            break
+        magics.append((name, line[1 + len(name):].strip(), None))
+        i += 1
+    return magics, "\n".join(lines[i:]) if magics else code
+
+
+class HostMagics:
+    """Runs host-side magics on a NotebookBox. `read_secret(prompt)` asks the user on the host (getpass-like)."""
+
+    def __init__(self, nb: NotebookBox, read_secret: Callable[[str], str]):
+        self.nb = nb
+        self.read_secret = read_secret
+
+    def run(self, name: str, line: str, body: str | None = None) -> str:
+        """Do one magic; returns what to show. Usage errors raise TkboxError (one line)."""
+        out = getattr(self, "_" + name)(line, body)
+        self.nb.host_event(name, line, body)
+        return out
+
+    def _box_policy(self, line: str, body: str | None) -> str:
+        if body is not None:
+            return self.nb.set_policy(Policy.from_toml(body, line or "%%box_policy"))
+        if not line:
+            return f"# {self.nb.policy.name} ({self.nb.policy.hash})\n{self.nb.policy.source}"
+        try:
+            policy = Policy.load(os.path.expanduser(line))
+        except PolicyError:
+            raise
+        return self.nb.set_policy(policy)
+
+    def _box_secret(self, line: str, body: str | None) -> str:
+        p = _ArgParser(prog="box_secret", add_help=False)
+        p.add_argument("name")
+        p.add_argument("--host", action="append", required=True)
+        p.add_argument("--header", default="Authorization")
+        p.add_argument("--format", default="{value}")
+        p.add_argument("--env", help="read the value from this host environment variable instead of a prompt")
+        try:
+            a = p.parse_args(shlex.split(line))
+        except ValueError as e:
+            raise TkboxError(f"%box_secret: {e}") from None
+        if "{value}" not in a.format:
+            raise TkboxError("%box_secret: --format must contain {value}")
+        if a.env:
+            value, source = os.environ.get(a.env), f"env:{a.env}"
+            if not value:
+                raise TkboxError(f"%box_secret: the host environment has no {a.env}")
+        else:
+            value, source = self.read_secret(f"value of {a.name} (stays on the host): "), "prompt"
+            if not value:
+                raise TkboxError(f"%box_secret: no value given for {a.name}")
+        binding = SecretBinding(a.name, a.host, a.header, a.format, source, value)
+        self.nb.secrets[a.name] = binding
+        return (f"secret {binding.describe()} held on the host; the box never sees its value. (The secrets door, "
+                "which swaps it into requests, is not built in this version: nothing uses it yet.)")
+
+    def _box_status(self, line: str, body: str | None) -> str:
+        return self.nb.status()
+
+    def _box_bundle(self, line: str, body: str | None) -> str:
+        from .verify import verify_bundle
+        if not self.nb.live:
+            raise TkboxError("%box_bundle: no box is running (the bundles written so far: "
+                             f"{', '.join(map(str, self.nb.bundles)) or 'none'})")
+        box = self.nb.box
+        out = Path(os.path.expanduser(line)) if line else \
+            box.signer.home / "bundles" / f"{box.recorder.run_id}.so-far.tkb"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        box.recorder.write_snapshot(out)
+        return f"wrote {out} (the run so far, still open)\n{verify_bundle(out).summary()}"
+
+    def _box_restart(self, line: str, body: str | None) -> str:
+        path = self.nb.stop("restarted by %box_restart")
+        return f"box stopped; its bundle: {path}. The next cell starts a new box." if path else \
+            "no box was running; the next cell starts one."
