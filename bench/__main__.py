@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_box, bench_signer
+from . import bench_box, bench_kernel, bench_signer
 
-TARGETS = {"signer": bench_signer.main, "box": bench_box.main}
+TARGETS = {"signer": bench_signer.main, "box": bench_box.main, "kernel": bench_kernel.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,5 +7,16 @@ from .box import Box, BoxEnded, CellResult, CommandResult  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .run import Run, open_run  # noqa: E402
 
+
+def load_ipython_extension(ip):  # `%load_ext tkbox_nb`
+    from .magics import load_ipython_extension as load
+    load(ip)
+
+
+def unload_ipython_extension(ip):
+    from .magics import unload_ipython_extension as unload
+    unload(ip)
+
+
 __all__ = ["__version__", "Box", "BoxEnded", "CellResult", "CommandResult", "Policy", "Run", "open_run", "TkboxError", "PolicyError", "BundleError", "SignerError",
            "DoorRefused"]

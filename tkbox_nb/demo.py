@@ -1,37 +1,59 @@
-"""`make demo`: the main job. Executes notebooks/01-quickstart.ipynb in a box, writes the executed notebook and the
-run's `.tkb`, and verifies the bundle with `tkbox verify` and with Tracekit's own `tracekit verify`.
-
-The cells run through the exec door of a bubblewrap box (the Jupyter kernel that does the same from JupyterLab is
-the kernel issue's work).
+"""`make demo`: the main job. Executes notebooks/01-quickstart.ipynb headlessly with the Tracekit Box kernel
+(nbclient), so every cell runs in a box through the exec door; writes the executed notebook and the run's `.tkb`, and
+verifies the bundle with `tkbox verify` and with Tracekit's own `tracekit verify`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 
-from .box import Box
 from .verify import verify_bundle
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01-quickstart.ipynb"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "01-quickstart.ipynb"
 
 
-def execute_notebook(path: Path, out_dir: Path) -> tuple[Path, Path]:
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute_notebook(path: Path, out_dir: Path, timeout: int = 300) -> tuple[Path, Path]:
+    """Run `path` with the Tracekit Box kernel; returns (executed notebook, bundle)."""
+    from nbclient import NotebookClient
+    from .kernel.install import SPEC_DIR
+
     nb = nbformat.read(path, as_version=4)
-    bundle = out_dir / (path.stem + ".tkb")
-    with Box(bundle_path=bundle) as box:
-        for cell in nb.cells:
-            if cell.cell_type != "code":
-                continue
-            result = box.execute(cell.source)
-            cell.outputs = [nbformat.from_dict({**o, **({"execution_count": result.execution_count}
-                                                        if o["output_type"] == "execute_result" else {})})
-                            for o in result.outputs]
-            cell.execution_count = result.execution_count
-        nb.metadata["tkbox"] = {"run_id": box.run_id, "box_id": box.box_id, "backend": box.backend.name}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tkbox-demo-") as tmp:
+        (Path(tmp) / "kernels").mkdir()
+        (Path(tmp) / "kernels" / "tkbox").symlink_to(SPEC_DIR)  # the shipped kernelspec, installed or not
+        bundles = Path(tmp) / "bundles"
+        jupyter_path = os.pathsep.join(filter(None, [tmp, os.environ.get("JUPYTER_PATH")]))
+        with _env(JUPYTER_PATH=jupyter_path, TKBOX_BUNDLE_DIR=str(bundles)):
+            NotebookClient(nb, timeout=timeout, kernel_name="tkbox",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+        written = sorted(bundles.glob("*.tkb"))
+        if len(written) != 1:
+            raise RuntimeError(f"expected one bundle from the notebook's box, found {len(written)}")
+        bundle = out_dir / (path.stem + ".tkb")
+        os.replace(written[0], bundle)
     executed = out_dir / (path.stem + ".executed.ipynb")
     nbformat.write(nb, executed)
     return executed, bundle
@@ -39,7 +61,6 @@ def execute_notebook(path: Path, out_dir: Path) -> tuple[Path, Path]:
 
 def main() -> int:
     out = Path("out")
-    out.mkdir(exist_ok=True)
     executed, bundle = execute_notebook(NOTEBOOK, out)
     report = verify_bundle(bundle)
     print(f"tkbox verify:    {report.summary()}")
@@ -49,7 +70,8 @@ def main() -> int:
                         capture_output=True, text=True)
     print("tracekit verify:", next((line for line in tk.stdout.splitlines() if line.startswith("Integrity")),
                                    tk.stdout[-200:]))
-    print(f"notebook: {executed.resolve()}  (open with: jupyter lab {executed})")
+    print(f"notebook: {executed.resolve()}  (open with: jupyter lab {executed}; tkbox kernel install --sys-prefix "
+          "to run it again)")
     print(f"bundle:   {bundle.resolve()}  (tkbox show {bundle})")
     print(f"trust:    {trust}")
     return 0 if report.valid and tk.returncode == 0 else 1

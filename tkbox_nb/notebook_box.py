@@ -51,6 +51,7 @@ class NotebookBox:
         self.policy = Policy.coerce(policy if policy is not None else os.environ.get("TKBOX_POLICY") or None)
         self.backend = backend
         self.workspace = workspace
+        bundle_dir = bundle_dir or os.environ.get("TKBOX_BUNDLE_DIR") or None
         self.bundle_dir = Path(bundle_dir) if bundle_dir else None
         self.home = home
         self.box: Box | None = None

@@ -253,5 +253,5 @@ def test_quickstart_notebook_executes_in_a_box_and_verifies(signer, tmp_path):
     nb = nbformat.read(executed, as_version=4)
     first = next(c for c in nb.cells if c.cell_type == "code")
     assert first.outputs[-1]["data"]["text/plain"] == "['lo']"
-    assert nb.metadata["tkbox"]["backend"] == "bwrap"
+    assert "bwrap" in "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert verify_bundle(bundle).valid

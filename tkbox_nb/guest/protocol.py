@@ -99,14 +99,14 @@ class Session:
         self.is_host = is_host
         self.max_streams = max_streams
         self.window = window
-        self.streams = {}   # id -> {"recv_left", "send_left", "recv_closed", "sent_closed"}
+        self.streams = {}   # id -> {"recv_left", "send_left", "owed", "recv_closed", "sent_closed"}
         self._next = 1 if is_host else 2
         self._peer_max = 0  # the highest stream id the peer opened
 
     def _new(self, sid):
         if len(self.streams) >= self.max_streams:
             raise ProtocolError("more than %d streams open" % self.max_streams)
-        self.streams[sid] = {"recv_left": self.window, "send_left": self.window, "recv_closed": False,
+        self.streams[sid] = {"recv_left": self.window, "send_left": self.window, "owed": 0, "recv_closed": False,
                              "sent_closed": False}
 
     def open(self):
@@ -168,12 +168,18 @@ class Session:
         return 0 < sid < self._next if ours else 0 < sid <= self._peer_max
 
     def consumed(self, sid, n):
-        """We processed `n` bytes of stream `sid`: the WINDOW frame granting them back (or b"")."""
+        """We processed `n` bytes of stream `sid`: the WINDOW frame granting them back, or b"" while the credit
+        owed is under a quarter of the window (one frame per 256 KiB, not one per message; the peer still has
+        three quarters of its window to send on meanwhile)."""
         st = self.streams.get(sid)
         if st is None or st["recv_closed"] or n <= 0:
             return b""
-        st["recv_left"] += n
-        return encode(WINDOW, sid, struct.pack(">I", n))
+        st["owed"] += n
+        if st["owed"] < self.window // 4:
+            return b""
+        credit, st["owed"] = st["owed"], 0
+        st["recv_left"] += credit
+        return encode(WINDOW, sid, struct.pack(">I", credit))
 
     def may_send(self, sid):
         st = self.streams.get(sid)

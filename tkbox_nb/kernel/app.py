@@ -20,7 +20,6 @@ next cell starts a fresh box (a new run).
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import sys
@@ -70,7 +69,7 @@ class TkboxKernel:
         self.wake.bind(self.wake_url)
         self._wake_local = threading.local()
         self.from_box: queue.Queue = queue.Queue()
-        self.nb = nb or NotebookBox(bundle_dir=os.environ.get("TKBOX_BUNDLE_DIR") or None)
+        self.nb = nb or NotebookBox()
         self.magics = HostMagics(self.nb, self._read_secret)
         self.requests: dict[str, tuple[str, list[bytes], dict]] = {}  # msg_id -> (socket, idents, header)
         self.execution_count = 0

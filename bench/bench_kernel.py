@@ -1,0 +1,66 @@
+"""`execute('1+1')` round trips through the Tracekit Box kernel against a plain ipykernel, both driven by
+jupyter_client in the same run (median of n). Target: under 1.5x the plain kernel's median plus 3 ms.
+
+The Tracekit Box kernel's figure includes the exec door (a signed decision before the cell, a signed result after,
+ack-on-fsync) and both hops of the bridge (frontend -> host kernel -> box -> ipykernel in the box, and back).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tkbox_nb.kernel.install import SPEC_DIR
+from tkbox_nb.signer import MachineSigner
+
+
+def _round_trips(kernel_name: str, n: int) -> tuple[float, list[float]]:
+    from jupyter_client.manager import start_new_kernel
+    t = time.perf_counter()
+    km, kc = start_new_kernel(kernel_name=kernel_name, startup_timeout=120)
+    kc.execute_interactive("1+1", timeout=120, output_hook=lambda msg: None)
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        kc.execute_interactive("1+1", timeout=60, output_hook=lambda msg: None)
+        times.append(time.perf_counter() - t)
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+    return first, times
+
+
+def main(n: int | None = None) -> None:
+    n = n or 200
+    home = Path(tempfile.mkdtemp(prefix="tkb-bench-", dir="/tmp"))
+    (home / "kernels").mkdir()
+    (home / "kernels" / "tkbox").symlink_to(SPEC_DIR)
+    old = {k: os.environ.get(k) for k in ("TKBOX_HOME", "JUPYTER_PATH", "TKBOX_BUNDLE_DIR")}
+    os.environ.update(TKBOX_HOME=str(home), JUPYTER_PATH=str(home), TKBOX_BUNDLE_DIR=str(home / "bundles"))
+    MachineSigner(home).ensure()  # the machine signer is long-lived: its start is not a kernel's
+    try:
+        _round_trips("python3", 5)  # warm the file cache for both
+        _round_trips("tkbox", 5)
+        k_first, k_times = _round_trips("python3", n)
+        b_first, b_times = _round_trips("tkbox", n)
+        km, bm = statistics.median(k_times) * 1e3, statistics.median(b_times) * 1e3
+        target = 1.5 * km + 3
+        print(f"execute('1+1') round trip through jupyter_client, median of {n}")
+        print(f"  plain ipykernel            : {km:6.2f} ms")
+        print(f"  Tracekit Box kernel        : {bm:6.2f} ms   ratio {bm / km:.2f}x; target < 1.5x + 3 ms "
+              f"= {target:.2f} ms: {'met' if bm < target else 'NOT met'}")
+        print("start to first result (kernel start, and for tkbox the box and its ipykernel)")
+        print(f"  plain ipykernel            : {k_first:6.3f} s")
+        print(f"  Tracekit Box kernel        : {b_first:6.3f} s   ratio {b_first / k_first:.2f}x")
+    finally:
+        MachineSigner(home).stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(home, ignore_errors=True)

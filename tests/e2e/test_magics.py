@@ -1,0 +1,122 @@
+"""The IPython extension: `%%box` and the host-side magics in an ordinary IPython, through InteractiveShell and
+through nbclient executing a notebook on the usual python3 kernel."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import nbformat
+import pytest
+
+from tkbox_nb import open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+
+
+@pytest.fixture
+def shell(signer, tmp_path, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+    monkeypatch.setenv("TKBOX_BUNDLE_DIR", str(tmp_path / "bundles"))
+    ip = InteractiveShell.instance()
+    ip.run_cell("%load_ext tkbox_nb")
+    yield ip
+    ip.run_cell("%unload_ext tkbox_nb")
+    InteractiveShell.clear_instance()
+
+
+def bundles(tmp_path):
+    return sorted((tmp_path / "bundles").glob("*.tkb"))
+
+
+def test_box_cells_keep_state_and_show_outputs_in_place(shell, capsys):
+    assert shell.run_cell("%%box\nx = 2\nprint('in the box', x * 21)").success
+    assert "in the box 42" in capsys.readouterr().out
+    assert "x" not in shell.user_ns  # the box's namespace, not the host's
+    assert shell.run_cell("%%box\nimport socket\nprint(sorted(n for _, n in socket.if_nameindex()), x)").success
+    assert "['lo'] 2" in capsys.readouterr().out
+
+
+def test_box_errors_show_the_box_traceback(shell, capsys):
+    result = shell.run_cell("%%box\ndef f():\n    raise ValueError('from the box')\nf()")
+    assert not result.success and type(result.error_in_exec).__name__ == "BoxCellError"
+    shown = capsys.readouterr()
+    assert "ValueError" in shown.out + shown.err and "from the box" in shown.out + shown.err
+
+
+def test_new_box_starts_fresh(shell, capsys, tmp_path):
+    shell.run_cell("%%box\nkept = 1")
+    shell.run_cell("%%box --new\nprint('kept' in globals())")
+    assert "False" in capsys.readouterr().out
+    assert len(bundles(tmp_path)) == 1 and verify_bundle(bundles(tmp_path)[0]).valid
+
+
+def test_plain_data_moves_in_and_out_through_the_exec_door(shell, tmp_path):
+    shell.user_ns["data"] = {"a": [1, 2], "s": "text"}
+    assert shell.run_cell("%box_push data").success
+    assert shell.run_cell("%%box\ndata['a'].append(3)\nresult = len(data['a'])").success
+    assert shell.run_cell("%box_pull data result").success
+    assert shell.user_ns["data"] == {"a": [1, 2, 3], "s": "text"} and shell.user_ns["result"] == 3
+    shell.user_ns["odd"] = {1, 2}
+    assert not shell.run_cell("%box_push odd").success  # a set is not plain data
+    shell.run_cell("%unload_ext tkbox_nb")
+    run = open_run(bundles(tmp_path)[0])
+    cells = [run.content(c.args["code"]).decode() for c in run.crossings() if c.door == "exec"]
+    assert any("data = __import__('json').loads" in c for c in cells)  # every move is a signed cell
+    assert verify_bundle(bundles(tmp_path)[0]).valid
+
+
+def test_policy_changes_take_effect_for_box_cells(shell, capsys, tmp_path):
+    shell.run_cell("%%box_policy\n[exec]\ncells = false\n")
+    result = shell.run_cell("%%box\nprint('nope')")
+    assert not result.success and "DoorRefused" in str(result.error_in_exec.box_traceback)
+    shell.run_cell("%%box_policy\n[exec]\ncells = true\n")
+    assert shell.run_cell("%%box\nprint('yes')").success
+    assert "yes" in capsys.readouterr().out
+
+
+def test_secret_is_read_with_getpass_and_never_shown_kept_in_history_or_bundled(shell, capsys, tmp_path, monkeypatch):
+    value = "sk-magic-0123456789abcdef"
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": value)
+    assert shell.run_cell("%box_secret API --host api.example.org --format 'Bearer {value}'").success
+    assert shell.run_cell("%%box\nimport os\nprint(any('sk-magic' in v for v in os.environ.values()))").success
+    out = capsys.readouterr().out
+    assert value not in out and "False" in out
+    assert not any(value in line for line in shell.history_manager.input_hist_raw)
+    shell.run_cell("%unload_ext tkbox_nb")
+    data = bundles(tmp_path)[0].read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert not any(value.encode() in z.read(n) for n in z.namelist())
+
+
+def test_nbclient_runs_a_notebook_that_uses_the_magics(signer, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+    value = "env-secret-fedcba9876543210"
+    monkeypatch.setenv("TKBOX_BUNDLE_DIR", str(tmp_path / "bundles"))
+    monkeypatch.setenv("TKBOX_TEST_SECRET", value)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (
+        "%load_ext tkbox_nb",
+        "%%box\nimport socket\nsorted(n for _, n in socket.if_nameindex())",
+        "%box_secret TOKEN --host api.example.org --env TKBOX_TEST_SECRET",
+        "%%box\ny = 6 * 7\ny",
+        "%box_status",
+        "%unload_ext tkbox_nb",
+    )]
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    assert nb.cells[1].outputs[0]["data"]["text/plain"] == "['lo']"
+    assert nb.cells[3].outputs[0]["data"]["text/plain"] == "42"
+    assert "TOKEN" in nb.cells[4].outputs[0]["text"]
+    saved = tmp_path / "saved.ipynb"
+    nbformat.write(nb, saved)
+    assert value not in saved.read_text()
+    [bundle] = bundles(tmp_path)
+    assert verify_bundle(bundle).valid
+    run = open_run(bundle)
+    assert [c.args["magic"] for c in run.crossings() if c.door == "host"] == ["box_secret", "box_status"]
+    with zipfile.ZipFile(bundle) as z:
+        assert not any(value.encode() in z.read(n) for n in z.namelist())
+    assert json.loads(run.content(next(c for c in run.crossings() if c.door == "exec").result["outputs"]))

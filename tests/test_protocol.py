@@ -1,0 +1,93 @@
+"""The door stream codec (sans-IO): frames, streams, windows and messages, including hostile byte streams."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tkbox_nb import protocol as p
+
+
+def test_frames_round_trip_across_any_split():
+    frames = p.encode_json(p.OPEN, 2, {"kind": "hello"}) + p.encode(p.DATA, 2, b"\x01abc") + p.encode(p.CLOSE, 2)
+    for cut in range(len(frames) + 1):
+        d = p.Decoder()
+        assert d.feed(frames[:cut]) + d.feed(frames[cut:]) == [
+            (p.OPEN, 2, b'{"kind":"hello"}'), (p.DATA, 2, b"\x01abc"), (p.CLOSE, 2, b"")]
+
+
+def test_window_credit_is_granted_back_in_batches_and_never_past_what_was_consumed():
+    host, guest = p.Session(is_host=True), p.Session(is_host=False)
+    sid = host.open()
+    guest.receive(p.OPEN, sid, b"{}")
+    chunk = b"\x03" + b"x" * 1000
+    grants = []
+    for _ in range(1024):  # the whole initial window, consumed as it comes
+        assert guest.receive(p.DATA, sid, chunk)[0] == "data"
+        frame = guest.consumed(sid, 1000)
+        if frame:
+            grants.append(struct.unpack(">I", frame[9:])[0])
+    assert grants and all(g >= p.INITIAL_WINDOW // 4 for g in grants)
+    assert sum(grants) <= 1024 * 1000
+    guest.receive(p.DATA, sid, b"\x03" + b"x" * (p.INITIAL_WINDOW - 1024 * 1000 + sum(grants)))
+    with pytest.raises(p.ProtocolError, match="past its window"):
+        guest.receive(p.DATA, sid, b"\x03x")
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (p.HEADER.pack(0, 9, 1), "unknown frame type"),
+    (p.HEADER.pack(p.MAX_PAYLOAD + 1, p.DATA, 1), "over the limit"),
+])
+def test_bad_headers_are_violations(frame, reason):
+    with pytest.raises(p.ProtocolError, match=reason):
+        p.Decoder().feed(frame)
+
+
+@pytest.mark.parametrize("frames,reason", [
+    ([(p.OPEN, 1, b"{}")], "wrong side"),
+    ([(p.OPEN, 2, b"{}"), (p.OPEN, 2, b"{}")], "opened twice"),
+    ([(p.DATA, 4, b"\x01x")], "not open"),
+    ([(p.OPEN, 2, b"[1]")], "not a JSON object"),
+    ([(p.OPEN, 2, b"{}"), (p.DATA, 2, b"")], "without a channel"),
+    ([(p.OPEN, 2, b"{}"), (p.CLOSE, 2, b""), (p.DATA, 2, b"\x01x")], "after its close"),
+    ([(p.OPEN, 2, b"{}"), (p.WINDOW, 2, struct.pack(">I", p.MAX_WINDOW))], "out of range"),
+])
+def test_stream_violations(frames, reason):
+    host = p.Session(is_host=True)
+    with pytest.raises(p.ProtocolError, match=reason):
+        for ftype, sid, payload in frames:
+            host.receive(ftype, sid, payload)
+
+
+def test_too_many_streams_is_a_violation():
+    host = p.Session(is_host=True)
+    with pytest.raises(p.ProtocolError, match="streams open"):
+        for sid in range(2, 2 * p.MAX_STREAMS + 4, 2):
+            host.receive(p.OPEN, sid, b"{}")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2048), st.integers(min_value=1, max_value=64))
+def test_fuzz_decoder_and_session_take_any_bytes_without_crashing(data, step):
+    """Whatever a box writes, the host either reads events or raises ProtocolError; nothing else."""
+    d, host = p.Decoder(), p.Session(is_host=True)
+    try:
+        for i in range(0, len(data), step):
+            for ftype, sid, payload in d.feed(data[i:i + step]):
+                host.receive(ftype, sid, payload)
+    except p.ProtocolError:
+        pass
+    assert d.buffered <= p.HEADER.size + p.MAX_PAYLOAD
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_message_reader_takes_any_bytes_without_crashing(data):
+    try:
+        for obj in p.MessageReader(max_message=256).feed(data):
+            assert isinstance(obj, dict)
+    except p.ProtocolError:
+        pass
