@@ -71,7 +71,7 @@ class BoxMagicsExtension:
     def __init__(self, shell, nb: NotebookBox | None = None):
         self.shell = shell
         self.nb = nb or NotebookBox()
-        self.host = HostMagics(self.nb, getpass.getpass)
+        self.host = HostMagics(self.nb, lambda prompt: getpass.getpass(prompt))  # looked up late: ipykernel swaps it per cell
 
     def register(self) -> None:
         ip = self.shell
