@@ -193,9 +193,9 @@ import os, struct, time
 from tkbox_guest import protocol as p
 fd = int(os.environ["TKBOX_DOOR_FD"])
 os.write(fd, p.encode_json(p.OPEN, 2, {"kind": "hello"}) + p.encode(p.CLOSE, 2))
-got = b""
-while len(got) < 9:
-    got += os.read(fd, 65536)
+decoder, opened = p.Decoder(), False
+while not opened:  # until the host opens its first stream (the kernel's, for execute)
+    opened = any(f[0] == p.OPEN and f[1] == 1 for f in decoder.feed(os.read(fd, 65536)))
 """
 KERNEL_MSG = {"channel": "iopub", "header": {"msg_id": "m", "msg_type": "stream"}, "parent_header": {},
               "metadata": {}, "content": {"name": "stdout", "text": "x"}, "buffers": []}
@@ -255,3 +255,12 @@ def test_quickstart_notebook_executes_in_a_box_and_verifies(signer, tmp_path):
     assert first.outputs[-1]["data"]["text/plain"] == "['lo']"
     assert "bwrap" in "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert verify_bundle(bundle).valid
+
+
+def test_a_box_flooding_its_stderr_costs_the_host_only_a_bounded_tail(signer, tmp_path):
+    program = "import os\nfor _ in range(1600):\n    os.write(2, b'y' * 65536)\nos.write(2, b'\\nthe end\\n')\n"
+    b = Box(backend="bwrap", bundle_path=tmp_path / "f.tkb", agent_argv=["python3", "-c", program])
+    with pytest.raises(BoxEnded, match="did not come up.*the end"):
+        b.start()
+    assert len(b.running.log_tail()) <= 8192
+    assert "did not come up" in open_run(tmp_path / "f.tkb").box["end_reason"]

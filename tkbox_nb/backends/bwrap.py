@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
+STDERR_TAIL_BYTES = 8192
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
              "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf")
 PASSWD = "root:x:0:0:root:/tmp:/bin/sh\nbox:x:1000:1000:box:/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
@@ -38,6 +40,18 @@ class BwrapRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
         self._killed_for: str | None = None
+        self._stderr_tail = bytearray()
+        threading.Thread(target=self._drain_stderr, daemon=True, name="tkbox-box-stderr").start()
+
+    def _drain_stderr(self) -> None:
+        """The box's stderr (bwrap's and the agent's own) is box output too: only its last bytes are kept, in
+        memory, so a box that writes without end costs the host nothing."""
+        while True:
+            chunk = self.proc.stderr.read1(65536)
+            if not chunk:
+                return
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-STDERR_TAIL_BYTES]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -66,10 +80,7 @@ class BwrapRunning(RunningBox):
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     def log_tail(self) -> str:
-        try:
-            return (self._workdir / "box.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
+        return bytes(self._stderr_tail).decode("utf-8", "replace")[-2000:]
 
     def exit_reason(self) -> str:
         rc = self.proc.poll()
@@ -159,10 +170,9 @@ class BwrapBackend(Backend):
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
         fd = box_end.fileno()
-        log = open(workdir / "box.log", "wb")
         try:
             proc = subprocess.Popen(self.argv(spec, fd, etc_dir), pass_fds=[fd], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=log, preexec_fn=in_child,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=in_child,
                                     start_new_session=True)
         except BaseException:
             host_end.close()
@@ -173,5 +183,4 @@ class BwrapBackend(Backend):
             raise
         finally:
             box_end.close()
-            log.close()
         return BwrapRunning(proc, host_end, cgroup, workdir)
