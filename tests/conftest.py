@@ -53,10 +53,13 @@ def private_signer():
 
 
 def record_run(signer: MachineSigner, out: Path, policy: Policy | None = None, cells=("print(1)\n",),
-               commands=(["ls", "-l"],)) -> Path:
-    """A run with real signed crossings but no box behind them: for the bundle and verifier tests."""
+               commands=(["ls", "-l"],), egress=()) -> Path:
+    """A run with real signed crossings but no box behind them: for the bundle, verifier and view tests.
+    `egress`: (host, address) pairs stated to the signer as connections, which this version refuses."""
     rec = RunRecorder(signer, policy or Policy.default(),
                       {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+    for host, address in egress:
+        rec.decide("egress", "connect", {"host": host, "port": 80, "address": address})
     for i, code in enumerate(cells, 1):
         c = rec.decide("exec", "cell", {}, {"code": code.encode()})
         rec.complete(c, "ok", {"execution_count": i}, {"outputs": b'[{"output_type": "stream", "text": "1\\n"}]'})
@@ -71,3 +74,23 @@ def record_run(signer: MachineSigner, out: Path, policy: Policy | None = None, c
 def run_cli(*args: str, cwd: str | Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(VENV_BIN / "tkbox"), *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, **(env or {})}, timeout=120)
+
+
+def tamper_content(src: Path, out: Path) -> Path:
+    """A copy of `src` with one disclosed content item altered and the manifest recomputed (a forger's best)."""
+    import base64
+    import hashlib
+    import json
+
+    from tkbox_nb.bundle import read_bundle_file, write_zip
+    files = read_bundle_file(src)
+    lines = files["box/content-0001.jsonl"].split(b"\n")
+    item = json.loads(lines[0])
+    item["b64"] = base64.b64encode(base64.b64decode(item["b64"]) + b" tampered").decode()
+    lines[0] = json.dumps(item).encode()
+    files["box/content-0001.jsonl"] = b"\n".join(lines)
+    m = json.loads(files["manifest.json"])
+    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
+    files["manifest.json"] = json.dumps(m, indent=1).encode()
+    write_zip(out, files)
+    return out

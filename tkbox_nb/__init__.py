@@ -8,6 +8,12 @@ from .policy import Policy  # noqa: E402
 from .run import Run, open_run  # noqa: E402
 
 
+def view(run_or_path, trust=None):
+    """An ipywidgets view of one run: summary, timeline, filterable table, details and a Verify button."""
+    from .widgets import view as _view
+    return _view(run_or_path, trust=trust)
+
+
 def load_ipython_extension(ip):  # `%load_ext tkbox_nb`
     from .magics import load_ipython_extension as load
     load(ip)
@@ -19,4 +25,4 @@ def unload_ipython_extension(ip):
 
 
 __all__ = ["__version__", "Box", "BoxEnded", "CellResult", "CommandResult", "Policy", "Run", "open_run", "TkboxError", "PolicyError", "BundleError", "SignerError",
-           "DoorRefused"]
+           "DoorRefused", "view"]

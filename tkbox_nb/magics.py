@@ -19,6 +19,7 @@ import atexit
 import getpass
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from .errors import TkboxError
@@ -89,6 +90,9 @@ class BoxMagicsExtension:
             except TkboxError as e:
                 print(f"{type(e).__name__}: {e}", file=sys.stderr)
                 return None
+            if isinstance(text, Path):  # %box_view: the run, as the widget view
+                from .widgets import view
+                return view(text)
             print(text)
         magic.__name__ = name
         magic.__doc__ = f"%{name}: a host-side tkbox magic (docs/notebook.md); never enters the box."

@@ -24,7 +24,7 @@ from .box import Box
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
-HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart")
+HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view")
 
 
 @dataclass
@@ -176,8 +176,9 @@ class HostMagics:
         self.nb = nb
         self.read_secret = read_secret
 
-    def run(self, name: str, line: str, body: str | None = None) -> str:
-        """Do one magic; returns what to show. Usage errors raise TkboxError (one line)."""
+    def run(self, name: str, line: str, body: str | None = None) -> str | Path:
+        """Do one magic; returns text to show (or, for %box_view, the bundle to show). Usage errors raise
+        TkboxError (one line)."""
         out = getattr(self, "_" + name)(line, body)
         self.nb.host_event(name, line, body)
         return out
@@ -233,6 +234,19 @@ class HostMagics:
         out.parent.mkdir(parents=True, exist_ok=True)
         box.recorder.write_snapshot(out)
         return f"wrote {out} (the run so far, still open)\n{verify_bundle(out).summary()}"
+
+    def _box_view(self, line: str, body: str | None) -> Path:
+        """The bundle to view: the one named, else the running box's run so far, else the last one written."""
+        if line:
+            return Path(os.path.expanduser(line))
+        if self.nb.live:
+            box = self.nb.box
+            out = box.signer.home / "bundles" / f"{box.recorder.run_id}.so-far.tkb"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return box.recorder.write_snapshot(out)
+        if self.nb.bundles:
+            return self.nb.bundles[-1]
+        raise TkboxError("%box_view: no run to view yet (name a .tkb, or run a cell first)")
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")

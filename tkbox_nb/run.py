@@ -47,6 +47,47 @@ class Run:
         self.box: dict[str, Any] = contents.box or {}
         self.run_id = contents.run_id
 
+    @property
+    def sealed(self) -> bool:
+        """Whether the run was closed (its run.final record is in the bundle), not a snapshot of an open run."""
+        return any(e.get("type") == "run.final" for e in self.records)
+
+    @property
+    def origin(self) -> str:
+        """The signing log's origin, from the bundle's checkpoint note (first line)."""
+        for name, body in sorted(self._b.files.items()):
+            if name.startswith("checkpoints/") and name.endswith(".note"):
+                return body.split(b"\n", 1)[0].decode("utf-8", "replace")[:200]
+        return ""
+
+    @property
+    def key_id(self) -> str:
+        """The record-signing key's id (sha256 of its public key), from the signer's epoch record in the bundle."""
+        from .bundle import loads_jsonl
+        from .errors import BundleError
+        try:
+            for r in loads_jsonl(self._b.files.get("keys/records.jsonl", b""), "keys/records.jsonl"):
+                keys = ((r.get("event") or {}).get("data") or {}).get("keys") if isinstance(r, dict) else None
+                if isinstance(keys, list) and keys and isinstance(keys[0], dict):
+                    return str(keys[0].get("kid", ""))[:80]
+        except BundleError:
+            pass
+        return ""
+
+    def _ipython_display_(self) -> None:
+        """In a kernel with widgets, the interactive view (tkbox_nb.view); elsewhere the static HTML."""
+        from IPython.display import HTML, display
+        try:
+            from .widgets import view
+            display(view(self))
+        except ImportError:
+            display(HTML(self._repr_html_()))
+
+    def _repr_html_(self) -> str:
+        """A static view (summary and the first rows), for nbconvert and GitHub, where widgets do not run."""
+        from .widgets import static_html
+        return static_html(self)
+
     def __repr__(self) -> str:
         return f"<Run {self.run_id} {self.box.get('backend', '?')} {len(self.crossings())} crossings>"
 

@@ -238,9 +238,11 @@ def test_nbclient_executes_a_notebook_with_this_kernel(kernel_env, tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("%box_status"), nbformat.v4.new_code_cell("n = 5\nn * 2"),
-                nbformat.v4.new_code_cell("print('done')")]
+                nbformat.v4.new_code_cell("print('done')"), nbformat.v4.new_code_cell("%box_view")]
     NotebookClient(nb, timeout=120, kernel_name="tkbox").execute()
     assert nb.cells[1].outputs[0]["data"]["text/plain"] == "10"
     assert nb.cells[2].outputs[0]["text"] == "done\n"
+    view = nb.cells[3].outputs[0]  # the static view of the run so far: this host kernel has no widgets
+    assert "tkbox-summary" in view["data"]["text/html"] and "OPEN" in view["data"]["text/html"]
     assert "bwrap" in nb.cells[0].outputs[0]["text"] or "not started" in nb.cells[0].outputs[0]["text"]
     assert verify_bundle(only_bundle(kernel_env)).valid

@@ -120,3 +120,11 @@ def test_nbclient_runs_a_notebook_that_uses_the_magics(signer, tmp_path, monkeyp
     with zipfile.ZipFile(bundle) as z:
         assert not any(value.encode() in z.read(n) for n in z.namelist())
     assert json.loads(run.content(next(c for c in run.crossings() if c.door == "exec").result["outputs"]))
+
+
+def test_box_view_shows_the_running_box_as_a_widget(shell):
+    shell.run_cell("%%box\nv = 1")
+    result = shell.run_cell("%box_view")
+    assert result.success and type(result.result).__name__ == "ViewBox"
+    view = result.result.view
+    assert view.run.sealed is False and (view.df["door"] == "exec").sum() >= 1

@@ -26,6 +26,7 @@ import sys
 import threading
 import traceback
 import uuid
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -199,6 +200,13 @@ class TkboxKernel:
             try:
                 for name, line, body in magics:
                     text = self.magics.run(name, line, body)
+                    if isinstance(text, Path):  # %box_view: this host kernel has no widgets; the static view
+                        if not silent:
+                            from ..run import open_run
+                            self.send("iopub", "display_data", {"data": {
+                                "text/html": open_run(text)._repr_html_(), "text/plain": f"<run {text}>"},
+                                "metadata": {}}, header)
+                        continue
                     if text and not silent:
                         self.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
             except TkboxError as e:
