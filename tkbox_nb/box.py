@@ -21,6 +21,7 @@ from . import protocol as p
 from .backends import BoxSpec, get_backend
 from .box_kernel import READY_TIMEOUT_S as KERNEL_READY_S, BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
+from .doors.egress import EgressDoor
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
 from .recorder import Crossing, RunRecorder
@@ -41,6 +42,15 @@ class CellResult:
     status: str
     outputs: list[dict[str, Any]] = field(default_factory=list)
     execution_count: int | None = None
+
+
+def egress_env(port: int = 3128) -> dict[str, str]:
+    """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
+    url = f"http://127.0.0.1:{port}"
+    env = {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": ""}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = url
+    return env
 
 
 class BoxEnded(TkboxError):
@@ -98,8 +108,10 @@ class Box:
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
-                workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv))
-            self.conn = HostConnection(self.running.door, self._violation)
+                workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
+                env=egress_env()))
+            self.egress = EgressDoor(self)
+            self.conn = HostConnection(self.running.door, self._violation, on_open=self.egress.accept)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not self.conn.ready.wait(0.1):
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:

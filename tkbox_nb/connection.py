@@ -35,12 +35,15 @@ class Stream:
 
 
 class HostConnection:
-    def __init__(self, sock: socket.socket, on_violation: Callable[[str], None]):
+    def __init__(self, sock: socket.socket, on_violation: Callable[[str], None],
+                 on_open: Callable[["Stream", dict], bool] | None = None):
         self.sock = sock
         self.on_violation = on_violation
+        self.on_open = on_open  # a stream the box opens (egress): taken when it returns True
         self.session = p.Session(is_host=True)
         self.decoder = p.Decoder()
         self.lock = threading.Lock()
+        self.window_changed = threading.Condition(self.lock)
         self.streams: dict[int, Stream] = {}
         self.hello: dict | None = None
         self.ready = threading.Event()
@@ -54,13 +57,15 @@ class HostConnection:
     def _read(self) -> None:
         try:
             while True:
-                data = self.sock.recv(1 << 16)
+                data = self.sock.recv(1 << 20)
                 if not data:
                     break
                 self.bytes_in += len(data)
                 for ftype, sid, payload in self.decoder.feed(data):
                     with self.lock:
                         event = self.session.receive(ftype, sid, payload)
+                        if event[0] in ("window", "close"):
+                            self.window_changed.notify_all()
                     self._dispatch(event)
         except p.ProtocolError as e:
             self._violate(str(e))
@@ -69,6 +74,8 @@ class HostConnection:
         self.closed = True
         for s in list(self.streams.values()):
             s.events.put(("violation", self.violation or "the box's door stream ended"))
+        with self.lock:
+            self.window_changed.notify_all()
 
     def _dispatch(self, event) -> None:
         kind, sid = event[0], event[1]
@@ -79,6 +86,11 @@ class HostConnection:
                 self.hello = event[2]
                 self.ready.set()
                 return
+            if self.hello is not None and self.on_open is not None:
+                stream = self.streams[sid] = Stream(self, sid)
+                if self.on_open(stream, event[2]):
+                    return
+                self.streams.pop(sid, None)
             raise p.ProtocolError(f"the box opened stream {sid} ({str(event[2].get('kind'))[:40]!r}), which this "
                                   "version does not take")
         if kind == "close" and sid not in self.streams:  # the hello stream ending
@@ -113,15 +125,22 @@ class HostConnection:
             self.sock.sendall(p.encode_json(p.OPEN, sid, body))
         return stream
 
-    def send_data(self, sid: int, channel: int, data: bytes) -> None:
+    def send_data(self, sid: int, channel: int, data: bytes, window_wait_s: float = 60.0) -> None:
+        """Send within the box's window, waiting for credit (a box that grants none for `window_wait_s` is
+        treated as gone for this stream)."""
         view = memoryview(data)
         while len(view):
             with self.lock:
-                n = min(len(view), self.session.may_send(sid), p.MAX_PAYLOAD - 1)
-                if n <= 0:
-                    raise StreamClosed("the box gives no window for this stream")
+                while True:
+                    n = min(len(view), self.session.may_send(sid), p.MAX_PAYLOAD - 1)
+                    if n > 0:
+                        break
+                    if self.closed or self.violation or sid not in self.session.streams:
+                        raise StreamClosed("the stream is closed")
+                    if not self.window_changed.wait(window_wait_s):
+                        raise StreamClosed("the box gives no window for this stream")
                 self.session.sent(sid, n)
-                self.sock.sendall(p.encode(p.DATA, sid, bytes([channel]) + bytes(view[:n])))
+                self.sock.sendall(b"".join((p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n])))
             view = view[n:]
 
     def close(self, sid: int, body: dict | None = None) -> None:

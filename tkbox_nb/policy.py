@@ -41,14 +41,16 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
             "workspace_mib": int},
     "exec": {"cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
+    "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float)},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
             "workspace_mib": 1024},
     "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
              "max_output_bytes": 16 << 20},
+    "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10},
 }
-_LATER = {"egress": "the egress door", "secrets": "the secrets door", "models": "the model door",
+_LATER = {"secrets": "the secrets door", "models": "the model door",
           "patch": "the patch door"}
 
 
@@ -133,6 +135,8 @@ class Policy:
             return Verdict("deny", "box.unknown", f"unknown box event {kind!r}")
         if door == "exec":
             return self._decide_exec(kind, facts)
+        if door == "egress":
+            return self._decide_egress(kind, facts)
         if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
             if kind == "magic" and isinstance(facts.get("magic"), str):
                 return Verdict("allow", "host.magic")
@@ -161,6 +165,43 @@ class Policy:
                     return Verdict("allow", f"exec.commands[{i}]")
             return Verdict("deny", "exec.commands", f"{program!r} is not in [exec] commands")
         return Verdict("deny", "exec.kind", f"unknown exec kind {kind!r}")
+
+
+    def allow_cidrs(self) -> tuple:
+        import ipaddress
+        return tuple(ipaddress.ip_network(c, strict=False) for c in self.get("egress", "allow_cidrs"))
+
+    def _decide_egress(self, kind: Any, facts: dict[str, Any]) -> Verdict:
+        """A connection out of the box: the name, every address its lookup gave, then the allow list. Pure: the
+        address table is code (doors/addresses.py), and the facts carry the whole lookup answer."""
+        import ipaddress
+
+        from .doors.addresses import classify, refused_name
+        if kind != "connect":
+            return Verdict("deny", "egress.kind", f"unknown egress kind {kind!r}")
+        host, port = facts.get("host"), facts.get("port")
+        if facts.get("host_error") or not isinstance(host, str) or not isinstance(port, int):
+            return Verdict("deny", "egress.host", str(facts.get("host_error") or "no valid host and port")[:300])
+        why = refused_name(host)
+        if why:
+            return Verdict("deny", "egress.always", why)
+        addresses = facts.get("addresses")
+        if facts.get("resolve_error") or not isinstance(addresses, list) or not addresses:
+            return Verdict("deny", "egress.resolve", str(facts.get("resolve_error") or "the name has no address"))
+        try:
+            parsed = [ipaddress.ip_address(a) for a in addresses]
+        except (TypeError, ValueError):
+            return Verdict("deny", "egress.resolve", "an answer that is not an address")
+        cidrs = self.allow_cidrs()
+        for addr in parsed:  # one refused address refuses the whole answer
+            cls, why = classify(addr, cidrs)
+            if cls != "ok":
+                return Verdict("deny", f"egress.{cls}", why)
+        for i, pattern in enumerate(self.get("egress", "allow")):
+            want_host, _, want_port = pattern.rpartition(":")
+            if fnmatch.fnmatchcase(host, want_host.lower()) and want_port in ("*", str(port)):
+                return Verdict("allow", f"egress.allow[{i}]")
+        return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
 
 
 def policy_hash(source: str) -> str:
@@ -198,6 +239,20 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
         v = out.get("box", {}).get(key)
         if v is not None and v < low:
             raise PolicyError(f"{name}: box.{key} must be at least {low}")
+    egress = out.get("egress", {})
+    for pattern in egress.get("allow", []):
+        host, sep, port = pattern.rpartition(":")
+        if not sep or not host or not (port == "*" or port.isdigit() and 0 < int(port) < 65536):
+            raise PolicyError(f"{name}: egress.allow entry {pattern!r} must be HOST:PORT (HOST may use * and ?, "
+                              "PORT a number or *)")
+    import ipaddress
+    for key in ("allow_cidrs", "nameservers"):
+        for value in egress.get(key, []):
+            try:
+                (ipaddress.ip_network(value, strict=False) if key == "allow_cidrs" else ipaddress.ip_address(value))
+            except ValueError:
+                raise PolicyError(f"{name}: egress.{key} entry {value!r} is not an "
+                                  f"{'address range' if key == 'allow_cidrs' else 'IP address'}") from None
     for key in ("timeout_s", "max_output_bytes"):
         v = out.get("exec", {}).get(key)
         if v is not None and not v > 0:

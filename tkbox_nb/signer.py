@@ -62,6 +62,12 @@ deny:
     pattern: '^$'
     reason: a crossing that names no box policy
     remedy: Name the box policy hash in every crossing.
+  - id: TKB-ALWAYS-REFUSED
+    tool: 'box\\.connect'
+    field: address_class
+    pattern: '^always$'
+    reason: an address no box may reach (loopback, private, link-local, metadata, ...), whatever the box policy says
+    remedy: Reach public hosts only; see tkbox_nb/doors/addresses.py for the table.
   - id: TKB-METADATA-ADDR
     tool: 'box\\.connect'
     field: address

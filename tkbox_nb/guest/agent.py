@@ -100,8 +100,12 @@ def serve(sock):
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
+    forwarder = None
+    if os.environ.get("TKBOX_EGRESS_PORT"):
+        from .forwarder import Forwarder
+        forwarder = Forwarder(door, int(os.environ["TKBOX_EGRESS_PORT"]))
     while True:
-        data = sock.recv(65536)
+        data = sock.recv(1 << 20)
         if not data:
             return 0
         for ftype, sid, payload in door.decoder.feed(data):
@@ -109,7 +113,9 @@ def serve(sock):
                 event = door.session.receive(ftype, sid, payload)
                 door.lock.notify_all()
             kind = event[0]
-            if kind == "open":
+            if kind == "window" and forwarder is not None and forwarder.owns(sid):
+                forwarder.wake()  # the stream may be read again
+            elif kind == "open":
                 req = event[2]
                 try:
                     if req.get("kind") == "command":
@@ -125,6 +131,9 @@ def serve(sock):
                 except Exception as e:  # no ipykernel in this image, or it would not start
                     door.close(sid, {"error": "%s: %s" % (type(e).__name__, str(e)[:400])})
             elif kind == "data":
+                if forwarder is not None and forwarder.owns(sid):  # credit goes back once delivered
+                    forwarder.data(sid, event[3])
+                    continue
                 with door.lock:
                     door.send_raw(door.session.consumed(sid, len(event[3])))
                 if sid in commands and event[2] == p.CH_STDIN:
@@ -133,7 +142,9 @@ def serve(sock):
                     for msg in readers[sid].feed(event[3]):
                         kernels[sid].from_host(msg)
             elif kind == "close":
-                if sid in commands:
+                if forwarder is not None and forwarder.owns(sid):
+                    forwarder.closed(sid)
+                elif sid in commands:
                     commands.pop(sid).end_stdin()
                 elif sid in kernels:
                     readers.pop(sid, None)

@@ -1,0 +1,186 @@
+"""The egress door with real boxes, a real DNS server (dnsmasq) and a web server in a network namespace."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import socket
+import zipfile
+
+import pytest
+from tkbox_nb.testnet import NamespaceNet, available
+
+from tkbox_nb import Box, Policy, open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
+              pytest.mark.skipif(not available()[0], reason=available()[1])]
+
+FETCH = """
+import sys, urllib.request
+try:
+    r = urllib.request.urlopen(sys.argv[1], timeout=20)
+    print(r.status, r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode())
+except Exception as e:
+    print("ERR", type(e).__name__, e)
+"""
+
+
+@pytest.fixture(scope="module")
+def net():
+    with NamespaceNet(index=7) as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def loopback_listener():
+    """A service on the host's loopback, at the port the test server uses: it must never see a connection."""
+    seen = []
+    srv = socket.create_server(("127.0.0.1", 8080)) if _free(8080) else socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+    yield srv, seen
+    srv.close()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def assert_untouched(listener):
+    srv, _ = listener
+    with pytest.raises(socket.timeout):
+        srv.accept()
+
+
+def policy(net, allow, nameserver=None) -> Policy:
+    return Policy.from_toml(
+        f'[egress]\nallow = {allow!r}\nallow_cidrs = ["198.18.0.0/15"]\n'
+        f'nameservers = ["{nameserver or net.web}"]\n'.replace("'", '"'))
+
+
+def fetch(box, url):
+    r = box.run(["python3", "-c", FETCH, url])
+    return r.stdout.decode()
+
+
+def egress_rows(path):
+    return [c for c in open_run(path).crossings() if c.door == "egress"]
+
+
+def test_allowed_request_passes_and_is_signed_with_its_addresses_and_bytes(signer, net, tmp_path):
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "e.tkb") as b:
+        out = fetch(b, "http://web.tkb.test:8080/hello.txt")
+        assert out.startswith("200 hello from the test network"), out
+        refused = fetch(b, "http://other.tkb.test:8080/hello.txt")
+        assert refused.startswith("403") and "egress.allow" in refused
+    rows = egress_rows(tmp_path / "e.tkb")
+    assert rows[0].decision == "allow" and rows[0].args["addresses"] == [net.web]
+    assert rows[0].args["address"] == net.web and rows[0].result["bytes_down"] > 0
+    assert rows[1].decision == "deny" and rows[1].args["rule"] == "egress.allow"
+    assert verify_bundle(tmp_path / "e.tkb").valid
+
+
+def test_connect_tunnel_relays_bytes_both_ways(signer, net, tmp_path):
+    script = f"""
+import socket
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT web.tkb.test:8080 HTTP/1.1\\r\\nHost: web.tkb.test:8080\\r\\n\\r\\n")
+head = s.recv(4096)
+s.sendall(b"GET /hello.txt HTTP/1.1\\r\\nHost: web\\r\\nConnection: close\\r\\n\\r\\n")
+body = b""
+while chunk := s.recv(65536):
+    body += chunk
+print(head.split(b"\\r\\n")[0].decode(), body.decode().split("\\r\\n\\r\\n", 1)[1])
+"""
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "t.tkb") as b:
+        out = b.run(["python3", "-c", script]).stdout.decode()
+    assert out.startswith("HTTP/1.1 200 Connection established hello from the test network"), out
+    [row] = egress_rows(tmp_path / "t.tkb")
+    assert row.args["tunnel"] is True and row.result["bytes_up"] > 0
+
+
+@pytest.mark.parametrize("name,why", [
+    ("loop.tkb.test", "loopback"), ("private.tkb.test", "private"), ("meta.tkb.test", "cloud metadata"),
+    ("mixed.tkb.test", "unique-local"), ("mapped.tkb.test", "loopback"), ("nosuch.tkb.test", "resolve"),
+    ("metadata.google.internal", "metadata name"),
+])
+def test_names_resolving_to_refused_addresses_are_refused_whatever_the_allow_list(signer, net, tmp_path, name, why,
+                                                                                   loopback_listener):
+    permissive = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["198.18.0.0/15"]\n'
+                                  f'nameservers = ["{net.web}"]\n')
+    with Box(backend="bwrap", policy=permissive, bundle_path=tmp_path / "r.tkb") as b:
+        out = fetch(b, f"http://{name}:8080/hello.txt")
+    assert out.startswith("403") and why in out, out
+    [row] = egress_rows(tmp_path / "r.tkb")
+    assert row.decision == "deny" and "TKB-POLICY-DENY" in row.rule_ids
+    if why not in ("resolve",):
+        assert "TKB-ALWAYS-REFUSED" in row.rule_ids  # the signer's own rule, whatever the box policy says
+    assert verify_bundle(tmp_path / "r.tkb").valid
+    assert_untouched(loopback_listener)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "2130706433", "0x7f.1", "127.1", "0177.0.0.1", "[::1]",
+                                  "[::ffff:127.0.0.1]", "localhost", "[64:ff9b::7f00:1]", "0.0.0.0"])
+def test_the_host_loopback_is_never_reached_in_any_spelling(signer, net, tmp_path, host, loopback_listener):
+    port = loopback_listener[0].getsockname()[1]
+    anything = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0", "::/0"]\n')
+    with Box(backend="bwrap", policy=anything, bundle_path=tmp_path / "l.tkb") as b:
+        out = fetch(b, f"http://{host}:{port}/")
+    assert out.startswith("403"), out
+    assert_untouched(loopback_listener)
+
+
+def test_a_rebinding_name_is_dialled_only_at_the_address_that_was_checked(signer, net, tmp_path, loopback_listener):
+    flip = policy(net, ["flip.tkb.test:8080"], nameserver=net.flip_dns)
+    with Box(backend="bwrap", policy=flip, bundle_path=tmp_path / "f.tkb") as b:
+        outs = [fetch(b, "http://flip.tkb.test:8080/hello.txt") for _ in range(4)]
+    assert sorted(o[:3] for o in outs) == ["200", "200", "403", "403"], outs
+    for row in egress_rows(tmp_path / "f.tkb"):
+        assert row.args["address"] in row.args["addresses"]  # the dialled address is one the decision checked
+        assert (row.decision == "allow") == (row.args["addresses"] == [net.web])
+    assert_untouched(loopback_listener)
+
+
+def test_a_redirect_is_a_new_request_decided_again(signer, net, tmp_path):
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "d.tkb") as b:
+        out = fetch(b, "http://web.tkb.test:8080/redirect")
+    assert out.startswith("403") and "other.tkb.test:8080 is not in [egress] allow" in out, out
+    rows = egress_rows(tmp_path / "d.tkb")
+    assert [(r.args["host"], r.decision) for r in rows] == [("web.tkb.test", "allow"), ("other.tkb.test", "deny")]
+
+
+def _wheel(name: str, version: str) -> tuple[str, bytes]:
+    """A minimal pure-Python wheel, built here (no network, no build backend)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": b"VALUE = 'installed through the door'\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},"
+                     f"{len(d)}\n" for n, d in files.items()) + f"{dist}/RECORD,,\n"
+    files[f"{dist}/RECORD"] = record.encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+def test_pip_installs_a_package_through_the_door(signer, net, tmp_path):
+    filename, data = _wheel("tkbtestpkg", "1.0")
+    net.add_file(f"simple/tkbtestpkg/{filename}", data)
+    net.add_file("simple/tkbtestpkg/index.html", f'<a href="{filename}">{filename}</a>'.encode())
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "p.tkb") as b:
+        r = b.run(["python3", "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
+                   "--index-url", "http://web.tkb.test:8080/simple/", "--trusted-host", "web.tkb.test",
+                   "--target", "/tmp/site", "tkbtestpkg"])
+        assert r.exit_code == 0, r.stderr.decode()[-2000:]
+        out = b.run(["python3", "-c", "import sys; sys.path.insert(0, '/tmp/site'); import tkbtestpkg; "
+                                      "print(tkbtestpkg.VALUE)"]).stdout
+    assert out == b"installed through the door\n"
+    assert all(r.decision == "allow" for r in egress_rows(tmp_path / "p.tkb"))
+    assert verify_bundle(tmp_path / "p.tkb").valid

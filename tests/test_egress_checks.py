@@ -1,0 +1,135 @@
+"""The egress door's pure checks: the address table (a test per row), embedded IPv4 forms, IP literal spellings,
+host name validation and the proxy request parser."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4, parse_ip_literal
+from tkbox_nb.doors.hostnames import HostError, check_host
+from tkbox_nb.doors.proxy_request import ProxyRequestError, ProxyRequestParser
+from tkbox_nb.policy import Policy
+
+
+SAMPLES = {"2001::/23": "2001:1::1"}  # 2001::/32 inside it is Teredo, judged by its embedded IPv4 addresses
+
+
+def first(net: str):
+    if net in SAMPLES:
+        return ipaddress.ip_address(SAMPLES[net])
+    return ipaddress.ip_network(net)[0 if ipaddress.ip_network(net).num_addresses == 1 else 1]
+
+
+@pytest.mark.parametrize("net,why", ALWAYS_REFUSED)
+def test_always_refused_row_cannot_be_allowed(net, why):
+    addr = first(net)
+    cls, reason = classify(addr, (ipaddress.ip_network(net), ipaddress.ip_network("0.0.0.0/0"),
+                                  ipaddress.ip_network("::/0")))
+    assert cls == "always" and str(addr) in reason
+
+
+@pytest.mark.parametrize("net,why", SPECIAL)
+def test_special_row_refused_unless_allow_cidrs_names_it(net, why):
+    addr = first(net)
+    assert classify(addr)[0] == "special"
+    assert classify(addr, (ipaddress.ip_network(net),))[0] == "ok"
+
+
+@pytest.mark.parametrize("addr", ["::ffff:169.254.169.254", "::169.254.169.254", "64:ff9b::a9fe:a9fe",
+                                  "2002:a9fe:a9fe::1", "2002:7f00:1::", "::ffff:10.1.2.3", "64:ff9b::7f00:1",
+                                  "2001:0:a9fe:a9fe::1", "2001:0:4136:e378:8000:63bf:5601:fefe"])
+def test_embedded_ipv4_forms_are_judged_by_the_address_inside(addr):
+    assert classify(ipaddress.ip_address(addr), (ipaddress.ip_network("::/0"),))[0] == "always", addr
+
+
+def test_teredo_client_is_unobfuscated():
+    addr = ipaddress.ip_address("2001:0:4136:e378:8000:63bf:3fff:fdd2")
+    assert ipaddress.ip_address("192.0.2.45") in embedded_ipv4(addr)
+
+
+def test_public_addresses_pass():
+    for a in ("93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946", "1.1.1.1"):
+        assert classify(ipaddress.ip_address(a)) == ("ok", "")
+
+
+@pytest.mark.parametrize("spelling", ["127.0.0.1", "2130706433", "0177.0.0.1", "0x7f.1", "127.1", "0x7f000001",
+                                      "0177.1", "[::1]", "[::ffff:127.0.0.1]", "127.0.1"])
+def test_every_c_library_spelling_of_loopback_is_an_address(spelling):
+    kind, addr = check_host(spelling)
+    assert kind == "ip" and classify(addr)[0] == "always"
+
+
+@pytest.mark.parametrize("bad", ["1.2.3.256", "1.2.3.4.5", "exa\x00mple.org", "exa mple.org", "ｅｘａｍｐｌｅ.org",
+                                 "example.org%2f", "a..b", "-a.org", "x" * 300, "", "[zz::1]", "example.123",
+                                 "xn--zz.org"])
+def test_bad_host_names_are_refused_before_any_lookup(bad):
+    with pytest.raises(HostError):
+        check_host(bad)
+
+
+def test_names_are_normalized_to_one_spelling():
+    assert check_host("Example.ORG.") == ("name", "example.org")
+    assert check_host("bücher.example") == ("name", "xn--bcher-kva.example")
+
+
+@pytest.mark.parametrize("name", ["metadata.google.internal", "localhost", "a.localhost", "metadata",
+                                  "instance-data.ec2.internal"])
+def test_metadata_and_local_names_are_refused_whatever_the_policy(name):
+    policy = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0"]\n')
+    v = policy.decide({"door": "egress", "kind": "connect", "host": name, "port": 80, "addresses": ["1.1.1.1"]})
+    assert v.verdict == "deny" and v.rule == "egress.always"
+
+
+def test_an_answer_mixing_allowed_and_refused_addresses_is_refused_whole():
+    policy = Policy.from_toml('[egress]\nallow = ["*.example.org:443"]\n')
+    facts = {"door": "egress", "kind": "connect", "host": "a.example.org", "port": 443}
+    assert policy.decide(dict(facts, addresses=["93.184.216.34"])).allowed
+    v = policy.decide(dict(facts, addresses=["93.184.216.34", "169.254.169.254"]))
+    assert v.verdict == "deny" and "metadata" in v.reason
+
+
+def test_proxy_requests_parse_connect_and_absolute_form():
+    r = ProxyRequestParser().feed(b"CONNECT [2001:db8::1]:443 HTTP/1.1\r\nHost: x\r\n\r\nTLS")
+    assert (r.host, r.port, r.tunnel, r.rest) == ("[2001:db8::1]", 443, True, b"TLS")
+    p = ProxyRequestParser()
+    assert p.feed(b"GET http://example.org:8080/a?q=1 HTTP/1.1\r\n") is None
+    r = p.feed(b"Host: example.org\r\nProxy-Authorization: x\r\n\r\n")
+    assert (r.host, r.port, r.target) == ("example.org", 8080, "/a?q=1")
+    assert b"proxy-authorization" not in p.upstream_head(r).lower() and b"connection: close" in p.upstream_head(r)
+
+
+@pytest.mark.parametrize("head,status", [
+    (b"GET /local HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET https://example.org/ HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"CONNECT user@example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"CONNECT example.org:99999 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    (b"GET http://example.org/ HTTP/1.1\r\nX: " + b"a" * 70000, 431),
+])
+def test_bad_proxy_requests_get_an_http_error(head, status):
+    with pytest.raises(ProxyRequestError) as e:
+        ProxyRequestParser().feed(head)
+    assert e.value.status in (status, 400)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_fuzz_proxy_request_parser(data):
+    try:
+        ProxyRequestParser().feed(data)
+    except ProxyRequestError:
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=80))
+def test_fuzz_host_check(text):
+    try:
+        kind, value = check_host(text)
+    except HostError:
+        return
+    assert kind in ("ip", "name")

@@ -1,0 +1,204 @@
+"""The egress door on the host: every connection out of the box resolved, checked, signed, dialled and relayed here.
+
+The box opens an egress stream per connection (guest/forwarder.py); its first bytes are a proxy request, parsed by
+`proxy_request` (h11). The host name is checked (`hostnames`), resolved once on the host (the system resolver, or the
+policy's `egress.nameservers` with dnspython), and the door states the whole answer to the signer; the box policy's
+verdict (`Policy.decide`, which judges every address with `addresses.classify` and then the allow list) and the
+signer's own always-deny rules make one signed decision. Only the address that was checked is dialled: there is no
+second lookup, so a name cannot rebind between the check and the dial. A refusal is an HTTP 403 inside the box whose
+body names the rule. When the connection ends, its bytes each way and its duration are signed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+from ..connection import Stream, StreamClosed
+from .addresses import classify, refused_name
+from .hostnames import HostError, check_host
+from .proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
+
+if TYPE_CHECKING:
+    from ..box import Box
+
+HEAD_TIMEOUT_S = 30.0
+MAX_ADDRESSES = 32
+REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+           502: "Bad Gateway"}
+
+
+def resolve(name: str, port: int, nameservers: list[str], timeout: float) -> list[str]:
+    """Every address the name has (A and AAAA), from the policy's nameservers or the system resolver."""
+    if nameservers:
+        import dns.exception
+        import dns.resolver
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers = list(nameservers)
+        resolver.lifetime = timeout
+        found, failure = [], None
+        for rdtype in ("A", "AAAA"):
+            try:
+                found += [r.address for r in resolver.resolve(name, rdtype, search=False)]
+            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+                continue
+            except dns.exception.DNSException as e:  # a server that fails one type: the other may still answer
+                failure = f"lookup of {name} ({rdtype}) failed: {type(e).__name__}"
+        if not found and failure:
+            raise OSError(failure)
+        return found
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return [info[4][0] for info in infos]
+
+
+class EgressDoor:
+    def __init__(self, box: "Box"):
+        self.box = box
+
+    def accept(self, stream: Stream, body: dict) -> bool:
+        """Called by the door connection for each stream the box opens; True when it is an egress stream."""
+        if body.get("kind") != "egress":
+            return False
+        threading.Thread(target=self._serve, args=(stream,), daemon=True, name="tkbox-egress").start()
+        return True
+
+    # -- one connection ------------------------------------------------------------------------------------------
+    def _serve(self, stream: Stream) -> None:
+        conn = self.box.conn
+        try:
+            req = self._read_request(stream)
+            if req is None:
+                conn.close(stream.sid)
+                return
+            crossing, address = self._decide(req)
+            if not crossing.allowed:
+                rules = ", ".join(crossing.rule_ids) or "refused"
+                why = crossing.verdict.reason or crossing.reason
+                return self._answer(stream, 403, f"tkbox egress door: refused by {crossing.verdict.rule} "
+                                                 f"({rules}): {why}\n")
+            self._relay(stream, req, crossing, address)
+        except ProxyRequestError as e:
+            self._answer(stream, e.status, f"tkbox egress door: {e}\n")
+        except (StreamClosed, OSError):
+            pass
+        except p.ProtocolError as e:
+            self.box._end(f"door protocol violation: {e}")
+
+    def _read_request(self, stream: Stream) -> ProxyRequest | None:
+        parser = ProxyRequestParser()
+        deadline = time.monotonic() + HEAD_TIMEOUT_S
+        while True:
+            try:
+                event = stream.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ProxyRequestError(408, "no complete request within 30s") from None
+            if event[0] != "data":
+                return None
+            if event[1] != p.CH_BYTES:
+                raise p.ProtocolError(f"egress data on channel {event[1]}")
+            req = parser.feed(event[2])
+            if req is not None:
+                req.upstream = parser.upstream_head(req) if not req.tunnel else b""
+                return req
+
+    def _decide(self, req: ProxyRequest):
+        policy = self.box.policy
+        facts: dict = {"port": req.port, "method": req.method, "tunnel": req.tunnel}
+        if not req.tunnel:
+            facts["path"] = req.target[:500]
+        addresses: list[str] = []
+        try:
+            kind, value = check_host(req.host)
+            facts["host"] = str(value)
+            if kind == "ip":
+                addresses = [str(value)]
+            elif not refused_name(value):
+                try:
+                    addresses = resolve(value, req.port, policy.get("egress", "nameservers"),
+                                        policy.get("egress", "connect_timeout_s"))
+                except OSError as e:
+                    facts["resolve_error"] = f"{value} did not resolve: {getattr(e, 'strerror', None) or e}"[:300]
+        except HostError as e:
+            facts["host"], facts["host_error"] = req.host[:200], str(e)[:300]
+        unique = sorted(set(addresses), key=lambda a: (":" in a, a))[:MAX_ADDRESSES]
+        facts["addresses"] = unique
+        address = unique[0] if unique else ""
+        facts["address"] = address
+        classes = [classify(ipaddress.ip_address(a), policy.allow_cidrs())[0] for a in unique]
+        refused = "host_error" not in facts and refused_name(facts["host"])
+        facts["address_class"] = "always" if "always" in classes or refused else \
+            "special" if "special" in classes else "ok"
+        crossing = self.box.recorder.decide("egress", "connect", facts)
+        if not crossing.allowed and self.box.recorder.broken:
+            self.box._end(f"signer lost: {self.box.recorder.broken}")
+        return crossing, address
+
+    def _relay(self, stream: Stream, req: ProxyRequest, crossing, address: str) -> None:
+        conn, sid = self.box.conn, stream.sid
+        started = time.monotonic()
+        try:
+            upstream = socket.create_connection((address, req.port),
+                                                timeout=self.box.policy.get("egress", "connect_timeout_s"))
+        except OSError as e:
+            self.box.recorder.complete(crossing, "error", {"error": f"connect to {address}:{req.port}: {e}"[:300]})
+            return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
+        upstream.settimeout(None)
+        counts = {"bytes_up": 0, "bytes_down": 0}
+        try:
+            if req.tunnel:
+                conn.send_data(sid, p.CH_BYTES, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                first = req.rest
+            else:
+                first = req.upstream + req.rest
+            if first:
+                upstream.sendall(first)
+                counts["bytes_up"] += len(first)
+            up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts), daemon=True)
+            up.start()
+            while True:
+                chunk = upstream.recv(p.MAX_PAYLOAD - 1)
+                if not chunk:
+                    break
+                conn.send_data(sid, p.CH_BYTES, chunk)
+                counts["bytes_down"] += len(chunk)
+            up.join(timeout=5)
+        except (OSError, StreamClosed) as e:
+            counts["error"] = str(e)[:200]
+        finally:
+            upstream.close()
+            try:
+                conn.close(sid)
+            except OSError:
+                pass
+        self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
+                                   dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
+
+    def _box_to_upstream(self, stream: Stream, upstream: socket.socket, counts: dict) -> None:
+        while True:
+            event = stream.get()
+            if event[0] != "data" or event[1] != p.CH_BYTES:
+                break
+            try:
+                upstream.sendall(event[2])
+            except OSError:
+                break
+            counts["bytes_up"] += len(event[2])
+        try:
+            upstream.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _answer(self, stream: Stream, status: int, body: str) -> None:
+        data = body.encode("utf-8", "replace")
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            self.box.conn.send_data(stream.sid, p.CH_BYTES, head + data)
+            self.box.conn.close(stream.sid)
+        except (StreamClosed, OSError):
+            pass

@@ -1,0 +1,105 @@
+"""The first request on an egress connection from the box, parsed by h11 (sans-IO): `CONNECT host:port` (a tunnel)
+or an absolute-form request (`GET http://host[:port]/path`, forwarded with `Connection: close`, so every request,
+a redirect's included, is a new connection and a new decision).
+
+`ProxyRequestParser.feed(bytes)` returns None until the request head is complete, then a ProxyRequest; anything else
+(origin-form, `https://` without CONNECT, a malformed head, a head over 64 KiB, a userinfo part, a bad port) raises
+ProxyRequestError with the HTTP status to answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import h11
+
+MAX_HEAD = 64 * 1024
+HOP_BY_HOP = {b"connection", b"proxy-connection", b"proxy-authorization", b"proxy-authenticate", b"keep-alive",
+              b"te", b"trailer", b"upgrade"}
+
+
+class ProxyRequestError(ValueError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ProxyRequest:
+    method: str
+    host: str           # as the box wrote it (validated later by hostnames.check_host)
+    port: int
+    tunnel: bool        # CONNECT
+    target: str = "/"   # origin-form path for a forwarded request
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    rest: bytes = b""   # bytes after the head: a tunnel's first bytes, or the start of a request body
+    upstream: bytes = b""  # the head as the origin server gets it (forwarded requests)
+
+
+def _port(text: str, default: int | None) -> int:
+    if text == "" and default is not None:
+        return default
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ProxyRequestError(400, f"bad port {text[:20]!r}")
+    return int(text)
+
+
+def split_authority(authority: str, default_port: int | None = None) -> tuple[str, int]:
+    """`host:port` (IPv6 in brackets) into (host, port)."""
+    if "@" in authority:
+        raise ProxyRequestError(400, "a user name in the target")
+    if authority.startswith("["):
+        end = authority.find("]")
+        if end < 0 or authority[end + 1:end + 2] not in ("", ":"):
+            raise ProxyRequestError(400, f"bad target {authority[:80]!r}")
+        return authority[:end + 1], _port(authority[end + 2:], default_port)
+    host, sep, port = authority.rpartition(":")
+    if not sep:
+        return authority, _port("", default_port)
+    return host, _port(port, default_port)
+
+
+class ProxyRequestParser:
+    def __init__(self):
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self._size = 0
+
+    def feed(self, data: bytes) -> ProxyRequest | None:
+        self._size += len(data)
+        try:
+            self._conn.receive_data(data)
+            event = self._conn.next_event()
+        except h11.RemoteProtocolError as e:
+            raise ProxyRequestError(400, f"not an HTTP/1.1 proxy request: {e}") from None
+        if event is h11.NEED_DATA:
+            if self._size > MAX_HEAD:
+                raise ProxyRequestError(431, "a request head over 64 KiB")
+            return None
+        if not isinstance(event, h11.Request):
+            raise ProxyRequestError(400, "not an HTTP/1.1 proxy request")
+        method, target = event.method.decode("ascii", "replace"), event.target.decode("ascii", "replace")
+        trailing, _ = self._conn.trailing_data
+        if method == "CONNECT":
+            host, port = split_authority(target)
+            return ProxyRequest(method, host, port, True, headers=list(event.headers), rest=bytes(trailing))
+        if target.startswith("https://"):
+            raise ProxyRequestError(400, "https:// needs CONNECT")
+        if not target.startswith("http://"):
+            raise ProxyRequestError(400, "only CONNECT and absolute-form http:// requests pass the door")
+        parts = urlsplit(target)
+        host, port = split_authority(parts.netloc, 80)
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        headers = [(k, v) for k, v in event.headers if k.lower() not in HOP_BY_HOP]
+        return ProxyRequest(method, host, port, False, path, headers, bytes(trailing))
+
+    def upstream_head(self, req: ProxyRequest) -> bytes:
+        """The request head as the origin server gets it: origin-form, hop-by-hop headers gone, Connection: close."""
+        client = h11.Connection(h11.CLIENT)
+        headers = [(k, v) for k, v in req.headers if k.lower() != b"host"]
+        host = req.host if req.port == 80 else f"{req.host}:{req.port}"
+        return client.send(h11.Request(method=req.method, target=req.target,
+                                       headers=[(b"host", host.encode("ascii")), *headers,
+                                                (b"connection", b"close")]))

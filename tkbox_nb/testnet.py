@@ -1,0 +1,149 @@
+"""Test and benchmark hosts in a network namespace on 198.18.0.0/15: a web server, dnsmasq, and a DNS server whose answer flips.
+
+Everything runs inside a namespace made here and removed on exit (processes, the veth pair, the namespace). The
+host reaches it through a veth on 198.18.N.1; the namespace's services listen on 198.18.N.2 (web on 8080, dnsmasq on
+53) and 198.18.N.3 (the flipping DNS server on 53). Nothing is sent anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+WEB_SERVER = textwrap.dedent('''
+    import http.server, sys
+    class H(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/redirect"):
+                self.send_response(302)
+                self.send_header("Location", sys.argv[3])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if self.path.startswith("/echo-headers"):
+                body = "".join(f"{k}: {v}\\n" for k, v in self.headers.items()).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            return super().do_GET()
+        def log_message(self, *a):
+            pass
+    http.server.ThreadingHTTPServer.daemon_threads = True
+    http.server.ThreadingHTTPServer((sys.argv[1], 8080), lambda *a: H(*a, directory=sys.argv[2])).serve_forever()
+''')
+
+FLIP_DNS = textwrap.dedent('''
+    import socket, sys, dns.message, dns.rrset
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], 53))
+    answers, n = sys.argv[2].split(","), 0
+    while True:
+        data, peer = s.recvfrom(4096)
+        q = dns.message.from_wire(data)
+        r = dns.message.make_response(q)
+        question = q.question[0]
+        if question.rdtype == 1:
+            r.answer.append(dns.rrset.from_text(question.name, 0, "IN", "A", answers[n % len(answers)]))
+            n += 1
+        s.sendto(r.to_wire(), peer)
+''')
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+class NamespaceNet:
+    def __init__(self, index: int = 7):
+        self.index = index
+        self.name = f"tkb{index}p{os.getpid() % 100000}"
+        self.host_if, self.ns_if = f"{self.name}h", f"{self.name}n"
+        self.prefix = f"198.18.{index}"
+        self.gateway, self.web, self.flip_dns = f"{self.prefix}.1", f"{self.prefix}.2", f"{self.prefix}.3"
+        self.root = Path(tempfile.mkdtemp(prefix="tkbnet-", dir="/tmp"))
+        self.procs: list[subprocess.Popen] = []
+
+    def ns(self, *argv: str, **kw) -> subprocess.Popen:
+        p = subprocess.Popen(["ip", "netns", "exec", self.name, *argv], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self) -> "NamespaceNet":
+        _run("ip", "netns", "add", self.name)
+        try:
+            _run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            _run("ip", "link", "set", self.ns_if, "netns", self.name)
+            _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.host_if)
+            _run("ip", "link", "set", self.host_if, "up")
+            for cmd in (("ip", "addr", "add", f"{self.web}/24", "dev", self.ns_if),
+                        ("ip", "addr", "add", f"{self.flip_dns}/24", "dev", self.ns_if),
+                        ("ip", "link", "set", self.ns_if, "up"), ("ip", "link", "set", "lo", "up")):
+                _run("ip", "netns", "exec", self.name, *cmd)
+            (self.root / "www").mkdir()
+            (self.root / "www" / "hello.txt").write_text("hello from the test network\n")
+            (self.root / "web.py").write_text(WEB_SERVER)
+            (self.root / "flip.py").write_text(FLIP_DNS)
+            self.ns(sys.executable, str(self.root / "web.py"), self.web, str(self.root / "www"),
+                    f"http://other.tkb.test:8080/hello.txt")
+            p = self.prefix
+            self.ns("dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
+                    f"--listen-address={self.web}", "--port=53", "--user=root", f"--pid-file={self.root / 'dnsmasq.pid'}",
+                    f"--address=/web.tkb.test/{p}.2", f"--address=/other.tkb.test/{p}.2",
+                    "--address=/loop.tkb.test/127.0.0.1", "--address=/private.tkb.test/10.0.0.1",
+                    "--address=/meta.tkb.test/169.254.169.254",
+                    f"--host-record=mixed.tkb.test,{p}.2,fd00::1", f"--host-record=mapped.tkb.test,{p}.2,::ffff:7f00:1")
+            self.ns(sys.executable, str(self.root / "flip.py"), self.flip_dns, f"{p}.2,127.0.0.1")
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import socket
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.web, 8080), timeout=1).close()
+                import dns.resolver
+                r = dns.resolver.Resolver(configure=False)
+                r.nameservers, r.lifetime = [self.web], 1
+                r.resolve("web.tkb.test", "A")
+                return
+            except Exception:
+                time.sleep(0.1)
+        raise RuntimeError("the test network's servers did not come up")
+
+    def add_file(self, rel: str, data: bytes) -> None:
+        path = self.root / "www" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                p.wait(timeout=5)
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def available() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    if not shutil.which("ip") or not shutil.which("dnsmasq"):
+        return False, "needs iproute2 and dnsmasq-base (make test installs them)"
+    return True, ""
