@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4, parse_ip_literal
+from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
 from tkbox_nb.doors.hostnames import HostError, check_host
 from tkbox_nb.doors.proxy_request import ProxyRequestError, ProxyRequestParser
 from tkbox_nb.policy import Policy

@@ -95,7 +95,7 @@ class NamespaceNet:
             (self.root / "web.py").write_text(WEB_SERVER)
             (self.root / "flip.py").write_text(FLIP_DNS)
             self.ns(sys.executable, str(self.root / "web.py"), self.web, str(self.root / "www"),
-                    f"http://other.tkb.test:8080/hello.txt")
+                    "http://other.tkb.test:8080/hello.txt")
             p = self.prefix
             self.ns("dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
                     f"--listen-address={self.web}", "--port=53", "--user=root", f"--pid-file={self.root / 'dnsmasq.pid'}",

@@ -86,7 +86,7 @@ def test_allowed_request_passes_and_is_signed_with_its_addresses_and_bytes(signe
 
 
 def test_connect_tunnel_relays_bytes_both_ways(signer, net, tmp_path):
-    script = f"""
+    script = """
 import socket
 s = socket.create_connection(("127.0.0.1", 3128))
 s.sendall(b"CONNECT web.tkb.test:8080 HTTP/1.1\\r\\nHost: web.tkb.test:8080\\r\\n\\r\\n")
