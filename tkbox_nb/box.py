@@ -44,6 +44,26 @@ class CellResult:
     execution_count: int | None = None
 
 
+CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
+
+
+def _bindings(policy: Policy, given: dict[str, Any]) -> list:
+    """The box's secret bindings: the policy's [secrets.NAME] (values read now, on the host) and those a notebook
+    gave (`%box_secret`, value already read). A given binding of the same name wins."""
+    from .doors.secrets import Binding, read_value
+    out = {}
+    for name, spec in policy.data.get("secrets", {}).items():
+        if name in given:
+            continue
+        if spec["source"] == "prompt":
+            raise TkboxError(f"secrets.{name}: source = \"prompt\" needs a notebook's %box_secret {name} ...")
+        out[name] = Binding(name, list(spec["hosts"]), spec["header"], spec["format"], spec["source"],
+                            spec["misuse"], read_value(name, spec["source"]))
+    for name, g in given.items():
+        out[name] = Binding(name, list(g.hosts), g.header, g.format, g.source, "flag", g.value)
+    return list(out.values())
+
+
 def egress_env(port: int = 3128) -> dict[str, str]:
     """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
     url = f"http://127.0.0.1:{port}"
@@ -64,7 +84,8 @@ class Box:
 
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
-                 home: str | Path | None = None, agent_argv: list[str] | None = None):
+                 home: str | Path | None = None, agent_argv: list[str] | None = None,
+                 secrets: dict[str, Any] | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
         self.backend = get_backend(name)
@@ -80,6 +101,8 @@ class Box:
         self.ended: str | None = None
         self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
         self._kernel: BoxKernel | None = None
+        self.bindings = _bindings(self.policy, secrets or {})
+        self.ca = None
         self._lock = threading.RLock()
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -109,7 +132,14 @@ class Box:
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
-                env=egress_env()))
+                env=self._box_env(), ca_bundle=self.ca.trust_bundle() if self.ca else None))
+            for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
+                c = self.recorder.decide("secrets", "bind", {
+                    "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,
+                    "source": b.source, "placeholder": b.placeholder_digest})
+                if not c.allowed:
+                    raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
+                self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
             self.conn = HostConnection(self.running.door, self._violation, on_open=self.egress.accept)
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -122,6 +152,16 @@ class Box:
             self.stop(f"box failed to start: {e}"[:300])
             raise
         return self
+
+    def _box_env(self) -> dict[str, str]:
+        env = egress_env()
+        if self.bindings:
+            from .doors.box_ca import BoxCA
+            self.ca = BoxCA(self.box_id)  # its key stays in this process
+            for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"):
+                env[name] = CA_BUNDLE_IN_BOX
+            env.update({b.name: b.placeholder for b in self.bindings})
+        return env
 
     def stop(self, reason: str = "box stopped") -> Path | None:
         """Stop the box, close the run and write the bundle (once); returns its path."""

@@ -76,7 +76,7 @@ class NotebookBox:
             self.bundle_dir.mkdir(parents=True, exist_ok=True)
             bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
-                  home=self.home)
+                  home=self.home, secrets=self.secrets)
         box.start()
         self.box = box
         pending, self._pending = self._pending, []
@@ -217,8 +217,9 @@ class HostMagics:
                 raise TkboxError(f"%box_secret: no value given for {a.name}")
         binding = SecretBinding(a.name, a.host, a.header, a.format, source, value)
         self.nb.secrets[a.name] = binding
-        return (f"secret {binding.describe()} held on the host; the box never sees its value. (The secrets door, "
-                "which swaps it into requests, is not built in this version: nothing uses it yet.)")
+        when = "from the next box (%box_restart)" if self.nb.live else "when the box starts"
+        return (f"secret {binding.describe()} held on the host; the box sees ${a.name} as a placeholder, swapped "
+                f"for the value only in {a.header} of HTTPS requests to {', '.join(a.host)}; in force {when}.")
 
     def _box_status(self, line: str, body: str | None) -> str:
         return self.nb.status()

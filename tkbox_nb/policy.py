@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,16 +42,18 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
             "workspace_mib": int},
     "exec": {"cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
-    "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float)},
+    "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
+               "upstream_ca_file": str},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
             "workspace_mib": 1024},
     "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
              "max_output_bytes": 16 << 20},
-    "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10},
+    "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10, "upstream_ca_file": ""},
 }
-_LATER = {"secrets": "the secrets door", "models": "the model door",
+SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
+_LATER = { "models": "the model door",
           "patch": "the patch door"}
 
 
@@ -137,6 +140,8 @@ class Policy:
             return self._decide_exec(kind, facts)
         if door == "egress":
             return self._decide_egress(kind, facts)
+        if door == "secrets":
+            return self._decide_secret(kind, facts)
         if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
             if kind == "magic" and isinstance(facts.get("magic"), str):
                 return Verdict("allow", "host.magic")
@@ -204,12 +209,36 @@ class Policy:
         return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
 
 
+    def _decide_secret(self, kind: Any, facts: dict[str, Any]) -> Verdict:
+        """A binding made, a placeholder swapped for its value, or a placeholder found where it does not belong.
+        The binding's definition travels in the facts (bindings may come from a notebook, not only the policy)."""
+        name, hosts, header = facts.get("name"), facts.get("binding_hosts"), facts.get("binding_header")
+        if not (isinstance(name, str) and isinstance(hosts, list) and isinstance(header, str)):
+            return Verdict("deny", "secrets.binding", "a secret crossing that names no binding")
+        if kind == "bind":
+            return Verdict("allow", "secrets.bind")
+        host = facts.get("host")
+        bound = isinstance(host, str) and any(fnmatch.fnmatchcase(host, h.lower()) for h in hosts)
+        if kind == "swap":
+            if bound and str(facts.get("header", "")).lower() == header.lower() and facts.get("tls") is True:
+                return Verdict("allow", "secrets.swap")
+            return Verdict("deny", "secrets.swap", f"{name} goes only in {header} to {', '.join(hosts)} over TLS")
+        if kind == "misuse":
+            if facts.get("binding_misuse") == "refuse":
+                return Verdict("deny", "secrets.misuse", f"the placeholder of {name} in {facts.get('where')}")
+            return Verdict("allow", "secrets.misuse", f"flagged: the placeholder of {name} in {facts.get('where')}")
+        return Verdict("deny", "secrets.kind", f"unknown secrets kind {kind!r}")
+
+
 def policy_hash(source: str) -> str:
     return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
 def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
+    secrets = data.pop("secrets", None)
+    if secrets is not None:
+        out["secrets"] = _validate_secrets(secrets, name)
     for section, body in data.items():
         if section in _LATER:
             raise PolicyError(f"{name}: [{section}] is not enforced by this version ({_LATER[section]} is not built "
@@ -257,6 +286,39 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
         v = out.get("exec", {}).get(key)
         if v is not None and not v > 0:
             raise PolicyError(f"{name}: exec.{key} must be positive")
+    return out
+
+
+def _validate_secrets(secrets: Any, name: str) -> dict[str, dict[str, Any]]:
+    """[secrets.NAME] tables: each a binding (hosts, header, format, source, misuse); values are never here."""
+    if not isinstance(secrets, dict):
+        raise PolicyError(f"{name}: [secrets] must hold [secrets.NAME] tables")
+    out = {}
+    for secret, body in secrets.items():
+        where = f"{name}: secrets.{secret}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", secret):
+            raise PolicyError(f"{where}: the name must be an environment variable name")
+        if not isinstance(body, dict):
+            raise PolicyError(f"{where} must be a table")
+        for key, value in body.items():
+            if key not in SECRET_KEYS:
+                raise PolicyError(f"{where}: unknown key {key} (known: {', '.join(sorted(SECRET_KEYS))})")
+            if not isinstance(value, SECRET_KEYS[key]):
+                raise PolicyError(f"{where}.{key} must be {_tname(SECRET_KEYS[key])}")
+        for key in ("hosts", "header", "source"):
+            if key not in body:
+                raise PolicyError(f"{where}: {key} is required")
+        if not body["hosts"] or not all(isinstance(h, str) and h and "/" not in h for h in body["hosts"]):
+            raise PolicyError(f"{where}.hosts must be a non-empty list of host names")
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", body["header"]):
+            raise PolicyError(f"{where}.header must be one header name")
+        if "{value}" not in body.get("format", "{value}"):
+            raise PolicyError(f"{where}.format must contain {{value}}")
+        if body.get("misuse", "flag") not in ("flag", "refuse"):
+            raise PolicyError(f"{where}.misuse must be flag or refuse")
+        if not re.fullmatch(r"(env:[A-Za-z_][A-Za-z0-9_]*|file:.+|prompt)", body["source"]):
+            raise PolicyError(f"{where}.source must be env:VAR, file:PATH or prompt")
+        out[secret] = {"format": "{value}", "misuse": "flag", **body}
     return out
 
 

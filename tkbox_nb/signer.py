@@ -49,6 +49,12 @@ tools:
   'box.patch': app
   'box.host': app
 unknown_tools: deny
+flag:
+  - id: TKB-FLAG-SECRET-MISUSE
+    tool: 'box\\.secret'
+    field: kind
+    pattern: '^misuse$'
+    reason: a secret's placeholder outside its bound header and hosts (never swapped)
 deny:
   - id: TKB-POLICY-DENY
     tool: 'box\\..*'

@@ -38,8 +38,24 @@ WEB_SERVER = textwrap.dedent('''
             return super().do_GET()
         def log_message(self, *a):
             pass
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            text = f"{self.command} {self.path}\\n" + "".join(f"{k}: {v}\\n" for k, v in self.headers.items())
+            data = (text + "\\n").encode() + body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
     http.server.ThreadingHTTPServer.daemon_threads = True
-    http.server.ThreadingHTTPServer((sys.argv[1], 8080), lambda *a: H(*a, directory=sys.argv[2])).serve_forever()
+    make = lambda port: http.server.ThreadingHTTPServer((sys.argv[1], port), lambda *a: H(*a, directory=sys.argv[2]))
+    if len(sys.argv) > 4:  # HTTPS on 8443 with the given certificate chain
+        import ssl, threading
+        tls = make(8443)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(sys.argv[4])
+        tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+        threading.Thread(target=tls.serve_forever, daemon=True).start()
+    make(8080).serve_forever()
 ''')
 
 FLIP_DNS = textwrap.dedent('''
@@ -64,7 +80,8 @@ def _run(*args: str) -> None:
 
 
 class NamespaceNet:
-    def __init__(self, index: int = 7):
+    def __init__(self, index: int = 7, tls_chain: str | None = None):
+        self.tls_chain = tls_chain  # a PEM file (key and certificate) for HTTPS on port 8443
         self.index = index
         self.name = f"tkb{index}p{os.getpid() % 100000}"
         self.host_if, self.ns_if = f"{self.name}h", f"{self.name}n"
@@ -95,11 +112,11 @@ class NamespaceNet:
             (self.root / "web.py").write_text(WEB_SERVER)
             (self.root / "flip.py").write_text(FLIP_DNS)
             self.ns(sys.executable, str(self.root / "web.py"), self.web, str(self.root / "www"),
-                    "http://other.tkb.test:8080/hello.txt")
+                    "http://other.tkb.test:8080/hello.txt", *([self.tls_chain] if self.tls_chain else []))
             p = self.prefix
             self.ns("dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
                     f"--listen-address={self.web}", "--port=53", "--user=root", f"--pid-file={self.root / 'dnsmasq.pid'}",
-                    f"--address=/web.tkb.test/{p}.2", f"--address=/other.tkb.test/{p}.2",
+                    f"--address=/web.tkb.test/{p}.2", f"--address=/other.tkb.test/{p}.2", f"--address=/api.tkb.test/{p}.2",
                     "--address=/loop.tkb.test/127.0.0.1", "--address=/private.tkb.test/10.0.0.1",
                     "--address=/meta.tkb.test/169.254.169.254",
                     f"--host-record=mixed.tkb.test,{p}.2,fd00::1", f"--host-record=mapped.tkb.test,{p}.2,::ffff:7f00:1")

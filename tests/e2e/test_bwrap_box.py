@@ -264,3 +264,10 @@ def test_a_box_flooding_its_stderr_costs_the_host_only_a_bounded_tail(signer, tm
         b.start()
     assert len(b.running.log_tail()) <= 8192
     assert "did not come up" in open_run(tmp_path / "f.tkb").box["end_reason"]
+
+
+def test_the_host_environment_is_invisible_in_the_box(signer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TKB_HOST_ONLY_SECRET", "host-env-value-5d1e")
+    with Box(backend="bwrap", bundle_path=tmp_path / "env.tkb") as b:
+        r = b.run(["sh", "-c", "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'"])
+    assert b"host-env-value-5d1e" not in r.stdout and b"TKB_HOST_ONLY_SECRET" not in r.stdout

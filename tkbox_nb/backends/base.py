@@ -24,6 +24,7 @@ class BoxSpec:
     workspace_mib: int = 1024
     env: dict[str, str] = field(default_factory=dict)
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
+    ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
 
 
 class RunningBox(abc.ABC):

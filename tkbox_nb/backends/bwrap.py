@@ -116,7 +116,7 @@ class BwrapBackend(Backend):
         return True, f"{exe}: namespaces work"
 
     def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path) -> list[str]:
-        a = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        a = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--hostname", "tkbox", "--uid", "1000", "--gid", "1000",
              "--ro-bind", "/usr", "/usr"]
         for top in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
@@ -161,6 +161,9 @@ class BwrapBackend(Backend):
                 shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
             elif src.exists():
                 shutil.copy2(src, dst, follow_symlinks=True)
+        if spec.ca_bundle is not None:
+            (etc_dir / "tkbox").mkdir()
+            (etc_dir / "tkbox" / "ca-bundle.pem").write_bytes(spec.ca_bundle)
         (etc_dir / "passwd").write_text(PASSWD)
         (etc_dir / "group").write_text(GROUP)
         (etc_dir / "hosts").write_text("127.0.0.1 localhost tkbox\n::1 localhost\n")
@@ -182,7 +185,9 @@ class BwrapBackend(Backend):
 
         fd = box_end.fileno()
         try:
+            # bwrap's own environment stays readable in the box (/proc/1/environ of its init): give it none of ours
             proc = subprocess.Popen(self.argv(spec, fd, etc_dir), pass_fds=[fd], stdin=subprocess.DEVNULL,
+                                    env={"PATH": "/usr/bin:/bin"},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=in_child,
                                     start_new_session=True)
         except BaseException:

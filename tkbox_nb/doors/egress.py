@@ -81,6 +81,19 @@ class EgressDoor:
                 why = crossing.verdict.reason or crossing.reason
                 return self._answer(stream, 403, f"tkbox egress door: refused by {crossing.verdict.rule} "
                                                  f"({rules}): {why}\n")
+            if self.box.bindings:
+                from .secrets import bound_for, rewrite_request
+                bound = bound_for(crossing.args["host"], self.box.bindings)
+                if req.tunnel and bound:
+                    return self._relay_bound(stream, req, crossing, address, bound)
+                if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
+                    from .intercept import _record
+                    rw = rewrite_request(crossing.args["host"], req.target.encode(), req.headers, self.box.bindings,
+                                         tls=False)
+                    refused = _record(self.box, crossing.args["host"], self.box.bindings, rw)
+                    if refused:
+                        self.box.recorder.complete(crossing, "error", {"error": "refused by the secrets door"})
+                        return self._answer(stream, 403, f"tkbox secrets door: refused: {refused}\n")
             self._relay(stream, req, crossing, address)
         except ProxyRequestError as e:
             self._answer(stream, e.status, f"tkbox egress door: {e}\n")
@@ -174,6 +187,28 @@ class EgressDoor:
             try:
                 conn.close(sid)
             except OSError:
+                pass
+        self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
+                                   dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
+
+    def _relay_bound(self, stream: Stream, req: ProxyRequest, crossing, address: str, bindings) -> None:
+        """A CONNECT to a host a secret is bound to: TLS terminated and re-originated (intercept.py)."""
+        import ssl
+
+        from .intercept import Closed, relay_bound
+        started, counts = time.monotonic(), {"bytes_up": 0, "bytes_down": 0, "intercepted": True}
+        try:
+            relay_bound(self.box, stream, crossing.args["host"], req.port, address, req.rest, bindings, counts)
+        except (OSError, ssl.SSLError, Closed, StreamClosed) as e:
+            counts["error"] = f"{type(e).__name__}: {e}"[:200]
+            if not counts["bytes_up"] and isinstance(e, (ssl.SSLCertVerificationError, ConnectionError)):
+                self._answer(stream, 502, f"tkbox egress door: {req.host}:{req.port}: {e}\n")
+        except Exception as e:  # h11 errors on either side end this connection only
+            counts["error"] = f"{type(e).__name__}: {e}"[:200]
+        finally:
+            try:
+                self.box.conn.close(stream.sid)
+            except (OSError, StreamClosed):
                 pass
         self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
                                    dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))

@@ -1,0 +1,181 @@
+"""The secrets door: a real HTTPS echo server with a test CA in a network namespace, real clients in a real box."""
+
+from __future__ import annotations
+
+import datetime
+import zipfile
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from tkbox_nb import Box, Policy, open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.testnet import NamespaceNet, available
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
+              pytest.mark.skipif(not available()[0], reason=available()[1])]
+
+VALUE = "sk-live-" + "7f3a9c" * 6
+
+
+def _test_ca(tmp):
+    """A CA and a certificate for api.tkb.test, made here: the upstream the door must verify."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tkbox test upstream CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("api.tkb.test"), x509.DNSName("web.tkb.test")]),
+                           critical=False).sign(ca_key, hashes.SHA256()))
+    chain = tmp / "server.pem"
+    chain.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()) + leaf.public_bytes(serialization.Encoding.PEM))
+    ca_file = tmp / "upstream-ca.pem"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return chain, ca_file
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    chain, ca_file = _test_ca(tmp)
+    with NamespaceNet(index=11, tls_chain=str(chain)) as n:
+        n.upstream_ca = ca_file
+        yield n
+
+
+@pytest.fixture
+def box(signer, net, tmp_path, monkeypatch):
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    policy = Policy.from_toml(f"""
+[egress]
+allow = ["api.tkb.test:8443", "web.tkb.test:8443", "web.tkb.test:8080"]
+allow_cidrs = ["198.18.0.0/15"]
+nameservers = ["{net.web}"]
+upstream_ca_file = "{net.upstream_ca}"
+
+[secrets.API_KEY]
+hosts = ["api.tkb.test"]
+header = "Authorization"
+format = "Bearer {{value}}"
+source = "env:TKB_TEST_API_KEY"
+""")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    b = Box(backend="bwrap", policy=policy, workspace=ws, bundle_path=tmp_path / "s.tkb").start()
+    b.bundle_file = tmp_path / "s.tkb"
+    yield b
+    b.stop()
+
+
+CLIENTS = {
+    "urllib": ("import os, urllib.request\n"
+               "req = urllib.request.Request('https://api.tkb.test:8443/echo', data=b'hi', "
+               "headers={'Authorization': 'Bearer ' + os.environ['API_KEY']})\n"
+               "print(urllib.request.urlopen(req, timeout=20).read().decode())"),
+    "requests": ("import os, requests\n"
+                 "print(requests.post('https://api.tkb.test:8443/echo', data=b'hi', timeout=20, "
+                 "headers={'Authorization': os.environ['API_KEY']}).text)"),
+    "httpx": ("import os, httpx\n"
+              "print(httpx.post('https://api.tkb.test:8443/echo', content=b'hi', timeout=20, "
+              "headers={'Authorization': 'Bearer ' + os.environ['API_KEY']}).text)"),
+}
+
+
+def _stdout(r):
+    assert r.exit_code == 0, r.stderr.decode()[-1500:]
+    return r.stdout.decode()
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+def test_the_bound_host_receives_the_value_in_the_bound_header_only(box, client):
+    out = _stdout(box.run(["python3", "-c", CLIENTS[client]]))
+    # the echo server saw the real value (its echo comes back scrubbed: asterisks where the value was)
+    assert "Authorization: Bearer " + "*" * len(VALUE) in out, out
+    assert VALUE not in out
+
+
+def test_curl_through_the_door(box):
+    r = box.run(["sh", "-c", 'curl -sS -X POST --data hi -H "Authorization: Bearer $API_KEY" '
+                             "https://api.tkb.test:8443/echo"])
+    assert "Authorization: Bearer " + "*" * len(VALUE) in _stdout(r)
+
+
+def test_the_box_cannot_learn_the_value(box):
+    placeholder = _stdout(box.run(["sh", "-c", "printf %s \"$API_KEY\""]))
+    assert placeholder.startswith("tkbox-ph-") and VALUE not in placeholder
+    probe = _stdout(box.run(["sh", "-c", "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; env; "
+                                         "grep -rs . /etc /tmp /workspace 2>/dev/null | head -c 2000000"]))
+    assert VALUE not in probe
+    # an echo on the bound host reflecting the header: scrubbed before the box sees it
+    reflected = _stdout(box.run(["python3", "-c", "import os, urllib.request\n"
+                                 "req = urllib.request.Request('https://api.tkb.test:8443/echo-headers', "
+                                 "headers={'Authorization': 'Bearer ' + os.environ['API_KEY']})\n"
+                                 "print(urllib.request.urlopen(req, timeout=20).read().decode())"]))
+    assert VALUE not in reflected and "*" * len(VALUE) in reflected
+
+
+def test_the_placeholder_elsewhere_is_never_swapped_and_is_flagged(box):
+    # another header and the body of a request to the bound host; the bound header to an unbound host
+    out = _stdout(box.run(["python3", "-c", "import os, urllib.request\nph = os.environ['API_KEY']\n"
+                           "req = urllib.request.Request('https://api.tkb.test:8443/echo?k=' + ph, data=ph.encode(), "
+                           "headers={'X-Other': ph})\n"
+                           "print(urllib.request.urlopen(req, timeout=20).read().decode())"]))
+    assert VALUE not in out and out.count("tkbox-ph-") >= 3  # the placeholder went out as itself
+    plain = _stdout(box.run(["python3", "-c", "import os, urllib.request\n"
+                             "req = urllib.request.Request('http://web.tkb.test:8080/echo-headers', "
+                             "headers={'Authorization': 'Bearer ' + os.environ['API_KEY']})\n"
+                             "print(urllib.request.urlopen(req, timeout=20).read().decode())"]))
+    assert VALUE not in plain and "tkbox-ph-" in plain
+    box.stop()
+    run = open_run(box.bundle_file)
+    misuses = [c for c in run.crossings() if c.door == "secrets" and c.args["kind"] == "misuse"]
+    wheres = {c.args["where"] for c in misuses}
+    assert {"path or query", "header X-Other", "body"} <= wheres, wheres
+    assert any("plain http" in w for w in wheres)
+    assert all("TKB-FLAG-SECRET-MISUSE" in c.rule_ids for c in misuses)
+
+
+def test_records_name_bindings_and_swaps_never_the_value(box, tmp_path):
+    _stdout(box.run(["python3", "-c", CLIENTS["urllib"]]))
+    box.run(["sh", "-c", "echo $API_KEY > /workspace/leak.txt"])
+    box.stop()
+    assert verify_bundle(box.bundle_file).valid
+    run = open_run(box.bundle_file)
+    kinds = [(c.args["kind"], c.decision) for c in run.crossings() if c.door == "secrets"]
+    assert ("bind", "allow") in kinds and ("swap", "allow") in kinds
+    with zipfile.ZipFile(box.bundle_file) as z:
+        for name in z.namelist():
+            assert VALUE.encode() not in z.read(name), name
+
+
+def test_misuse_can_be_refused_by_the_binding(signer, net, tmp_path, monkeypatch):
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    policy = Policy.from_toml(f"""
+[egress]
+allow = ["api.tkb.test:8443"]
+allow_cidrs = ["198.18.0.0/15"]
+nameservers = ["{net.web}"]
+upstream_ca_file = "{net.upstream_ca}"
+
+[secrets.API_KEY]
+hosts = ["api.tkb.test"]
+header = "Authorization"
+source = "env:TKB_TEST_API_KEY"
+misuse = "refuse"
+""")
+    with Box(backend="bwrap", policy=policy, bundle_path=tmp_path / "m.tkb") as b:
+        out = b.run(["python3", "-c", "import os, urllib.request\n"
+                     "req = urllib.request.Request('https://api.tkb.test:8443/echo', data=os.environ['API_KEY']"
+                     ".encode())\ntry:\n    urllib.request.urlopen(req, timeout=20)\n"
+                     "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())"]).stdout.decode()
+    assert out.startswith("403") and "secrets.misuse" in out, out

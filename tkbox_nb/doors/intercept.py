@@ -1,0 +1,201 @@
+"""TLS to a bound host: terminated with the box's CA, re-originated verified, and every request swapped and checked.
+
+Only connections to hosts that a secret is bound to come here (egress.py tunnels every other one untouched). The
+box's side of TLS runs over the door stream with `ssl.SSLObject` (memory BIOs, no socket); the upstream side is a
+normal verified TLS socket (the host's trust store, or the policy's `egress.upstream_ca_file`). HTTP/1.1 on both sides
+is h11. Per request: `secrets.rewrite_request` swaps the placeholder in the bound header; each swap and each misuse is
+a signed crossing of the secrets door; a refused misuse is answered 403 and nothing goes upstream. Each response is
+scrubbed of every value before the box sees it.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import ssl
+from typing import TYPE_CHECKING
+
+import h11
+
+from .. import protocol as p
+from ..connection import Stream
+from .secrets import Binding, Scrubber, misuses_in, rewrite_request
+
+if TYPE_CHECKING:
+    from ..box import Box
+
+MAX_REQUEST_BODY = 16 << 20
+IDLE_S = 300.0
+
+
+class Closed(Exception):
+    pass
+
+
+class BoxTLS:
+    """The TLS server end facing the box, over one door stream."""
+
+    def __init__(self, box: "Box", stream: Stream, context: ssl.SSLContext, first: bytes):
+        self.box, self.stream = box, stream
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        if first:
+            self.incoming.write(first)
+
+    def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            self.box.conn.send_data(self.stream.sid, p.CH_BYTES, data)
+
+    def _fill(self) -> None:
+        try:
+            event = self.stream.get(timeout=IDLE_S)
+        except queue.Empty:
+            raise Closed("idle") from None
+        if event[0] != "data":
+            self.incoming.write_eof()
+            raise Closed("the box closed the connection")
+        if event[1] != p.CH_BYTES:
+            raise p.ProtocolError(f"egress data on channel {event[1]}")
+        self.incoming.write(event[2])
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                self.tls.do_handshake()
+                self._flush()
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill()
+
+    def recv(self) -> bytes:
+        while True:
+            try:
+                return self.tls.read(65536)
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill()
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+
+    def send(self, data: bytes) -> None:
+        if data:
+            self.tls.write(data)
+            self._flush()
+
+
+def relay_bound(box: "Box", stream: Stream, host: str, port: int, address: str, first: bytes,
+                bindings: list[Binding], counts: dict) -> None:
+    """Serve one CONNECT to a bound host until either side closes."""
+    policy = box.policy
+    context = ssl.create_default_context(cafile=policy.get("egress", "upstream_ca_file") or None)
+    context.set_alpn_protocols(["http/1.1"])
+    raw = socket.create_connection((address, port), timeout=policy.get("egress", "connect_timeout_s"))
+    upstream = context.wrap_socket(raw, server_hostname=host)  # verified: a bound host must prove who it is
+    upstream.settimeout(IDLE_S)
+    try:
+        box.conn.send_data(stream.sid, p.CH_BYTES, b"HTTP/1.1 200 Connection established\r\n\r\n")
+        tls = BoxTLS(box, stream, box.ca.server_context(host), first)
+        tls.handshake()
+        scrubber_values = [b.value for b in bindings]
+        from_box, to_up = h11.Connection(h11.SERVER), h11.Connection(h11.CLIENT)
+        while True:
+            request, body = _read_request(tls, from_box)
+            if request is None:
+                return
+            rw = rewrite_request(host, request.target, list(request.headers.raw_items()), bindings, tls=True)
+            rw.misuses += misuses_in(body, bindings, "body")
+            refused = _record(box, host, bindings, rw)
+            if refused:
+                tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
+                return
+            upstream.sendall(to_up.send(h11.Request(method=request.method, target=request.target,
+                                                    headers=rw.headers)))
+            if body:
+                upstream.sendall(to_up.send(h11.Data(data=body)))
+            upstream.sendall(to_up.send(h11.EndOfMessage()))
+            counts["bytes_up"] += len(body)
+            if not _relay_response(upstream, to_up, tls, from_box, Scrubber(scrubber_values), counts):
+                return
+            if from_box.our_state is h11.DONE and from_box.their_state is h11.DONE and \
+                    to_up.our_state is h11.DONE and to_up.their_state is h11.DONE:
+                from_box.start_next_cycle()
+                to_up.start_next_cycle()
+            else:
+                return
+    finally:
+        upstream.close()
+
+
+def _read_request(tls: BoxTLS, conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
+    request, body = None, bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                conn.receive_data(tls.recv())
+            except Closed:
+                return None, b""
+            continue
+        if isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > MAX_REQUEST_BODY:
+                raise h11.RemoteProtocolError("a request body over 16 MiB to a bound host")
+        elif isinstance(event, h11.EndOfMessage):
+            return request, bytes(body)
+        elif isinstance(event, h11.ConnectionClosed):
+            return None, b""
+
+
+def _record(box: "Box", host: str, bindings: list[Binding], rw) -> str:
+    """Sign each swap and misuse; the reason of the first refusal, or ""."""
+    by_name = {b.name: b for b in bindings}
+    for kind, items in (("misuse", rw.misuses), ("swap", rw.swaps)):
+        for name, detail in items:
+            b = by_name[name]
+            facts = {"name": name, "binding_hosts": b.hosts, "binding_header": b.header,
+                     "binding_misuse": b.misuse, "host": host, "tls": True}
+            facts.update({"where": detail} if kind == "misuse" else {"header": detail})
+            crossing = box.recorder.decide("secrets", kind, facts)
+            if not crossing.allowed:
+                return f"{crossing.verdict.rule}: {crossing.verdict.reason or crossing.reason}"
+            box.recorder.complete(crossing, "ok", {})
+    return ""
+
+
+def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.Connection, scrubber: Scrubber,
+                    counts: dict) -> bool:
+    while True:
+        event = to_up.next_event()
+        if event is h11.NEED_DATA:
+            data = upstream.recv(65536)
+            to_up.receive_data(data)
+            continue
+        if isinstance(event, (h11.Response, h11.InformationalResponse)):
+            headers = [(k, scrubber.scrub(v)) for k, v in event.headers]
+            cls = type(event)
+            tls.send(from_box.send(cls(status_code=event.status_code, headers=headers, reason=event.reason)))
+        elif isinstance(event, h11.Data):
+            counts["bytes_down"] += len(event.data)
+            clean = scrubber.feed(bytes(event.data))
+            if clean:
+                tls.send(from_box.send(h11.Data(data=clean)))
+        elif isinstance(event, h11.EndOfMessage):
+            rest = scrubber.flush()
+            if rest:
+                tls.send(from_box.send(h11.Data(data=rest)))
+            tls.send(from_box.send(h11.EndOfMessage()))
+            return True
+        elif isinstance(event, h11.ConnectionClosed):
+            return False
+
+
+def _answer(conn: h11.Connection, status: int, text: str) -> bytes:
+    body = text.encode()
+    return conn.send(h11.Response(status_code=status, headers=[("content-type", "text/plain"),
+                                                               ("content-length", str(len(body))),
+                                                               ("connection", "close")])) + conn.send(
+        h11.Data(data=body)) + conn.send(h11.EndOfMessage())

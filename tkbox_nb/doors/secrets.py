@@ -1,0 +1,135 @@
+"""The secrets door: placeholders in the box, real values in one header of requests to bound hosts.
+
+A binding names a secret, the hosts it may go to, the one header it goes in and the header's format. Its value is
+read on the host (`env:VAR`, `file:PATH`, or given by a notebook's `%box_secret`) and held in this process only; the
+box gets an environment variable holding a random placeholder. The egress door terminates TLS to a bound host with the
+box's CA (box_ca.py) and, per request, calls `rewrite_request`: the placeholder becomes the value in the bound header
+and nowhere else; a placeholder anywhere else (path, another header, the body, a request to another host) is a
+misuse, flagged or refused as the binding says. Responses from a bound host go through `Scrubber` before the box
+sees them. The functions here are pure; no value is ever put in a record, a log or an error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets as _random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import PolicyError
+
+PLACEHOLDER_PREFIX = "tkbox-ph-"
+MAX_VALUE = 16 * 1024
+
+
+@dataclass
+class Binding:
+    name: str
+    hosts: list[str]
+    header: str
+    format: str
+    source: str
+    misuse: str = "flag"   # or "refuse"
+    value: str = field(default="", repr=False)
+    placeholder: str = field(default_factory=lambda: PLACEHOLDER_PREFIX + _random.token_hex(16))
+
+    @property
+    def placeholder_digest(self) -> str:
+        return "sha256:" + hashlib.sha256(self.placeholder.encode()).hexdigest()
+
+    def header_value(self, sent: str) -> str:
+        """The bound header as the upstream gets it: the formatted value when the box sent only the placeholder,
+        else the box's header with the placeholder replaced by the value."""
+        if sent.strip() == self.placeholder:
+            return self.format.replace("{value}", self.value)
+        return sent.replace(self.placeholder, self.value)
+
+
+def read_value(name: str, source: str) -> str:
+    """The value of a binding from its source, read on the host. Errors name the source, never a value."""
+    kind, _, where = source.partition(":")
+    if kind == "env":
+        value = os.environ.get(where)
+        if not value:
+            raise PolicyError(f"secrets.{name}: the host environment has no {where}")
+    elif kind == "file":
+        try:
+            value = Path(os.path.expanduser(where)).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PolicyError(f"secrets.{name}: cannot read {where}: {getattr(e, 'strerror', None) or e}") from None
+    else:
+        raise PolicyError(f"secrets.{name}: source must be env:VAR or file:PATH (or a notebook's %box_secret)")
+    if len(value) > MAX_VALUE or any(c in value for c in "\r\n\x00"):
+        raise PolicyError(f"secrets.{name}: the value is over {MAX_VALUE} characters or holds a line break or NUL")
+    return value
+
+
+def host_matches(host: str, patterns: list[str]) -> bool:
+    import fnmatch
+    return any(fnmatch.fnmatchcase(host, p.lower()) for p in patterns)
+
+
+def bound_for(host: str, bindings: list[Binding]) -> list[Binding]:
+    return [b for b in bindings if host_matches(host, b.hosts)]
+
+
+@dataclass
+class Rewrite:
+    headers: list[tuple[bytes, bytes]]
+    swaps: list[tuple[str, str]] = field(default_factory=list)      # (binding name, header)
+    misuses: list[tuple[str, str]] = field(default_factory=list)    # (binding name, where)
+
+
+def rewrite_request(host: str, target: bytes, headers: list[tuple[bytes, bytes]], bindings: list[Binding],
+                    tls: bool) -> Rewrite:
+    """Swap placeholders in the bound header of a request to `host`; name every other placeholder a misuse."""
+    out = Rewrite(headers=[])
+    text_target = target.decode("latin-1")
+    for b in bindings:
+        if b.placeholder in text_target:
+            out.misuses.append((b.name, "path or query"))
+    for key, value in headers:
+        text = value.decode("latin-1")
+        for b in bindings:
+            if b.placeholder not in text:
+                continue
+            if tls and key.decode("latin-1").lower() == b.header.lower() and host_matches(host, b.hosts):
+                text = b.header_value(text)
+                out.swaps.append((b.name, b.header))
+            else:
+                where = f"header {key.decode('latin-1')[:60]}" + ("" if tls else " (plain http)")
+                out.misuses.append((b.name, where if host_matches(host, b.hosts) else f"{where} to {host}"))
+        out.headers.append((key, text.encode("latin-1") if text.isascii() else text.encode("utf-8")))
+    return out
+
+
+def misuses_in(data: bytes, bindings: list[Binding], where: str) -> list[tuple[str, str]]:
+    return [(b.name, where) for b in bindings if b.placeholder.encode() in data]
+
+
+class Scrubber:
+    """Removes secret values from a byte stream (a response on its way into the box), across chunk boundaries:
+    each value becomes as many `*` (so lengths, and Content-Length, stay right)."""
+
+    def __init__(self, values: list[str]):
+        self.values = [v.encode("utf-8") for v in values if v]
+        self.keep = max((len(v) for v in self.values), default=1) - 1
+        self._tail = b""
+
+    def scrub(self, data: bytes) -> bytes:
+        for v in self.values:
+            data = data.replace(v, b"*" * len(v))
+        return data
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self.scrub(self._tail + data)
+        if self.keep <= 0:
+            self._tail = b""
+            return buf
+        self._tail = buf[-self.keep:]
+        return buf[:-self.keep]
+
+    def flush(self) -> bytes:
+        out, self._tail = self.scrub(self._tail), b""
+        return out
