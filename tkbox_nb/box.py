@@ -85,7 +85,7 @@ class Box:
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
                  home: str | Path | None = None, agent_argv: list[str] | None = None,
-                 secrets: dict[str, Any] | None = None):
+                 secrets: dict[str, Any] | None = None, replay_of: str | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
         self.backend = get_backend(name)
@@ -102,6 +102,7 @@ class Box:
         self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
         self._kernel: BoxKernel | None = None
         self.bindings = _bindings(self.policy, secrets or {})
+        self.replay_of = replay_of
         self.ca = None
         self._lock = threading.RLock()
 
@@ -121,7 +122,7 @@ class Box:
         self.signer.ensure()
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
-            "image_digest": self.backend.image_digest()}).open()
+            "image_digest": self.backend.image_digest()}, replay_of=self.replay_of).open()
         try:
             seed = None
             if self.workspace is not None:  # a copy, never the host directory itself

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("action", choices=["start", "stop", "status"])
     g.set_defaults(fn=_cmd_signer)
 
-    from . import cli_box
+    from . import cli_box, cli_replay
     cli_box.add_commands(sub)
+    cli_replay.add_commands(sub)
 
     return p
 

@@ -57,6 +57,7 @@ class NotebookBox:
         self.box: Box | None = None
         self.secrets: dict[str, SecretBinding] = {}
         self.bundles: list[Path] = []
+        self.replay_of: str | None = None  # a rerun names the run it replays
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
 
     # -- the box -------------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ class NotebookBox:
             self.bundle_dir.mkdir(parents=True, exist_ok=True)
             bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
-                  home=self.home, secrets=self.secrets)
+                  home=self.home, secrets=self.secrets, replay_of=self.replay_of)
         box.start()
         self.box = box
         pending, self._pending = self._pending, []

@@ -59,7 +59,8 @@ class Crossing:
 class RunRecorder:
     """Opens one run on the machine signer for one box and records its crossings."""
 
-    def __init__(self, signer: MachineSigner, policy: Policy, box: dict[str, Any], agent: str = "tkbox"):
+    def __init__(self, signer: MachineSigner, policy: Policy, box: dict[str, Any], agent: str = "tkbox",
+                 replay_of: str | None = None):
         self.signer = signer
         self.policy = policy
         self.start_policy = policy  # the box manifest names the policy the box started with; later ones are listed
@@ -76,14 +77,24 @@ class RunRecorder:
         self._spool_file = None
         self._spooled: set[str] = set()
         self.policies: dict[str, Policy] = {}
+        self.replay_of = replay_of
         self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def open(self) -> "RunRecorder":
         self.signer.ensure()
         self._client = self.signer.client()
+        agent = {"name": self.agent, "version": __version__}
         try:
-            self._run = self._client.run(agent={"name": self.agent, "version": __version__})
+            if self.replay_of:  # Tracekit's replay_of names a run of this signer; a foreign run is named in the box
+                try:
+                    self._run = self._client.run(agent=agent, replay_of=self.replay_of)
+                    self.box["replay_of"] = self.replay_of
+                except Exception:
+                    self.box["rerun_of"], self.replay_of = self.replay_of, None
+                    self._run = self._client.run(agent=agent)
+            else:
+                self._run = self._client.run(agent=agent)
         except Exception as e:
             self._client.close()
             raise SignerError(f"the signer refused to open a run: {e}") from None

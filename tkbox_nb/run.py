@@ -149,6 +149,11 @@ class Run:
             df[col] = df[col].astype("string")
         return df
 
+    def to_notebook(self):
+        """The run as a notebook: each cell's code and recorded outputs, host magics as host events (replay.py)."""
+        from .replay import to_notebook
+        return to_notebook(self)
+
     def verify(self, trust: str | Path | None = None):
         from .verify import verify_bundle
         return verify_bundle(self.path, trust)
