@@ -120,9 +120,14 @@ class Box:
 
     def start(self) -> "Box":
         self.signer.ensure()
+        from .recorder import recover_orphans
+        recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
-            "image_digest": self.backend.image_digest()}, replay_of=self.replay_of).open()
+            "image_digest": self.backend.image_digest()}, replay_of=self.replay_of)
+        if self.bundle_path is not None:
+            self.recorder.bundle_hint = self.bundle_path
+        self.recorder.open()
         try:
             seed = None
             if self.workspace is not None:  # a copy, never the host directory itself

@@ -231,22 +231,20 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
     export_tmp.unlink()
     manifest = loads_json(files.pop("manifest.json"), "tracekit manifest")
     records = [r for n in sorted(files) if n.startswith("runs/") for r in loads_jsonl(files[n], n)]
-    by_decision: dict[tuple[str, str], dict] = {}
+    by_call: dict[tuple[str, str], dict] = {}
     for r in records:
         e = r["event"]
-        did = e.get("data", {}).get("decision_id")
-        if e["type"] in ("policy.decision", "tool.result") and did:
-            by_decision[(e["type"], did)] = e
+        call_id = e.get("data", {}).get("tool_use_id")
+        if e["type"] in ("policy.decision", "tool.result") and call_id:
+            by_call[(e["type"], call_id)] = e
     salt_key = signer.salt_key()
     disclosures, wanted, blobs = [], set(), {}
     for entry in loads_jsonl((spool / "disclosures.jsonl").read_bytes(), "spool"):
         blobs.update(entry.pop("blobs", {}))
         kind = "policy.decision" if entry["kind"] == "decision" else "tool.result"
-        event = by_decision.get((kind, entry["decision_id"]))
-        if event is None:
-            if not final:  # recorded after the checkpoint this snapshot stops at
-                continue
-            raise SignerError(f"the export lacks the {kind} of {entry['decision_id']}")
+        event = by_call.get((kind, entry.get("call_id")))
+        if event is None:  # written ahead of a signer call that never recorded it (refused, lost, or past a snapshot)
+            continue
         salt = salt_for(salt_key, salt_label(event))
         item = {"run_seq": event["run_seq"], "type": kind, "salt": salt.hex(), "content": entry["content"]}
         if kind == "policy.decision":

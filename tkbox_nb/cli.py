@@ -62,6 +62,13 @@ def _cmd_signer(a) -> int:
     elif a.action == "stop":
         signer.stop()
         print("signer stopped")
+    elif a.action == "recover":
+        from .recorder import recover_orphans
+        signer.ensure()
+        written = recover_orphans(signer)
+        for path in written:
+            print(f"recovered {path}")
+        print(f"{len(written)} orphaned run(s) closed")
     else:
         up = signer.answering()
         print(f"signer {'answering' if up else 'not running'} ({signer.dir})")
@@ -91,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_trust)
 
     g = sub.add_parser("signer", help="the machine signer: start, stop, status")
-    g.add_argument("action", choices=["start", "stop", "status"])
+    g.add_argument("action", choices=["start", "stop", "status", "recover"],
+                   help="recover: close the runs of boxes whose process died, and write their bundles")
     g.set_defaults(fn=_cmd_signer)
 
     from . import cli_box, cli_replay

@@ -78,6 +78,7 @@ class RunRecorder:
         self._spooled: set[str] = set()
         self.policies: dict[str, Policy] = {}
         self.replay_of = replay_of
+        self.bundle_hint: Path | None = None
         self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class RunRecorder:
         self.spool = self.signer.runs_dir / self.run_id
         self.spool.mkdir(mode=0o700, parents=True)
         self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
+        self._write_handle()
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
@@ -113,6 +115,47 @@ class RunRecorder:
         self.complete(start, "ok", {})
         self._write_box_manifest()
         return self
+
+    def _write_handle(self) -> None:
+        """What another process needs to close this run if this one dies first (recover_orphans): the run's id and
+        token, this process's pid and where the bundle should go. Host-only (0600 in a 0700 directory)."""
+        handle = {"run_id": self.run_id, "run_token": self._run.run_token, "pid": os.getpid(),
+                  "bundle_hint": str(self.bundle_hint) if self.bundle_hint else ""}
+        fd = os.open(self.spool / "handle.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(handle, f)
+        os.replace(self.spool / "handle.json.tmp", self.spool / "handle.json")
+
+    def hint_bundle(self, path: str | Path) -> None:
+        """Where this run's bundle is meant to go (used if the run has to be recovered)."""
+        self.bundle_hint = Path(path)
+        if self.spool is not None and self._run is not None:
+            self._write_handle()
+
+    @classmethod
+    def adopt(cls, signer: MachineSigner, spool: Path) -> "RunRecorder":
+        """Take over an open run whose process is gone, from its spool, to close it and write its bundle."""
+        from tracekit.sdk.client import RunHandle
+        from .bundle import loads_json
+        handle = loads_json((spool / "handle.json").read_bytes(), "handle.json")
+        box = loads_json((spool / "box.json").read_bytes(), "box.json")
+        policies = {}
+        for path in (spool / "policies").glob("*.toml"):
+            policy = Policy.from_toml(path.read_text(encoding="utf-8"), path.name)
+            policies[policy.hash] = policy
+        start = policies[box["policy"]["hash"]]
+        rec = cls(signer, start, {k: v for k, v in box.items() if k not in ("policy", "policies")})
+        rec.policies = policies
+        rec.run_id, rec.spool = handle["run_id"], spool
+        rec.bundle_hint = Path(handle["bundle_hint"]) if handle.get("bundle_hint") else None
+        rec._client = signer.client()
+        rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
+        rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
+        seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
+                if line.strip() for e in [json.loads(line)]]
+        rec._spooled = {d for e in seen for d in (e.get("blobs") or {})}
+        rec._seq = 10**9  # call ids of the adopter never meet the dead process's
+        return rec
 
     def set_policy(self, policy: Policy) -> None:
         """Later crossings are decided under `policy`; its source goes into the bundle."""
@@ -140,6 +183,8 @@ class RunRecorder:
         if self._client:
             self._client.close()
         self.closed = True
+        if self.spool is not None:
+            (self.spool / "handle.json").unlink(missing_ok=True)  # closed: nothing left to recover
 
     # -- crossings -----------------------------------------------------------------------------------------------
     def decide(self, door: str, kind: str, facts: dict[str, Any],
@@ -169,6 +214,8 @@ class RunRecorder:
         if len(raw) > MAX_ARGS_BYTES:
             crossing.rule_ids, crossing.reason = ["TKB-ARGS-TOO-LARGE"], "the crossing's statement is too large"
             return crossing
+        # written ahead of the signer call: if this process dies just after it, the record still has its disclosure
+        self._spool({"kind": "decision", "call_id": call_id, "tool": tool, "args": args, "content": digests}, content)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -190,8 +237,6 @@ class RunRecorder:
         with self._lock:
             self.counts[(door, crossing.decision)] = self.counts.get((door, crossing.decision), 0) + 1
         crossing.reason = reply.get("reason", verdict.reason)
-        self._spool({"kind": "decision", "decision_id": crossing.decision_id, "tool": tool, "args": args,
-                     "content": digests}, content)
         return crossing
 
     def complete(self, crossing: Crossing, status: str, result: dict[str, Any],
@@ -207,14 +252,13 @@ class RunRecorder:
             result[key + "_size"] = len(data)
         if self.broken or self.closed:
             return False
+        self._spool({"kind": "result", "call_id": crossing.call_id, "result": result, "content": digests}, content)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reply = self._run.complete(crossing.call_id, "ok" if status == "ok" else "error", result=result)
         if reply is None:
             self._fail(f"complete of {crossing.call_id} was not recorded")
             return False
-        self._spool({"kind": "result", "decision_id": crossing.decision_id, "result": result, "content": digests},
-                    content)
         return True
 
     # -- spool ---------------------------------------------------------------------------------------------------
@@ -223,7 +267,8 @@ class RunRecorder:
             self.broken = reason[:500]
 
     def _spool(self, entry: dict, content: dict[str, bytes]) -> None:
-        """One line per record, content inline (base64, once per digest): a single write per crossing."""
+        """One line per record, written before the record is asked for, keyed by its call id (the record's
+        tool_use_id); content inline (base64, once per digest): a single write per crossing."""
         with self._lock:
             fresh = {}
             for data in content.values():
@@ -265,6 +310,55 @@ class RunRecorder:
             self._spool_file.flush()
         self._write_box_manifest()
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
+
+
+def recover_orphans(signer: MachineSigner) -> list[Path]:
+    """Close every run whose process ended without closing it (a kernel killed with SIGKILL, a crash), recording
+    why as its last word, and write its bundle (where it was meant to go, else $TKBOX_HOME/bundles). Returns them."""
+    written = []
+    if not signer.runs_dir.is_dir():
+        return written
+    for spool in sorted(signer.runs_dir.iterdir()):
+        handle = spool / "handle.json"
+        try:
+            pid = json.loads(handle.read_text())["pid"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _pid_alive(pid):
+            continue
+        lock = spool / "recovering"
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # one recoverer per run
+        except FileExistsError:
+            continue
+        os.close(fd)
+        try:
+            rec = RunRecorder.adopt(signer, spool)
+            rec.close(f"recovered: the process that held this box (pid {pid}) ended without closing its run")
+            out = rec.bundle_hint
+            if out is None or not out.parent.is_dir():
+                out = signer.home / "bundles" / f"{rec.run_id}.tkb"
+                out.parent.mkdir(mode=0o700, exist_ok=True)
+            written.append(rec.write_bundle(out))
+        except Exception as e:  # a spool we cannot adopt stays for `tkbox signer recover` to report
+            (spool / "recover-error.txt").write_text(f"{type(e).__name__}: {e}"[:1000])
+        finally:
+            lock.unlink(missing_ok=True)
+    return written
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def salt_for(salt_key: bytes, label: str) -> bytes:

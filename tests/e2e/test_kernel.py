@@ -246,3 +246,22 @@ def test_nbclient_executes_a_notebook_with_this_kernel(kernel_env, tmp_path):
     assert "tkbox-summary" in view["data"]["text/html"] and "OPEN" in view["data"]["text/html"]
     assert "bwrap" in nb.cells[0].outputs[0]["text"] or "not started" in nb.cells[0].outputs[0]["text"]
     assert verify_bundle(only_bundle(kernel_env)).valid
+
+
+def test_a_killed_kernel_s_run_is_recovered_by_the_next_box(kernel_env, tmp_path):
+    from tkbox_nb import Box
+    c = Client()
+    c.run("a = 1")
+    c.kc.stop_channels()
+    process = c.km.provisioner.process
+    os.kill(process.pid, 9)  # SIGKILL: no shutdown request, no bundle
+    process.wait()
+    assert not list(kernel_env.glob("*.tkb"))
+    with Box(backend="bwrap", bundle_path=tmp_path / "next.tkb"):
+        pass
+    recovered = only_bundle(kernel_env)
+    assert verify_bundle(recovered).valid
+    run = open_run(recovered)
+    assert run.sealed and run.box["end_reason"].startswith("recovered")
+    cells = [x for x in run.crossings() if x.door == "exec"]
+    assert run.content(cells[0].args["code"]) == b"a = 1"

@@ -94,6 +94,13 @@ def test_nbval_reexecutes_a_replayed_notebook_in_a_box(signer, tmp_path):
     assert run_cli("replay", str(run), "-o", str(nb_path)).returncode == 0
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval", "--nbval-kernel-name", "tkbox",
                         "-p", "no:cacheprovider", str(nb_path)], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env={**os.environ, "JUPYTER_PATH": str(ROOT)})
+                       cwd=tmp_path, env={**os.environ, "JUPYTER_PATH": str(ROOT),
+                                          "TKBOX_BUNDLE_DIR": str(tmp_path / "nbval-bundles")})
     assert r.returncode == 0, r.stdout[-3000:]
     assert "passed" in r.stdout
+    # nbval kills its kernel (SIGKILL): the next box recovers that run and writes its bundle where it was meant to go
+    from tkbox_nb import Box
+    with Box(backend="bwrap", bundle_path=tmp_path / "next.tkb"):
+        pass
+    [rebundle] = (tmp_path / "nbval-bundles").glob("*.tkb")
+    assert verify_bundle(rebundle).valid and open_run(rebundle).box["end_reason"].startswith("recovered")
