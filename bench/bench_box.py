@@ -16,21 +16,12 @@ from pathlib import Path
 from tkbox_nb import Box
 from tkbox_nb.signer import MachineSigner
 
+from .bench_kernel import _round_trips
+
 
 def _kernel(n: int) -> tuple[float, list[float]]:
-    from jupyter_client.manager import start_new_kernel
-    t = time.perf_counter()
-    km, kc = start_new_kernel(kernel_name="python3")
-    kc.execute_interactive("1+1", timeout=60, output_hook=lambda msg: None)
-    start = time.perf_counter() - t
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        kc.execute_interactive("1+1", timeout=60, output_hook=lambda msg: None)
-        times.append(time.perf_counter() - t)
-    kc.stop_channels()
-    km.shutdown_kernel(now=True)
-    return start, times
+    """The baseline: a plain ipykernel through jupyter_client (start to first reply, then n round trips)."""
+    return _round_trips("python3", n)
 
 
 def _box(home: Path, n: int) -> tuple[float, list[float]]:

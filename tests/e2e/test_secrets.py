@@ -53,10 +53,8 @@ def net(tmp_path_factory):
         yield n
 
 
-@pytest.fixture
-def box(signer, net, tmp_path, monkeypatch):
-    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
-    policy = Policy.from_toml(f"""
+def secrets_policy(net, misuse: str = "flag") -> Policy:
+    return Policy.from_toml(f"""
 [egress]
 allow = ["api.tkb.test:8443", "web.tkb.test:8443", "web.tkb.test:8080"]
 allow_cidrs = ["198.18.0.0/15"]
@@ -68,7 +66,14 @@ hosts = ["api.tkb.test"]
 header = "Authorization"
 format = "Bearer {{value}}"
 source = "env:TKB_TEST_API_KEY"
+misuse = "{misuse}"
 """)
+
+
+@pytest.fixture
+def box(signer, net, tmp_path, monkeypatch):
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    policy = secrets_policy(net)
     ws = tmp_path / "ws"
     ws.mkdir()
     b = Box(backend="bwrap", policy=policy, workspace=ws, bundle_path=tmp_path / "s.tkb").start()
@@ -160,19 +165,7 @@ def test_records_name_bindings_and_swaps_never_the_value(box, tmp_path):
 
 def test_misuse_can_be_refused_by_the_binding(signer, net, tmp_path, monkeypatch):
     monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
-    policy = Policy.from_toml(f"""
-[egress]
-allow = ["api.tkb.test:8443"]
-allow_cidrs = ["198.18.0.0/15"]
-nameservers = ["{net.web}"]
-upstream_ca_file = "{net.upstream_ca}"
-
-[secrets.API_KEY]
-hosts = ["api.tkb.test"]
-header = "Authorization"
-source = "env:TKB_TEST_API_KEY"
-misuse = "refuse"
-""")
+    policy = secrets_policy(net, misuse="refuse")
     with Box(backend="bwrap", policy=policy, bundle_path=tmp_path / "m.tkb") as b:
         out = b.run(["python3", "-c", "import os, urllib.request\n"
                      "req = urllib.request.Request('https://api.tkb.test:8443/echo', data=os.environ['API_KEY']"
