@@ -140,7 +140,7 @@ class HostConnection:
                     if not self.window_changed.wait(window_wait_s):
                         raise StreamClosed("the box gives no window for this stream")
                 self.session.sent(sid, n)
-                self.sock.sendall(b"".join((p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n])))
+                _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n]))
             view = view[n:]
 
     def close(self, sid: int, body: dict | None = None) -> None:
@@ -164,3 +164,11 @@ class HostConnection:
             self.sock.close()
         except OSError:
             pass
+
+
+def _send_parts(sock: socket.socket, parts: tuple) -> None:
+    """One frame from its parts without joining them first (bulk data is not copied on its way out)."""
+    total = sum(len(part) for part in parts)
+    sent = sock.sendmsg(parts)
+    if sent < total:
+        sock.sendall(b"".join(bytes(part) for part in parts)[sent:])

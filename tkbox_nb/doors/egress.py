@@ -173,12 +173,13 @@ class EgressDoor:
                 counts["bytes_up"] += len(first)
             up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts), daemon=True)
             up.start()
+            buffer = memoryview(bytearray(p.MAX_PAYLOAD - 1))  # reused: each chunk is sent before the next recv
             while True:
-                chunk = upstream.recv(p.MAX_PAYLOAD - 1)
-                if not chunk:
+                n = upstream.recv_into(buffer)
+                if not n:
                     break
-                conn.send_data(sid, p.CH_BYTES, chunk)
-                counts["bytes_down"] += len(chunk)
+                conn.send_data(sid, p.CH_BYTES, buffer[:n])
+                counts["bytes_down"] += n
             up.join(timeout=5)
         except (OSError, StreamClosed) as e:
             counts["error"] = str(e)[:200]

@@ -104,11 +104,12 @@ def serve(sock):
     if os.environ.get("TKBOX_EGRESS_PORT"):
         from .forwarder import Forwarder
         forwarder = Forwarder(door, int(os.environ["TKBOX_EGRESS_PORT"]))
+    buffer = bytearray(1 << 20)  # reused: every consumer below copies or uses its bytes before the next recv
     while True:
-        data = sock.recv(1 << 20)
-        if not data:
+        n = sock.recv_into(buffer)
+        if not n:
             return 0
-        for ftype, sid, payload in door.decoder.feed(data):
+        for ftype, sid, payload in door.decoder.feed(memoryview(buffer)[:n]):
             with door.lock:
                 event = door.session.receive(ftype, sid, payload)
                 door.lock.notify_all()

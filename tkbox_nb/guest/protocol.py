@@ -54,7 +54,7 @@ def decode_json(payload, what):
     if not payload:
         return {}
     try:
-        obj = json.loads(payload.decode("utf-8"))
+        obj = json.loads(bytes(payload).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError(what + ": not a JSON object") from None
     if not isinstance(obj, dict):
@@ -70,25 +70,43 @@ class Decoder:
         self._buf = bytearray()
 
     def feed(self, data):
-        self._buf += data
+        """Frames whose payloads are memoryviews of `data` where a frame lies whole in it (no copy on the bulk path);
+        only a frame that straddles two feeds is copied."""
         frames = []
-        view = memoryview(self._buf)
+        view = memoryview(data)
         pos = 0
-        try:
-            while len(self._buf) - pos >= HEADER.size:
-                length, ftype, stream = HEADER.unpack_from(self._buf, pos)
-                if ftype not in TYPES:
-                    raise ProtocolError("unknown frame type %d" % ftype)
-                if length > self.max_payload:
-                    raise ProtocolError("frame of %d bytes, over the limit of %d" % (length, self.max_payload))
-                if len(self._buf) - pos < HEADER.size + length:
-                    break
-                frames.append((ftype, stream, bytes(view[pos + HEADER.size:pos + HEADER.size + length])))
-                pos += HEADER.size + length
-        finally:
-            view.release()
-        del self._buf[:pos]  # once per feed, not once per frame
+        if self._buf:  # finish the frame begun in an earlier feed
+            if len(self._buf) < HEADER.size:
+                take = min(HEADER.size - len(self._buf), len(view))
+                self._buf += view[:take]
+                pos = take
+                if len(self._buf) < HEADER.size:
+                    return frames
+            length, ftype, stream = self._header(self._buf, 0)
+            take = min(HEADER.size + length - len(self._buf), len(view) - pos)
+            self._buf += view[pos:pos + take]
+            pos += take
+            if len(self._buf) < HEADER.size + length:
+                return frames
+            frames.append((ftype, stream, bytes(self._buf[HEADER.size:])))
+            self._buf = bytearray()
+        while len(view) - pos >= HEADER.size:
+            length, ftype, stream = self._header(view, pos)
+            if len(view) - pos < HEADER.size + length:
+                break
+            frames.append((ftype, stream, view[pos + HEADER.size:pos + HEADER.size + length]))
+            pos += HEADER.size + length
+        if pos < len(view):
+            self._buf += view[pos:]
         return frames
+
+    def _header(self, buf, pos):
+        length, ftype, stream = HEADER.unpack_from(buf, pos)
+        if ftype not in TYPES:
+            raise ProtocolError("unknown frame type %d" % ftype)
+        if length > self.max_payload:
+            raise ProtocolError("frame of %d bytes, over the limit of %d" % (length, self.max_payload))
+        return length, ftype, stream
 
     @property
     def buffered(self):
