@@ -251,11 +251,13 @@ def test_nbclient_executes_a_notebook_with_this_kernel(kernel_env, tmp_path):
 def test_a_killed_kernel_s_run_is_recovered_by_the_next_box(kernel_env, tmp_path):
     from tkbox_nb import Box
     c = Client()
-    c.run("a = 1")
-    c.kc.stop_channels()
     process = c.km.provisioner.process
-    os.kill(process.pid, 9)  # SIGKILL: no shutdown request, no bundle
-    process.wait()
+    try:
+        c.run("a = 1")
+    finally:
+        c.kc.stop_channels()
+        os.kill(process.pid, 9)  # SIGKILL: no shutdown request, no bundle (and nothing left running if run failed)
+        process.wait()
     assert not list(kernel_env.glob("*.tkb"))
     with Box(backend="bwrap", bundle_path=tmp_path / "next.tkb"):
         pass
