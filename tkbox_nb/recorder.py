@@ -27,7 +27,7 @@ from typing import Any
 from . import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
-from .signer import MachineSigner
+from .signer import MachineSigner, pid_alive
 
 UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
 MAX_ARGS_BYTES = 512 * 1024
@@ -324,7 +324,7 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
             pid = json.loads(handle.read_text())["pid"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             continue
         lock = spool / "recovering"
         try:
@@ -345,20 +345,6 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
         finally:
             lock.unlink(missing_ok=True)
     return written
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def salt_for(salt_key: bytes, label: str) -> bytes:

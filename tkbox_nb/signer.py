@@ -214,9 +214,9 @@ class MachineSigner:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and pid_alive(pid, reap=True):
             time.sleep(0.05)
-        if _alive(pid):
+        if pid_alive(pid, reap=True):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(FileNotFoundError):
@@ -291,15 +291,20 @@ class MachineSigner:
             time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)
-        if waited == pid:
-            return False
-    except ChildProcessError:
-        pass
+def pid_alive(pid: int, reap: bool = False) -> bool:
+    """Whether `pid` is a live process: a zombie is not, a process we may not signal is. With `reap`, a child of
+    ours that ended is reaped (only for children nobody else waits for)."""
+    if reap:
+        try:
+            waited, _ = os.waitpid(pid, os.WNOHANG)
+            if waited == pid:
+                return False
+        except ChildProcessError:
+            pass
     try:
         os.kill(pid, 0)
+    except PermissionError:
+        return True
     except OSError:
         return False
     try:  # a zombie is not alive
