@@ -24,7 +24,7 @@ from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
-from .recorder import Crossing, RunRecorder
+from .recorder import Crossing, RunRecorder, recover_orphans
 from .signer import MachineSigner
 
 READY_TIMEOUT_S = 30.0
@@ -103,7 +103,11 @@ class Box:
         self._kernel: BoxKernel | None = None
         self.bindings = _bindings(self.policy, secrets or {})
         self.replay_of = replay_of
-        self.ca = None
+        if self.bindings:  # the per-box CA the secrets door terminates TLS with; its key stays in this process
+            from .doors.box_ca import BoxCA
+            self.ca = BoxCA(self.box_id)
+        else:
+            self.ca = None
         self._lock = threading.RLock()
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -120,7 +124,6 @@ class Box:
 
     def start(self) -> "Box":
         self.signer.ensure()
-        from .recorder import recover_orphans
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
@@ -162,8 +165,6 @@ class Box:
     def _box_env(self) -> dict[str, str]:
         env = egress_env()
         if self.bindings:
-            from .doors.box_ca import BoxCA
-            self.ca = BoxCA(self.box_id)  # its key stays in this process
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"):
                 env[name] = CA_BUNDLE_IN_BOX
             env.update({b.name: b.placeholder for b in self.bindings})
@@ -288,12 +289,8 @@ class Box:
         except (StreamClosed, OSError, p.ProtocolError) as e:
             self._end(f"door stream lost: {e}")
             raise BoxEnded(f"the box has ended: {self.ended}") from None
-        timeout = self.policy.get("exec", "timeout_s")
         while not cell.done.wait(0.2):
-            if time.monotonic() - cell.started > timeout:
-                self._end(f"exec timed out after {timeout:g}s")
-            elif not self.running.alive():
-                self._end(f"the box died: {self.running.exit_reason()}")
+            self.watch([cell])
             if self.ended:
                 raise BoxEnded(f"the box has ended: {self.ended}")
         if self.ended:
@@ -301,6 +298,14 @@ class Box:
         if cell.ended:
             raise TkboxError(f"the cell did not finish: {cell.ended}")
         return CellResult(cell.status, cell.outputs, cell.execution_count)
+
+    def watch(self, cells: list["Cell"]) -> None:
+        """End the box if a cell in flight ran past `[exec] timeout_s`, or if the box died under it."""
+        timeout = self.policy.get("exec", "timeout_s")
+        if any(time.monotonic() - c.started > timeout for c in cells):
+            self._end(f"exec timed out after {timeout:g}s")
+        elif self.running is not None and not self.running.alive():
+            self._end(f"the box died: {self.running.exit_reason()}")
 
     def _finish_cell(self, cell: "Cell") -> None:
         """Sign the end of a cell: its status and execution count, its outputs disclosed."""

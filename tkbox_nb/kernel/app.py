@@ -307,15 +307,8 @@ class TkboxKernel:
                 self._log(str(e))
 
     def _check_deadlines(self) -> None:
-        box = self.nb.box if self.nb.live else None
-        if box is None or self.kernel is None:
-            return
-        import time
-        timeout = box.policy.get("exec", "timeout_s")
-        if any(time.monotonic() - c.started > timeout for c in list(self.kernel.cells.values())):
-            box._end(f"exec timed out after {timeout:g}s")
-        elif not box.running.alive():
-            box._end(f"the box died: {box.running.exit_reason()}")
+        if self.nb.live and self.kernel is not None:
+            self.nb.box.watch(list(self.kernel.cells.values()))
 
     # -- host-side input (for %box_secret) -----------------------------------------------------------------------
     def _read_secret(self, prompt: str) -> str:
