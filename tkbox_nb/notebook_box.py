@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .box import Box
-from .errors import PolicyError, TkboxError
+from .errors import TkboxError
 from .policy import Policy
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view")
@@ -189,11 +189,7 @@ class HostMagics:
             return self.nb.set_policy(Policy.from_toml(body, line or "%%box_policy"))
         if not line:
             return f"# {self.nb.policy.name} ({self.nb.policy.hash})\n{self.nb.policy.source}"
-        try:
-            policy = Policy.load(os.path.expanduser(line))
-        except PolicyError:
-            raise
-        return self.nb.set_policy(policy)
+        return self.nb.set_policy(Policy.load(os.path.expanduser(line)))
 
     def _box_secret(self, line: str, body: str | None) -> str:
         p = _ArgParser(prog="box_secret", add_help=False)

@@ -218,7 +218,8 @@ class Policy:
         if kind == "bind":
             return Verdict("allow", "secrets.bind")
         host = facts.get("host")
-        bound = isinstance(host, str) and any(fnmatch.fnmatchcase(host, h.lower()) for h in hosts)
+        from .doors.secrets import host_matches
+        bound = isinstance(host, str) and host_matches(host, hosts)
         if kind == "swap":
             if bound and str(facts.get("header", "")).lower() == header.lower() and facts.get("tls") is True:
                 return Verdict("allow", "secrets.swap")

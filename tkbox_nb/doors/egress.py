@@ -87,10 +87,10 @@ class EgressDoor:
                 if req.tunnel and bound:
                     return self._relay_bound(stream, req, crossing, address, bound)
                 if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
-                    from .intercept import _record
+                    from .intercept import record_secret_crossings
                     rw = rewrite_request(crossing.args["host"], req.target.encode(), req.headers, self.box.bindings,
                                          tls=False)
-                    refused = _record(self.box, crossing.args["host"], self.box.bindings, rw)
+                    refused = record_secret_crossings(self.box, crossing.args["host"], self.box.bindings, rw)
                     if refused:
                         self.box.recorder.complete(crossing, "error", {"error": "refused by the secrets door"})
                         return self._answer(stream, 403, f"tkbox secrets door: refused: {refused}\n")
@@ -189,8 +189,7 @@ class EgressDoor:
                 conn.close(sid)
             except OSError:
                 pass
-        self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
-                                   dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
+        self._signed_end(crossing, counts, started)
 
     def _relay_bound(self, stream: Stream, req: ProxyRequest, crossing, address: str, bindings) -> None:
         """A CONNECT to a host a secret is bound to: TLS terminated and re-originated (intercept.py)."""
@@ -211,6 +210,10 @@ class EgressDoor:
                 self.box.conn.close(stream.sid)
             except (OSError, StreamClosed):
                 pass
+        self._signed_end(crossing, counts, started)
+
+    def _signed_end(self, crossing, counts: dict, started: float) -> None:
+        """The connection's end, signed: bytes each way, duration, and the error if it ended on one."""
         self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
                                    dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
 

@@ -106,7 +106,7 @@ def relay_bound(box: "Box", stream: Stream, host: str, port: int, address: str, 
                 return
             rw = rewrite_request(host, request.target, list(request.headers.raw_items()), bindings, tls=True)
             rw.misuses += misuses_in(body, bindings, "body")
-            refused = _record(box, host, bindings, rw)
+            refused = record_secret_crossings(box, host, bindings, rw)
             if refused:
                 tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
                 return
@@ -150,7 +150,7 @@ def _read_request(tls: BoxTLS, conn: h11.Connection) -> tuple[h11.Request | None
             return None, b""
 
 
-def _record(box: "Box", host: str, bindings: list[Binding], rw) -> str:
+def record_secret_crossings(box: "Box", host: str, bindings: list[Binding], rw) -> str:
     """Sign each swap and misuse; the reason of the first refusal, or ""."""
     by_name = {b.name: b for b in bindings}
     for kind, items in (("misuse", rw.misuses), ("swap", rw.swaps)):

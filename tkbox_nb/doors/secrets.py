@@ -11,6 +11,7 @@ sees them. The functions here are pure; no value is ever put in a record, a log 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import secrets as _random
@@ -66,7 +67,7 @@ def read_value(name: str, source: str) -> str:
 
 
 def host_matches(host: str, patterns: list[str]) -> bool:
-    import fnmatch
+    """Whether a (lower-case) host matches any of a binding's host patterns. Used by the door and the policy."""
     return any(fnmatch.fnmatchcase(host, p.lower()) for p in patterns)
 
 
