@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recover: close the runs of boxes whose process died, and write their bundles")
     g.set_defaults(fn=_cmd_signer)
 
-    from . import cli_box, cli_replay
+    from . import cli_box, cli_patch, cli_replay
     cli_box.add_commands(sub)
+    cli_patch.add_commands(sub)
     cli_replay.add_commands(sub)
 
     return p
