@@ -4,7 +4,8 @@ Every path is walked from a directory descriptor of the workspace root, one comp
 and O_DIRECTORY: a symlink anywhere (made by the box or already on the host) stops the file, never followed. A file
 is applied only if the host copy is still what the box started from (its `base` digest), so a change made on the
 host meanwhile is never overwritten. Applying has two phases: every accepted file is first written beside its
-target (a temporary name in the same directory, fsynced), then all are renamed into place; a failure while staging
+target (a temporary name in the same directory; one syncfs flushes them all), then all are renamed into
+place; a failure while staging
 (a full disk) removes every staged file and every directory made for them, so the workspace is as it was.
 """
 
@@ -153,6 +154,7 @@ def apply_changes(root: str, changes: list[FileChange]) -> list[Outcome]:
             except OSError as e:
                 _unstage(dirs, staged)
                 raise ApplyError(f"nothing applied: {e.strerror or e} while writing beside {ch.path!r}") from None
+        _syncfs(dirs.root_fd)  # every staged file on disk before any becomes visible (one flush, not one per file)
         touched = set()
         for dirpath, name, tmp in staged:  # every file is staged: now each becomes visible in turn
             dfd = dirs.get(dirpath, False)
@@ -162,8 +164,7 @@ def apply_changes(root: str, changes: list[FileChange]) -> list[Outcome]:
             else:
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             touched.add(dirpath)
-        for dirpath in touched:
-            os.fsync(dirs.get(dirpath, False))
+        _syncfs(dirs.root_fd)
         for i, ch in enumerate(changes):
             outcomes.setdefault(i, Outcome(ch.path, True))
         return [outcomes[i] for i in range(len(changes))]
@@ -208,12 +209,24 @@ def _stage(dirs: _Dirs, ch: FileChange) -> list:
             f.write(ch.content or b"")
             f.flush()
             os.fchmod(f.fileno(), clamp_mode(ch.mode))
-            os.fsync(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)
         raise
     return out + [(dirpath, name, tmp)]
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the workspace's filesystem: syncfs(2) where the C library has it, else sync(2)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.syncfs(fd) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    os.sync()
 
 
 def _unstage(dirs: _Dirs, staged: list) -> None:

@@ -142,7 +142,7 @@ class PatchDoor:
                     rel = os.path.relpath(os.path.join(top, name), self.seed).replace(os.sep, "/")
                     seed_folds.setdefault(rules.fold(rel), rel)
         total, index = 0, 0
-        pending: list[tuple] = []  # (crossing, FileDecision, FileChange or None)
+        pending: list[tuple] = []  # (FileDecision, FileChange or None)
         for e in entries:
             digest = sha256_digest(e.content) if e.content is not None else None
             if self.sent.get(e.path) == (e.op, digest):
@@ -191,23 +191,31 @@ class PatchDoor:
                                                  e.content if e.op != "delete" else None, e.mode, old_mode, e.source)
                 if e.op == "rename" and e.source:
                     self.accepted.pop(e.source, None)
+            if crossing.allowed:  # the file's bytes are out of the box and disclosed; applying is the summary's
+                rec.complete(crossing, "ok", {})
             patch.files.append(fd)
-            pending.append((crossing, fd, change))
-        self._apply(patch, pending, mode)
+            pending.append((fd, change))
         patch.diff = render(list(self.accepted.values()))
         if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
             return patch
         s = rec.decide("patch", "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
                                             "refused": len(patch.refused), "apply": mode},
                        {"diff": patch.diff})
-        if s.allowed:
-            rec.complete(s, "ok", {})
-            (rec.spool / "patch.diff").write_bytes(patch.diff)
+        if not s.allowed:
+            raise TkboxError(f"the patch summary was refused ({', '.join(s.rule_ids)}); nothing applied")
+        (rec.spool / "patch.diff").write_bytes(patch.diff)
+        self._apply(pending, mode)
+        not_applied = [{"path": f.path, "reason": f.apply_reason[:200]} for f, c in pending
+                       if c is not None and not f.applied]
+        rec.complete(s, "ok" if mode != "auto" or not not_applied else "error",
+                     {"applied": sum(f.applied for f, _ in pending), "not_applied": not_applied[:1000],
+                      "not_applied_count": len(not_applied)})
         return patch
 
-    def _apply(self, patch: Patch, pending: list[tuple], mode: str) -> None:
-        rec, workspace = self.box.recorder, self.box.workspace
-        changes = [c for _, _, c in pending if c is not None]
+    def _apply(self, pending: list[tuple], mode: str) -> None:
+        """Write the allowed files in auto mode (all staged, then renamed); say why not otherwise."""
+        workspace = self.box.workspace
+        changes = [c for _, c in pending if c is not None]
         outcomes = {}
         why = {"never": "apply = never (bundle only)", "review": "apply = review: `tkbox apply BUNDLE`"}.get(mode)
         if mode == "auto" and workspace is None:
@@ -217,12 +225,7 @@ class PatchDoor:
                 outcomes = {id(c): o for c, o in zip(changes, apply_changes(str(workspace), changes))}
             except ApplyError as e:
                 why = str(e)
-        for crossing, fd, change in pending:
-            if change is None:
-                continue
-            o = outcomes.get(id(change))
-            fd.applied, fd.apply_reason = (o.applied, o.reason) if o else (False, why or "")
-            result = {"applied": fd.applied}
-            if fd.apply_reason:
-                result["apply_reason"] = fd.apply_reason[:300]
-            rec.complete(crossing, "ok" if fd.applied or mode != "auto" else "error", result)
+        for fd, change in pending:
+            if change is not None:
+                o = outcomes.get(id(change))
+                fd.applied, fd.apply_reason = (o.applied, o.reason) if o else (False, why or "")
