@@ -206,7 +206,18 @@ def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
         elif c.door == "host":
             host.append(f"%{a.get('magic')} {a.get('line', '')}".strip())
     return {"cell code": cells, "cell outputs": outputs, "egress": egress, "secrets (names only)": secrets,
-            "host magics": host}
+            "host magics": host, "patch": _patch_facts(run)}
+
+
+def _patch_facts(run: Run) -> list[str]:
+    """Each file of the run's patch, last decision per path, with its content digest: order-free."""
+    last = {}
+    for c in run.crossings():
+        a = c.args or {}
+        if c.door == "patch" and a.get("kind") == "file":
+            last[str(a.get("path"))] = (f"{a.get('op')} {a.get('path')} {c.decision} ({a.get('rule')}) "
+                                        f"{str(a.get('content', ''))[7:19]}")
+    return [last[p] for p in sorted(last)]
 
 
 def _output_text(o: dict) -> Any:

@@ -247,3 +247,18 @@ def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer
     finally:
         box.stop()
     assert verify_bundle(bundle).valid
+
+
+def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
+    from tkbox_nb.replay import audit
+    bundles = []
+    for i, text in enumerate(["same", "same", "other"]):
+        ws = tmp_path / f"ws{i}"
+        ws.mkdir()
+        with Box(workspace=ws, bundle_path=tmp_path / f"a{i}.tkb") as box:
+            box.run(["sh", "-c", f"echo {text} > out.txt; echo kept > keep.txt"])
+        bundles.append(box.bundle_path)
+    assert audit(bundles[0], bundles[1]).equivalent
+    different = audit(bundles[0], bundles[2])
+    assert not different.equivalent
+    assert [d["what"] for d in different.as_dict()["differences"]] == ["patch #2"]  # out.txt (keep.txt is #1)
