@@ -47,8 +47,9 @@ def _cmd_show(a) -> int:
 
 def _cmd_trust(a) -> int:
     from .signer import MachineSigner
+    from pathlib import Path
     signer = MachineSigner().ensure()
-    trust = signer.write_trust(a.output)
+    trust = signer.write_trust(Path(a.output).resolve())  # relative to where the user is, not the signer's directory
     print(f"wrote {a.output}: pins log {trust['logs'][0].split('+')[0]}")
     return 0
 

@@ -122,6 +122,11 @@ class Run:
             return (code.splitlines() or [""])[0][:120]
         if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             return shlex.join(str(x) for x in a["argv"])[:120]
+        if c.door == "patch" and a.get("kind") == "file":
+            src = f"{a.get('from')} -> " if a.get("op") == "rename" else ""
+            return f"{a.get('op')} {src}{a.get('path')} ({a.get('size')} bytes, mode {a.get('mode', 0):o})"[:120]
+        if c.door == "patch" and a.get("kind") == "summary":
+            return f"patch: {a.get('allowed')} allowed, {a.get('refused')} refused, apply = {a.get('apply')}"[:120]
         if c.door == "box":
             if a.get("kind") == "start":
                 return f"box {a.get('backend')} ({a.get('isolation')})"
