@@ -50,10 +50,19 @@ WEB_SERVER = textwrap.dedent('''
     make = lambda port: http.server.ThreadingHTTPServer((sys.argv[1], port), lambda *a: H(*a, directory=sys.argv[2]))
     if len(sys.argv) > 4:  # HTTPS on 8443 with the given certificate chain
         import ssl, threading
-        tls = make(8443)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(sys.argv[4])
-        tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+        class TLSServer(http.server.ThreadingHTTPServer):
+            def get_request(self):  # the handshake happens in the connection's own thread, never in accept
+                sock, addr = self.socket.accept()
+                return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+            def finish_request(self, request, client_address):
+                try:
+                    request.do_handshake()
+                except (OSError, ssl.SSLError):
+                    return
+                super().finish_request(request, client_address)
+        tls = TLSServer((sys.argv[1], 8443), lambda *a: H(*a, directory=sys.argv[2]))
         threading.Thread(target=tls.serve_forever, daemon=True).start()
     make(8080).serve_forever()
 ''')

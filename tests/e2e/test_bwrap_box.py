@@ -271,3 +271,13 @@ def test_the_host_environment_is_invisible_in_the_box(signer, tmp_path, monkeypa
     with Box(backend="bwrap", bundle_path=tmp_path / "env.tkb") as b:
         r = b.run(["sh", "-c", "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'"])
     assert b"host-env-value-5d1e" not in r.stdout and b"TKB_HOST_ONLY_SECRET" not in r.stdout
+
+
+def test_a_command_leaves_nothing_running_behind_it(box):
+    """A command's process group ends with it: a background child neither outlives it nor holds its output open."""
+    t = time.monotonic()
+    r = box.run(["sh", "-c", "sleep 301 & echo started"])
+    assert r.stdout == b"started\n" and time.monotonic() - t < 30
+    left = box.run([PY, "-c", "import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and "
+                                "open(f'/proc/{p}/cmdline', 'rb').read() == b'sleep\\x00301\\x00'))"])
+    assert left.stdout == b"0\n"

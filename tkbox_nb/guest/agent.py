@@ -75,6 +75,10 @@ class Command:
 
     def _wait(self):
         code = self.proc.wait()
+        try:  # what the command left running (its process group: a fork bomb's children) ends with it
+            os.killpg(self.proc.pid, 9)
+        except OSError:
+            pass
         for t in self.readers:
             t.join()
         self.door.close(self.sid, {"exit_code": code})
@@ -145,8 +149,8 @@ def serve(sock):
                         door.close(sid, {"error": "unknown request"})
                 except (OSError, ValueError) as e:
                     door.close(sid, {"error": str(e)[:500], "exit_code": 127})
-                except Exception as e:  # no ipykernel in this image, or it would not start
-                    door.close(sid, {"error": "%s: %s" % (type(e).__name__, str(e)[:400])})
+                except Exception as e:  # no ipykernel in this image; no thread or process left (a fork bomb)
+                    door.close(sid, {"error": "%s: %s" % (type(e).__name__, str(e)[:400]), "exit_code": 126})
             elif kind == "data":
                 if forwarder is not None and forwarder.owns(sid):  # credit goes back once delivered
                     forwarder.data(sid, event[3])
