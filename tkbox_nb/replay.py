@@ -184,6 +184,21 @@ class Audit:
                 f"B: {html.escape(self.b)}</p><table><tr><th>what</th><th>A</th><th>B</th></tr>{rows}</table>")
 
 
+def parse_sanitizers(text: str) -> list[tuple[str, str]]:
+    """(regex, replacement) pairs from a sanitizer file: one `REGEX<TAB>REPLACEMENT` a line, `#` comments. Pure."""
+    extra = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            pattern, _, repl = line.partition("\t")
+            repl = repl or "<SANITIZED>"
+            try:
+                re.compile(pattern).sub(repl, "")  # the replacement's escapes and group references are read here
+            except (re.error, IndexError) as e:
+                raise TkboxError(f"{line[:80]!r}: {e}") from None
+            extra.append((pattern, repl))
+    return extra
+
+
 def _sanitize(text: str, extra: list[tuple[str, str]]) -> str:
     for pattern, repl in SANITIZERS + extra:
         text = re.sub(pattern, repl, text)
@@ -222,12 +237,8 @@ def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
-            for line in Path(sanitizer_file).read_text().splitlines():
-                if line.strip() and not line.startswith("#"):
-                    pattern, _, repl = line.partition("\t")
-                    re.compile(pattern)
-                    extra.append((pattern, repl or "<SANITIZED>"))
-        except (OSError, re.error) as e:
+            extra = parse_sanitizers(Path(sanitizer_file).read_text())
+        except (OSError, UnicodeDecodeError, TkboxError) as e:
             raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
     fa, fb = _facts(open_run(a), extra), _facts(open_run(b), extra)
     report = Audit(str(a), str(b))

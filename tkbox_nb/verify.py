@@ -98,6 +98,15 @@ def verify_bundle(path: str | Path, trust: str | Path | None = None) -> VerifyRe
         return report
     try:
         data = read_bundle_bytes(path)
+    except BundleError as e:
+        report.add("bundle readable", False, str(e))
+        return report
+    return verify_bytes(data, report)
+
+
+def verify_bytes(data: bytes, report: VerifyReport) -> VerifyReport:
+    """The checks of `verify_bundle` on a bundle's bytes (pure but for reading `report.trust_path`; fuzzed)."""
+    try:
         contents = parse(read_entries(data))
     except BundleError as e:
         report.add("bundle readable", False, str(e))
@@ -251,7 +260,7 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         elif first_policy != args.get("policy"):
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
-                                                     if k == "policy.decision"}:
+                                                     if k == "policy.decision" and isinstance(d.get("args"), dict)}:
             report.add("box manifest", False, "the policies list lacks a policy the records name")
         else:
             report.add("box manifest", True, f"box {args.get('box_id')} ({args.get('backend')}, "
