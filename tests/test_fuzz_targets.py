@@ -104,3 +104,21 @@ def test_headers_without_a_placeholder_pass_byte_for_byte():
     rw = rewrite_request("api.example.org", b"/", [(b"X-Name", b"caf\xe9"), (b"Authorization", b"\xe9 " + ph)],
                          BINDINGS, tls=True)
     assert rw.headers == [(b"X-Name", b"caf\xe9"), (b"Authorization", b"\xe9 " + BINDINGS[0].value.encode())]
+
+
+def test_a_zip_entry_whose_name_is_cut_to_nothing_is_refused_by_name():
+    """zipfile cuts a name at its first NUL; an entry named "\\0..." then made its is_dir raise IndexError."""
+    from tkbox_nb.bundle import read_entries
+    from tkbox_nb.errors import BundleError
+    with pytest.raises(BundleError, match="NUL|empty"):
+        read_entries((REGRESSIONS / "bundle-reader--entry-with-an-empty-name").read_bytes())
+
+
+def test_a_run_whose_disclosed_arguments_are_not_objects_is_still_shown():
+    from fuzz.targets import mutated_bundle
+    from tkbox_nb.bundle import parse
+    from tkbox_nb.run import Run
+    files, _ = mutated_bundle((REGRESSIONS / "bundle-view--disclosed-args-not-an-object").read_bytes())
+    run = Run("x.tkb", parse(files))
+    assert all(c.args is None or isinstance(c.args, dict) for c in run.crossings())
+    assert len(run.to_dataframe()) == len(run.crossings()) > 0

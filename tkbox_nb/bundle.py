@@ -73,6 +73,9 @@ def read_entries(data: bytes) -> dict[str, bytes]:
     declared = 0
     for info in infos:
         name = info.orig_filename
+        if not info.filename:  # empty, or cut at a NUL by zipfile (whose is_dir then fails): refused by name
+            check_name(name)
+            raise BundleError(f"entry name {name[:80]!r} is empty")
         if name.endswith("/") or info.is_dir():
             raise BundleError(f"directory entry {name[:80]!r}")
         check_name(name)
