@@ -122,3 +122,16 @@ def test_a_run_whose_disclosed_arguments_are_not_objects_is_still_shown():
     run = Run("x.tkb", parse(files))
     assert all(c.args is None or isinstance(c.args, dict) for c in run.crossings())
     assert len(run.to_dataframe()) == len(run.crossings()) > 0
+
+
+@pytest.mark.parametrize("spelling,address", [("0x7f.", "0.0.0.127"), ("0x7f000001.", "127.0.0.1"),
+                                              ("0177.0.0.1.", "127.0.0.1"), ("127.1.", "127.0.0.1")])
+def test_an_ip_literal_behind_a_trailing_dot_is_judged_as_the_address(spelling, address):
+    """The door resolves a name without its trailing dot, where the C library reads "0x7f" as 0.0.0.127: such a
+    spelling was passed as a name; it is judged as the address it is."""
+    import ipaddress
+
+    from tkbox_nb.doors.addresses import classify
+    from tkbox_nb.doors.hostnames import check_host
+    kind, value = check_host(spelling)
+    assert (kind, value) == ("ip", ipaddress.ip_address(address)) and classify(value)[0] == "always"
