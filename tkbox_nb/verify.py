@@ -229,13 +229,15 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         if e.get("type") in ("policy.decision", "tool.result") and (seq, e["type"]) not in disclosed:
             fail_record(seq, "completeness", f"{e['type']} is not disclosed")
     # re-derivation: each decision follows from the disclosed box policy
-    starts = []
+    starts, stops = [], []
     for (seq, kind), d in sorted(disclosed.items()):
         if kind != "policy.decision" or report.record_status.get(seq) != "valid":
             continue
         args, data = d["args"], events[seq]["data"]
         if data.get("tool") == "box.start":
             starts.append((seq, args))
+        elif data.get("tool") == "box.stop":
+            stops.append((seq, args))
         pol = policies.get(args.get("policy"))
         if pol is None:
             fail_record(seq, "policy", f"names policy {str(args.get('policy'))[:19]}..., which the bundle lacks")
@@ -259,6 +261,8 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
         elif first_policy != args.get("policy"):
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
+        elif stops and str(b.box.get("end_reason"))[:200] != str(stops[-1][1].get("reason")):
+            report.add("box manifest", False, f"end_reason disagrees with the signed box.stop record {stops[-1][0]}")
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
                                                      if k == "policy.decision" and isinstance(d.get("args"), dict)}:
             report.add("box manifest", False, "the policies list lacks a policy the records name")
