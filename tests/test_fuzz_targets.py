@@ -135,3 +135,13 @@ def test_an_ip_literal_behind_a_trailing_dot_is_judged_as_the_address(spelling, 
     from tkbox_nb.doors.hostnames import check_host
     kind, value = check_host(spelling)
     assert (kind, value) == ("ip", ipaddress.ip_address(address)) and classify(value)[0] == "always"
+
+
+def test_a_request_to_a_bound_host_without_host_is_refused_as_the_box_s_error():
+    """h11 asks for Host only in HTTP/1.1; the upstream request is 1.1, so h11's *local* error surfaced mid-relay."""
+    import h11
+
+    from tkbox_nb.doors.intercept import read_request
+    chunks = iter([b"GET / HTTP/1.0\r\nAuthorization: x\r\n\r\n", b""])
+    with pytest.raises(h11.RemoteProtocolError, match="Host"):
+        read_request(lambda: next(chunks), h11.Connection(h11.SERVER))

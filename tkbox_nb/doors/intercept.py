@@ -141,6 +141,8 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
                 return None, b""
             continue
         if isinstance(event, h11.Request):
+            if not any(name == b"host" for name, _ in event.headers):  # h11 asks it of HTTP/1.1 only; upstream needs it
+                raise h11.RemoteProtocolError("a request to a bound host without a Host header")
             request = event
         elif isinstance(event, h11.Data):
             body += event.data
