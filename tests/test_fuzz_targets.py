@@ -145,3 +145,30 @@ def test_a_request_to_a_bound_host_without_host_is_refused_as_the_box_s_error():
     chunks = iter([b"GET / HTTP/1.0\r\nAuthorization: x\r\n\r\n", b""])
     with pytest.raises(h11.RemoteProtocolError, match="Host"):
         read_request(lambda: next(chunks), h11.Connection(h11.SERVER))
+
+
+@pytest.mark.parametrize("nest", ["[", "{x="])
+def test_a_policy_nested_too_deeply_is_a_policy_error_also_inside_a_bundle(nest, tmp_path):
+    """tomllib recurses per level: a deep policy raised RecursionError, in `tkbox verify` too (box/policies/ of a
+    hostile bundle are parsed, named by their own hash)."""
+    import hashlib
+    import io
+    import zipfile
+
+    from fuzz import seeds
+    from fuzz.targets import seed_files
+    from tkbox_nb.errors import PolicyError
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.verify import VerifyReport, verify_bytes
+    source = "a = " + nest * 3000
+    with pytest.raises(PolicyError, match="nested too deeply"):
+        Policy.from_toml(source)
+    files = dict(seed_files())
+    files[f"box/policies/{hashlib.sha256(source.encode()).hexdigest()}.toml"] = source.encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    report = verify_bytes(buf.getvalue(), VerifyReport(path="x", trust_path=str(seeds.SEED_TRUST),
+                                                       trust_source="given"))
+    assert not report.valid and any("nested too deeply" in c.detail for c in report.checks)

@@ -115,6 +115,8 @@ class Policy:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise PolicyError(f"{name}: not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nested array or table (a disclosed policy is hostile input)
+            raise PolicyError(f"{name}: not valid TOML: nested too deeply") from None
         return cls(source=text, name=name, data=_validate(data, name))
 
     @classmethod
