@@ -23,6 +23,8 @@ def _load_targets(instrument: bool):
     if instrument:
         import atheris
         with atheris.instrument_imports(include=INSTRUMENT):
+            import tracekit.format.canon  # noqa: F401  (imported lazily by tkbox_nb.verify)
+            import tracekit.verify.v2  # noqa: F401
             from fuzz.targets import TARGETS
     else:
         from fuzz.targets import TARGETS

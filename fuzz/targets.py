@@ -35,6 +35,9 @@ from tkbox_nb.doors.secrets import Binding, Scrubber, host_matches, misuses_in, 
 from tkbox_nb.errors import BundleError, PolicyError, TkboxError
 from tkbox_nb.guest.agent import command_request
 from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
+from tkbox_nb.replay import _facts, _sanitize, parse_sanitizers, to_notebook
+from tkbox_nb.run import Run
+from tkbox_nb.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
 
 from . import seeds
 
@@ -620,7 +623,6 @@ def _signed_meaning(files: dict[str, bytes]) -> Any:
 def bundle_verify(data: bytes) -> None:
     """The whole of `tkbox verify` (Tracekit's verifier, then the box layer) on a changed copy of a real signed
     bundle: a report, never an exception; and VALID only when what the bundle vouches for is unchanged."""
-    from tkbox_nb.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
     files, raw = mutated_bundle(data)
     report = VerifyReport(path="fuzz", trust_path=str(seeds.SEED_TRUST), trust_source="given")
     verify_bytes(raw, report)
@@ -635,8 +637,6 @@ def bundle_verify(data: bytes) -> None:
 def bundle_view(data: bytes) -> None:
     """Reading a (changed, unverified) bundle as a run: its crossings, DataFrame, replay notebook and audit facts,
     or BundleError; nothing else."""
-    from tkbox_nb.replay import _facts, to_notebook
-    from tkbox_nb.run import Run
     files, _ = mutated_bundle(data)
     try:
         run = Run("fuzz.tkb", parse(files))
@@ -766,7 +766,6 @@ def agent_request(data: bytes) -> None:
 def audit_sanitizers(data: bytes) -> None:
     """A sanitizer file for `tkbox audit`: (regex, replacement) pairs or one TkboxError; sanitizing text with the
     pairs it gives never raises."""
-    from tkbox_nb.replay import _sanitize, parse_sanitizers
     text = data.decode("utf-8", "replace")
     try:
         extra = parse_sanitizers(text)
