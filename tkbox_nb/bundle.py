@@ -58,7 +58,8 @@ def read_entries(data: bytes) -> dict[str, bytes]:
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
         infos = z.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, ValueError, EOFError, OSError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, ValueError, EOFError, OSError,
+            NotImplementedError) as e:  # NotImplementedError: a zip version zipfile does not read
         raise BundleError(f"not a readable zip file: {e}") from None
     if len(infos) > MAX_ENTRIES:
         raise BundleError(f"{len(infos)} entries, over the limit of {MAX_ENTRIES}")

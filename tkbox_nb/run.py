@@ -101,7 +101,8 @@ class Run:
         return next((d for d in self._b.disclosures if isinstance(d, dict) and d.get("run_seq") == seq), None)
 
     def crossings(self) -> list[Crossing]:
-        disclosed = {(d.get("run_seq"), d.get("type")): d for d in self._b.disclosures if isinstance(d, dict)}
+        disclosed = {(d["run_seq"], d.get("type")): d for d in self._b.disclosures
+                     if isinstance(d, dict) and _is_int(d.get("run_seq")) and isinstance(d.get("type"), str)}
         results = {str(e["data"].get("decision_id")): e for e in self.records if e.get("type") == "tool.result"}
         out = []
         for e in self.records:
