@@ -75,7 +75,26 @@ def _save_crash(name: str, data: bytes) -> Path:
     return path
 
 
-def run_atheris(t, seconds: float, extra: list[str]) -> int:
+def _keep_going(t):
+    """The target, but a crash is saved (once per place it was raised) and fuzzing goes on."""
+    seen = set()
+
+    def fn(data: bytes) -> None:
+        try:
+            t.fn(data)
+        except Exception as e:
+            tb = traceback.extract_tb(e.__traceback__)[-1]
+            where = (type(e).__name__, tb.filename, tb.lineno)
+            if where not in seen:
+                seen.add(where)
+                path = _save_crash(t.name, data)
+                print(f"\n=== crash {type(e).__name__}: {str(e)[:200]} at {tb.filename}:{tb.lineno}; input {path}",
+                      flush=True)
+                traceback.print_exc()
+    return fn
+
+
+def run_atheris(t, seconds: float, extra: list[str], keep_going: bool = False) -> int:
     import atheris
     work = ROOT / ".fuzz-work" / t.name
     work.mkdir(parents=True, exist_ok=True)
@@ -84,23 +103,28 @@ def run_atheris(t, seconds: float, extra: list[str]) -> int:
     (ROOT / "fuzz" / "crashes").mkdir(exist_ok=True)
     argv = [sys.argv[0], str(work), f"-max_total_time={int(seconds)}", "-timeout=20", "-rss_limit_mb=3072",
             f"-artifact_prefix={ROOT / 'fuzz' / 'crashes'}/{t.name}-", "-print_final_stats=1", *extra]
-    atheris.Setup(argv, t.fn)
+    atheris.Setup(argv, _keep_going(t) if keep_going else t.fn)
     atheris.Fuzz()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0],
+                                 epilog="Extra libFuzzer flags go after --, e.g. -- -max_len=65536")
     ap.add_argument("target", nargs="?", help="a target name (see --list)")
     ap.add_argument("--time", type=float, default=60.0, help="seconds to run (default 60)")
     ap.add_argument("--list", action="store_true", help="list the targets")
     ap.add_argument("--engine", choices=("atheris", "random"), default=None,
                     help="atheris (default when installed) or random mutation of the seeds")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="save each distinct crash and go on fuzzing (atheris stops at the first otherwise)")
     ap.add_argument("--replay", metavar="FILE", help="run the target once on FILE (a saved crash) and show the result")
     ap.add_argument("--make-seed-bundle", action="store_true",
                     help="write fuzz/corpus/seed.tkb and trust.json with a throwaway signer")
-    ap.add_argument("libfuzzer_args", nargs="*", help="after --: extra libFuzzer flags")
-    a = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a.libfuzzer_args = extra
     if a.make_seed_bundle:
         from fuzz.seeds import make_seed_bundle
         print(make_seed_bundle())
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print("python -m fuzz: atheris is not installed; running random mutations of the seeds instead",
                   file=sys.stderr)
         return run_random(t, a.time)
-    return run_atheris(t, a.time, a.libfuzzer_args)
+    return run_atheris(t, a.time, a.libfuzzer_args, a.keep_going)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
         elif c.door == "host":
             body = run.content(a.get("body", "")) if a.get("body") else None
             magic = a.get("magic", "")
-            source = f"%%{magic} {a.get('line', '')}".rstrip() + "\n" + body.decode() if body else \
+            source = f"%%{magic} {a.get('line', '')}".rstrip() + "\n" + body.decode("utf-8", "replace") if body else \
                 f"%{magic} {a.get('line', '')}".rstrip()
             cell = nbformat.v4.new_code_cell(source)
             cell.metadata["tkbox"] = dict(meta, host_event=True)
@@ -225,12 +225,14 @@ def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
 
 
 def _output_text(o: dict) -> Any:
-    if o["output_type"] == "stream":
-        return [o["name"], o["text"]]
-    if o["output_type"] == "error":
-        return ["error", o["ename"], o["evalue"]]
-    data = o.get("data", {})
-    return [o["output_type"], data.get("text/plain", ""), sorted(data)]
+    """What audit compares of one recorded output (read leniently: the bundle's content is not checked for form)."""
+    t = o.get("output_type")
+    if t == "stream":
+        return [str(o.get("name")), str(o.get("text"))]
+    if t == "error":
+        return ["error", str(o.get("ename")), str(o.get("evalue"))]
+    data = o.get("data") if isinstance(o.get("data"), dict) else {}
+    return [t, str(data.get("text/plain", "")), sorted(data)]
 
 
 def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None) -> Audit:

@@ -33,7 +33,8 @@ class Crossing:
 
     @property
     def door(self) -> str:
-        return (self.args or {}).get("door") or DOOR_OF_TOOL.get(self.tool, self.tool)
+        door = (self.args or {}).get("door")
+        return door if isinstance(door, str) and door else DOOR_OF_TOOL.get(self.tool, self.tool)
 
 
 class Run:
@@ -95,7 +96,7 @@ class Run:
 
     def content(self, digest: str) -> bytes | None:
         """Disclosed content by its digest (`sha256:...`), or None."""
-        return self._b.content.get(digest)
+        return self._b.content.get(digest) if isinstance(digest, str) else None
 
     def disclosure(self, seq: int) -> dict[str, Any] | None:
         return next((d for d in self._b.disclosures if isinstance(d, dict) and d.get("run_seq") == seq), None)
@@ -143,9 +144,9 @@ class Run:
             a = c.args or {}
             main = a.get("code") or a.get("stdin") or ""
             rows.append({
-                "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": a.get("kind", ""),
-                "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": a.get("rule", ""),
-                "status": (c.result or {}).get("status", "" if c.decision == "allow" else "refused"),
+                "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": str(a.get("kind", "")),
+                "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": str(a.get("rule", "")),
+                "status": str((c.result or {}).get("status", "" if c.decision == "allow" else "refused")),
                 "summary": self.summary_of(c), "content": main if isinstance(main, str) else ""})
         df = pd.DataFrame(rows, columns=COLUMNS)
         df["seq"] = df["seq"].astype("int64")
