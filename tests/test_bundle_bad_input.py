@@ -196,6 +196,15 @@ def test_box_manifest_that_disagrees_with_the_records_is_invalid(good, tmp_path)
     assert_refused(rewrite(files, tmp_path / "b.tkb"), 1, "INVALID: box manifest", tmp_path)
 
 
+def test_box_manifest_end_reason_that_disagrees_with_the_signed_stop_is_invalid(good, tmp_path):
+    """The manifest's end_reason is what a reader sees first; a forger may not rewrite why the box ended."""
+    files = entries(good)
+    box = json.loads(files["box/manifest.json"])
+    box["end_reason"] = "box stopped normally, nothing to see"
+    files["box/manifest.json"] = json.dumps(box).encode()
+    assert_refused(rewrite(files, tmp_path / "e.tkb"), 1, "INVALID: box manifest: end_reason", tmp_path)
+
+
 def test_swapped_policy_source_is_invalid(good, tmp_path):
     files = entries(good)
     name = next(n for n in files if n.startswith("box/policies/"))

@@ -232,6 +232,8 @@ class Box:
         return tail.strip().splitlines()[-1][:300] if tail.strip() else "no output"
 
     def _check_alive(self) -> None:
+        if self.recorder is not None and not self.recorder.closed:
+            self.watch([])  # a box that died since the last crossing ends now, before anything more is decided
         if self.ended:
             raise BoxEnded(f"the box has ended: {self.ended}")
         if self.recorder is None or self.running is None:
@@ -315,6 +317,8 @@ class Box:
             self.watch([cell])
             if self.ended:
                 raise BoxEnded(f"the box has ended: {self.ended}")
+        if cell.ended:
+            self.watch([])  # a cell ended by its box dying under it ends the box
         if self.ended:
             raise BoxEnded(f"the box has ended: {self.ended}")
         if cell.ended:
@@ -328,6 +332,8 @@ class Box:
             self._end(f"exec timed out after {timeout:g}s")
         elif self.running is not None and not self.running.alive():
             self._end(f"the box died: {self.running.exit_reason()}")
+        elif self.conn is not None and self.conn.closed and self.recorder is not None and not self.recorder.closed:
+            self._end("the box's door stream ended (its guest agent is gone)")
 
     def _finish_cell(self, cell: "Cell") -> None:
         """Sign the end of a cell: its status and execution count, its outputs disclosed."""

@@ -58,7 +58,8 @@ def read_entries(data: bytes) -> dict[str, bytes]:
     try:
         z = zipfile.ZipFile(io.BytesIO(data))
         infos = z.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, ValueError, EOFError, OSError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, ValueError, EOFError, OSError,
+            NotImplementedError) as e:  # NotImplementedError: a zip version zipfile does not read
         raise BundleError(f"not a readable zip file: {e}") from None
     if len(infos) > MAX_ENTRIES:
         raise BundleError(f"{len(infos)} entries, over the limit of {MAX_ENTRIES}")
@@ -73,6 +74,9 @@ def read_entries(data: bytes) -> dict[str, bytes]:
     declared = 0
     for info in infos:
         name = info.orig_filename
+        if not info.filename:  # empty, or cut at a NUL by zipfile (whose is_dir then fails): refused by name
+            check_name(name)
+            raise BundleError(f"entry name {name[:80]!r} is empty")
         if name.endswith("/") or info.is_dir():
             raise BundleError(f"directory entry {name[:80]!r}")
         check_name(name)

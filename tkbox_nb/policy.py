@@ -119,6 +119,8 @@ class Policy:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise PolicyError(f"{name}: not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nested array or table (a disclosed policy is hostile input)
+            raise PolicyError(f"{name}: not valid TOML: nested too deeply") from None
         return cls(source=text, name=name, data=_validate(data, name))
 
     @classmethod
@@ -259,7 +261,7 @@ class Policy:
         path, op, ftype = facts.get("path"), facts.get("op"), facts.get("type")
         if op not in r.OPS:
             return Verdict("deny", "patch.op", f"unknown operation {str(op)[:40]!r}")
-        why = r.path_problem(path)
+        why = r.path_problem(path) or ("a name that is not valid UTF-8" if facts.get("not_utf8") else None)
         if why:
             return Verdict("deny", "patch.path", why)
         if r.is_git(path):

@@ -86,7 +86,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
         elif c.door == "host":
             body = run.content(a.get("body", "")) if a.get("body") else None
             magic = a.get("magic", "")
-            source = f"%%{magic} {a.get('line', '')}".rstrip() + "\n" + body.decode() if body else \
+            source = f"%%{magic} {a.get('line', '')}".rstrip() + "\n" + body.decode("utf-8", "replace") if body else \
                 f"%{magic} {a.get('line', '')}".rstrip()
             cell = nbformat.v4.new_code_cell(source)
             cell.metadata["tkbox"] = dict(meta, host_event=True)
@@ -184,6 +184,21 @@ class Audit:
                 f"B: {html.escape(self.b)}</p><table><tr><th>what</th><th>A</th><th>B</th></tr>{rows}</table>")
 
 
+def parse_sanitizers(text: str) -> list[tuple[str, str]]:
+    """(regex, replacement) pairs from a sanitizer file: one `REGEX<TAB>REPLACEMENT` a line, `#` comments. Pure."""
+    extra = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            pattern, _, repl = line.partition("\t")
+            repl = repl or "<SANITIZED>"
+            try:
+                re.compile(pattern).sub(repl, "")  # the replacement's escapes and group references are read here
+            except (re.error, IndexError) as e:
+                raise TkboxError(f"{line[:80]!r}: {e}") from None
+            extra.append((pattern, repl))
+    return extra
+
+
 def _sanitize(text: str, extra: list[tuple[str, str]]) -> str:
     for pattern, repl in SANITIZERS + extra:
         text = re.sub(pattern, repl, text)
@@ -221,24 +236,22 @@ def _patch_facts(run: Run) -> list[str]:
 
 
 def _output_text(o: dict) -> Any:
-    if o["output_type"] == "stream":
-        return [o["name"], o["text"]]
-    if o["output_type"] == "error":
-        return ["error", o["ename"], o["evalue"]]
-    data = o.get("data", {})
-    return [o["output_type"], data.get("text/plain", ""), sorted(data)]
+    """What audit compares of one recorded output (read leniently: the bundle's content is not checked for form)."""
+    t = o.get("output_type")
+    if t == "stream":
+        return [str(o.get("name")), str(o.get("text"))]
+    if t == "error":
+        return ["error", str(o.get("ename")), str(o.get("evalue"))]
+    data = o.get("data") if isinstance(o.get("data"), dict) else {}
+    return [t, str(data.get("text/plain", "")), sorted(data)]
 
 
 def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None) -> Audit:
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
-            for line in Path(sanitizer_file).read_text().splitlines():
-                if line.strip() and not line.startswith("#"):
-                    pattern, _, repl = line.partition("\t")
-                    re.compile(pattern)
-                    extra.append((pattern, repl or "<SANITIZED>"))
-        except (OSError, re.error) as e:
+            extra = parse_sanitizers(Path(sanitizer_file).read_text())
+        except (OSError, UnicodeDecodeError, TkboxError) as e:
             raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
     fa, fb = _facts(open_run(a), extra), _facts(open_run(b), extra)
     report = Audit(str(a), str(b))

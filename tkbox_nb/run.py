@@ -33,7 +33,8 @@ class Crossing:
 
     @property
     def door(self) -> str:
-        return (self.args or {}).get("door") or DOOR_OF_TOOL.get(self.tool, self.tool)
+        door = (self.args or {}).get("door")
+        return door if isinstance(door, str) and door else DOOR_OF_TOOL.get(self.tool, self.tool)
 
 
 class Run:
@@ -42,8 +43,10 @@ class Run:
     def __init__(self, path: str | Path, contents: BundleContents):
         self.path = Path(path)
         self._b = contents
-        self.records: list[dict[str, Any]] = [r["event"] for r in contents.records
-                                              if isinstance(r, dict) and isinstance(r.get("event"), dict)]
+        # only records of the v2 shape (the bundle is unverified here: anything else is left to `verify`)
+        self.records: list[dict[str, Any]] = [
+            r["event"] for r in contents.records if isinstance(r, dict) and isinstance(r.get("event"), dict)
+            and _is_int(r["event"].get("run_seq")) and isinstance(r["event"].get("data"), dict)]
         self.box: dict[str, Any] = contents.box or {}
         self.run_id = contents.run_id
 
@@ -93,26 +96,31 @@ class Run:
 
     def content(self, digest: str) -> bytes | None:
         """Disclosed content by its digest (`sha256:...`), or None."""
-        return self._b.content.get(digest)
+        return self._b.content.get(digest) if isinstance(digest, str) else None
 
     def disclosure(self, seq: int) -> dict[str, Any] | None:
         return next((d for d in self._b.disclosures if isinstance(d, dict) and d.get("run_seq") == seq), None)
 
     def crossings(self) -> list[Crossing]:
-        disclosed = {(d.get("run_seq"), d.get("type")): d for d in self._b.disclosures if isinstance(d, dict)}
-        results = {e["data"].get("decision_id"): e for e in self.records if e.get("type") == "tool.result"}
+        disclosed = {(d["run_seq"], d.get("type")): d for d in self._b.disclosures
+                     if isinstance(d, dict) and _is_int(d.get("run_seq")) and isinstance(d.get("type"), str)}
+        results = {str(e["data"].get("decision_id")): e for e in self.records if e.get("type") == "tool.result"}
         out = []
         for e in self.records:
             if e.get("type") != "policy.decision":
                 continue
-            data = e.get("data") or {}
-            res = results.get(data.get("decision_id"))
+            data = e["data"]
+            res = results.get(str(data.get("decision_id")))
             rd = disclosed.get((res["run_seq"], "tool.result")) if res else None
+            args = (disclosed.get((e["run_seq"], "policy.decision")) or {}).get("args")
+            result = (rd or {}).get("result")
+            rules = data.get("rule_ids")
             out.append(Crossing(
-                seq=e["run_seq"], time=e.get("ts", ""), tool=str(data.get("tool", "")),
-                decision=str(data.get("decision", "")), rule_ids=list(data.get("rule_ids") or []),
-                args=(disclosed.get((e["run_seq"], "policy.decision")) or {}).get("args"),
-                result=(rd or {}).get("result"), result_seq=res["run_seq"] if res else None))
+                seq=e["run_seq"], time=str(e.get("ts", "")), tool=str(data.get("tool", "")),
+                decision=str(data.get("decision", "")),
+                rule_ids=[str(r) for r in rules] if isinstance(rules, list) else [],
+                args=args if isinstance(args, dict) else None, result=result if isinstance(result, dict) else None,
+                result_seq=res["run_seq"] if res else None))
         return out
 
     def summary_of(self, c: Crossing) -> str:
@@ -141,13 +149,13 @@ class Run:
             a = c.args or {}
             main = a.get("code") or a.get("stdin") or ""
             rows.append({
-                "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": a.get("kind", ""),
-                "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": a.get("rule", ""),
-                "status": (c.result or {}).get("status", "" if c.decision == "allow" else "refused"),
+                "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": str(a.get("kind", "")),
+                "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": str(a.get("rule", "")),
+                "status": str((c.result or {}).get("status", "" if c.decision == "allow" else "refused")),
                 "summary": self.summary_of(c), "content": main if isinstance(main, str) else ""})
         df = pd.DataFrame(rows, columns=COLUMNS)
         df["seq"] = df["seq"].astype("int64")
-        df["time"] = pd.to_datetime(df["time"], utc=True, format="ISO8601")
+        df["time"] = pd.to_datetime(df["time"], utc=True, format="ISO8601", errors="coerce")
         for col in ("door", "decision"):
             df[col] = df[col].astype("category")
         for col in ("tool", "kind", "rule_ids", "box_rule", "status", "summary", "content"):
@@ -167,3 +175,7 @@ class Run:
 def open_run(path: str | Path) -> Run:
     """Read a `.tkb` (strictly; BundleError if it is unsafe or unreadable)."""
     return Run(path, parse(read_bundle_file(path)))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

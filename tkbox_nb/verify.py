@@ -98,6 +98,15 @@ def verify_bundle(path: str | Path, trust: str | Path | None = None) -> VerifyRe
         return report
     try:
         data = read_bundle_bytes(path)
+    except BundleError as e:
+        report.add("bundle readable", False, str(e))
+        return report
+    return verify_bytes(data, report)
+
+
+def verify_bytes(data: bytes, report: VerifyReport) -> VerifyReport:
+    """The checks of `verify_bundle` on a bundle's bytes (pure but for reading `report.trust_path`; fuzzed)."""
+    try:
         contents = parse(read_entries(data))
     except BundleError as e:
         report.add("bundle readable", False, str(e))
@@ -220,13 +229,15 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         if e.get("type") in ("policy.decision", "tool.result") and (seq, e["type"]) not in disclosed:
             fail_record(seq, "completeness", f"{e['type']} is not disclosed")
     # re-derivation: each decision follows from the disclosed box policy
-    starts = []
+    starts, stops = [], []
     for (seq, kind), d in sorted(disclosed.items()):
         if kind != "policy.decision" or report.record_status.get(seq) != "valid":
             continue
         args, data = d["args"], events[seq]["data"]
         if data.get("tool") == "box.start":
             starts.append((seq, args))
+        elif data.get("tool") == "box.stop":
+            stops.append((seq, args))
         pol = policies.get(args.get("policy"))
         if pol is None:
             fail_record(seq, "policy", f"names policy {str(args.get('policy'))[:19]}..., which the bundle lacks")
@@ -241,7 +252,8 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
             fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
     # the readable diff is exactly what the last patch summary committed to
     summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
-                 and d["args"].get("door") == "patch" and d["args"].get("kind") == "summary"]
+                 and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
+                 and d["args"].get("kind") == "summary" and report.record_status.get(seq) == "valid"]
     if "box/patch.diff" in b.files:
         want = summaries[-1]["args"].get("diff") if summaries else None
         got = "sha256:" + hashlib.sha256(b.files["box/patch.diff"]).hexdigest()
@@ -258,8 +270,10 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
         elif first_policy != args.get("policy"):
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
+        elif stops and str(b.box.get("end_reason"))[:200] != str(stops[-1][1].get("reason")):
+            report.add("box manifest", False, f"end_reason disagrees with the signed box.stop record {stops[-1][0]}")
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
-                                                     if k == "policy.decision"}:
+                                                     if k == "policy.decision" and isinstance(d.get("args"), dict)}:
             report.add("box manifest", False, "the policies list lacks a policy the records name")
         else:
             report.add("box manifest", True, f"box {args.get('box_id')} ({args.get('backend')}, "

@@ -129,7 +129,7 @@ printf 'gitdir: /etc\n' > sub/.git-file; mv sub/.git-file sub2.git 2>/dev/null |
 echo a > A.txt; echo b > a.txt
 printf 'nfc' > "$(printf 'caf\303\251')"; printf 'nfd' > "$(printf 'cafe\314\201')"
 echo s > suid; chmod 4755 suid
-echo n > "$(printf 'new\nline')"; echo b > 'back\slash'
+echo n > "$(printf 'new\nline')"; echo b > 'back\slash'; echo u > "$(printf 'not-utf8-\377')"
 p=deep; for i in $(seq 1 40); do p=$p/d; done; mkdir -p $p; echo deep > $p/f
 head -c 200000 /dev/zero > big.bin
 mkdir -p .github/workflows; echo 'on: push' > .github/workflows/ci.yml
@@ -157,7 +157,7 @@ def test_hostile_entries_made_in_the_box_are_refused_and_nothing_escapes(signer,
     assert rule["a.txt"] == "patch.collision" or rule["A.txt"] == "patch.collision"
     cafe = [p for p in rows if p.startswith("caf")]
     assert sorted(rule[p] for p in cafe) == ["patch.allow[0]", "patch.collision"]
-    assert rule["new\nline"] == rule["back\\slash"] == "patch.path"
+    assert rule["new\nline"] == rule["back\\slash"] == rule["not-utf8-\\udcff"] == "patch.path"
     assert [r for p, r in rule.items() if p.startswith("deep/")] == ["patch.path"]
     assert rule["big.bin"] == "patch.max_file_bytes"
     assert rule[".github/workflows/ci.yml"] == "patch.deny_default[0]"

@@ -56,6 +56,36 @@ def resolve(name: str, port: int, nameservers: list[str], timeout: float) -> lis
     return [info[4][0] for info in infos]
 
 
+def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
+    """What the door states to the signer for one request, and the one address it will dial. Pure but for
+    `lookup(name, port)` (the resolver, called at most once; it raises OSError when the name does not resolve)."""
+    facts: dict = {"port": req.port, "method": req.method, "tunnel": req.tunnel}
+    if not req.tunnel:
+        facts["path"] = req.target[:500]
+    addresses: list[str] = []
+    try:
+        kind, value = check_host(req.host)
+        facts["host"] = str(value)
+        if kind == "ip":
+            addresses = [str(value)]
+        elif not refused_name(value) and policy.egress_allow_index(str(value), req.port) is not None:
+            try:  # only a name on the allow list is ever looked up: a refused name leaks nothing through DNS
+                addresses = lookup(value, req.port)
+            except OSError as e:
+                facts["resolve_error"] = f"{value} did not resolve: {getattr(e, 'strerror', None) or e}"[:300]
+    except HostError as e:
+        facts["host"], facts["host_error"] = req.host[:200], str(e)[:300]
+    unique = sorted(set(addresses), key=lambda a: (":" in a, a))[:MAX_ADDRESSES]
+    facts["addresses"] = unique
+    address = unique[0] if unique else ""
+    facts["address"] = address
+    classes = [classify(ipaddress.ip_address(a), policy.allow_cidrs())[0] for a in unique]
+    refused = "host_error" not in facts and refused_name(facts["host"])
+    facts["address_class"] = "always" if "always" in classes or refused else \
+        "special" if "special" in classes else "ok"
+    return facts, address
+
+
 class EgressDoor:
     def __init__(self, box: "Box"):
         self.box = box
@@ -121,31 +151,8 @@ class EgressDoor:
 
     def _decide(self, req: ProxyRequest):
         policy = self.box.policy
-        facts: dict = {"port": req.port, "method": req.method, "tunnel": req.tunnel}
-        if not req.tunnel:
-            facts["path"] = req.target[:500]
-        addresses: list[str] = []
-        try:
-            kind, value = check_host(req.host)
-            facts["host"] = str(value)
-            if kind == "ip":
-                addresses = [str(value)]
-            elif not refused_name(value) and policy.egress_allow_index(str(value), req.port) is not None:
-                try:  # only a name on the allow list is ever looked up: a refused name leaks nothing through DNS
-                    addresses = resolve(value, req.port, policy.get("egress", "nameservers"),
-                                        policy.get("egress", "connect_timeout_s"))
-                except OSError as e:
-                    facts["resolve_error"] = f"{value} did not resolve: {getattr(e, 'strerror', None) or e}"[:300]
-        except HostError as e:
-            facts["host"], facts["host_error"] = req.host[:200], str(e)[:300]
-        unique = sorted(set(addresses), key=lambda a: (":" in a, a))[:MAX_ADDRESSES]
-        facts["addresses"] = unique
-        address = unique[0] if unique else ""
-        facts["address"] = address
-        classes = [classify(ipaddress.ip_address(a), policy.allow_cidrs())[0] for a in unique]
-        refused = "host_error" not in facts and refused_name(facts["host"])
-        facts["address_class"] = "always" if "always" in classes or refused else \
-            "special" if "special" in classes else "ok"
+        facts, address = stated_facts(req, policy, lambda name, port: resolve(
+            name, port, policy.get("egress", "nameservers"), policy.get("egress", "connect_timeout_s")))
         crossing = self.box.recorder.decide("egress", "connect", facts)
         if not crossing.allowed and self.box.recorder.broken:
             self.box._end(f"signer lost: {self.box.recorder.broken}")

@@ -41,6 +41,13 @@ def check_host(raw: str) -> tuple[str, Address | str]:
     if raw.startswith("["):
         raise HostError(f"{raw[:80]!r} is not an IPv6 address")
     name = raw[:-1] if raw.endswith(".") else raw
+    if name != raw:  # the name is resolved without its trailing dot, where "0x7f." is the C library's 0.0.0.127
+        try:
+            address = parse_ip_literal(name)
+        except ValueError as e:
+            raise HostError(str(e)) from None
+        if address is not None:
+            return "ip", address
     if not name.isascii():
         if unicodedata.normalize("NFKC", name) != name:
             raise HostError(f"{raw[:80]!r} is in a form resolvers rewrite (fullwidth or other compatibility "

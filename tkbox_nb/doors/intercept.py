@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import socket
 import ssl
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import h11
 
@@ -101,7 +101,7 @@ def relay_bound(box: "Box", stream: Stream, host: str, port: int, address: str, 
         scrubber_values = [b.value for b in bindings]
         from_box, to_up = h11.Connection(h11.SERVER), h11.Connection(h11.CLIENT)
         while True:
-            request, body = _read_request(tls, from_box)
+            request, body = read_request(tls.recv, from_box)
             if request is None:
                 return
             rw = rewrite_request(host, request.target, list(request.headers.raw_items()), bindings, tls=True)
@@ -128,17 +128,21 @@ def relay_bound(box: "Box", stream: Stream, host: str, port: int, address: str, 
         upstream.close()
 
 
-def _read_request(tls: BoxTLS, conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
+def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
+    """The box's next request and its body (sans-IO but for `recv`, which gives the next bytes, b"" at the end, or
+    raises Closed); None at the end. A malformed request raises h11.RemoteProtocolError. Fuzzed."""
     request, body = None, bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
             try:
-                conn.receive_data(tls.recv())
+                conn.receive_data(recv())
             except Closed:
                 return None, b""
             continue
         if isinstance(event, h11.Request):
+            if not any(name == b"host" for name, _ in event.headers):  # h11 asks it of HTTP/1.1 only; upstream needs it
+                raise h11.RemoteProtocolError("a request to a bound host without a Host header")
             request = event
         elif isinstance(event, h11.Data):
             body += event.data

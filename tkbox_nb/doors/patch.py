@@ -157,6 +157,8 @@ class PatchDoor:
                 facts["binary"] = rules.is_binary(e.content)
             if e.dropped:
                 facts["dropped"] = True
+            if e.not_utf8:
+                facts["not_utf8"] = True
             key = rules.fold(e.path) if isinstance(e.path, str) and not rules.path_problem(e.path) else None
             if e.path in seen:
                 facts["duplicate_of"] = e.path

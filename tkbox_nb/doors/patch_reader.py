@@ -34,6 +34,7 @@ class Entry:
     content: bytes | None
     source: str | None = None   # a rename's `from`
     target: str | None = None   # a symlink's target, as stated (never applied)
+    not_utf8: bool = False      # a name that was not UTF-8 (kept with its bad parts escaped, so it can be recorded)
 
     @property
     def dropped(self) -> bool:
@@ -100,13 +101,25 @@ class PatchReader:
     def _finish(self) -> Entry:
         h, keep = self._header, self._keep
         self._header, self._keep = None, None
+        bad = False
+        for key in ("path", "op", "type", "from", "target"):
+            if isinstance(h.get(key), str) and not _utf8(h[key]):
+                h[key], bad = h[key].encode("utf-8", "backslashreplace").decode("utf-8"), True
         return Entry(h["path"], h["op"], h["type"], h["mode"], h["size"],
-                     bytes(keep) if keep is not None else None, h.get("from"), h.get("target"))
+                     bytes(keep) if keep is not None else None, h.get("from"), h.get("target"), bad)
 
     def finish(self) -> None:
         """The box said the patch is over: nothing may be left half-sent."""
         if self._header is not None or self._buf:
             raise ProtocolError("the patch stream ended inside an entry")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_header(raw: bytes) -> dict:

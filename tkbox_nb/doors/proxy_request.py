@@ -87,7 +87,10 @@ class ProxyRequestParser:
             raise ProxyRequestError(400, "https:// needs CONNECT")
         if not target.startswith("http://"):
             raise ProxyRequestError(400, "only CONNECT and absolute-form http:// requests pass the door")
-        parts = urlsplit(target)
+        try:
+            parts = urlsplit(target)
+        except ValueError:  # a bracketed host that is not an IPv6 address, such as http://[]/
+            raise ProxyRequestError(400, f"bad target {target[:80]!r}") from None
         host, port = split_authority(parts.netloc, 80)
         path = parts.path or "/"
         if parts.query:

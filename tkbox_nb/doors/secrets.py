@@ -39,12 +39,13 @@ class Binding:
     def placeholder_digest(self) -> str:
         return "sha256:" + hashlib.sha256(self.placeholder.encode()).hexdigest()
 
-    def header_value(self, sent: str) -> str:
+    def header_value(self, sent: bytes) -> bytes:
         """The bound header as the upstream gets it: the formatted value when the box sent only the placeholder,
-        else the box's header with the placeholder replaced by the value."""
-        if sent.strip() == self.placeholder:
-            return self.format.replace("{value}", self.value)
-        return sent.replace(self.placeholder, self.value)
+        else the box's header with the placeholder replaced by the value (UTF-8); the box's other bytes unchanged."""
+        value, placeholder = self.value.encode("utf-8"), self.placeholder.encode("ascii")
+        if sent.strip() == placeholder:
+            return self.format.encode("utf-8").replace(b"{value}", value)
+        return sent.replace(placeholder, value)
 
 
 def read_value(name: str, source: str) -> str:
@@ -90,18 +91,18 @@ def rewrite_request(host: str, target: bytes, headers: list[tuple[bytes, bytes]]
     for b in bindings:
         if b.placeholder in text_target:
             out.misuses.append((b.name, "path or query"))
-    for key, value in headers:
-        text = value.decode("latin-1")
+    for key, value in headers:  # bytes throughout: a header holding no placeholder passes byte for byte
+        sent = value
         for b in bindings:
-            if b.placeholder not in text:
+            if b.placeholder.encode("ascii") not in sent:
                 continue
             if tls and key.decode("latin-1").lower() == b.header.lower() and host_matches(host, b.hosts):
-                text = b.header_value(text)
+                value = b.header_value(value)
                 out.swaps.append((b.name, b.header))
             else:
                 where = f"header {key.decode('latin-1')[:60]}" + ("" if tls else " (plain http)")
                 out.misuses.append((b.name, where if host_matches(host, b.hosts) else f"{where} to {host}"))
-        out.headers.append((key, text.encode("latin-1") if text.isascii() else text.encode("utf-8")))
+        out.headers.append((key, value))
     return out
 
 

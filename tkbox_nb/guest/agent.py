@@ -47,17 +47,26 @@ class Door:
             self.send_raw(self.session.close(sid, body))
 
 
+def command_request(req):
+    """(argv, env, cwd) of a command stream's OPEN body, or ValueError. Pure (fuzzed)."""
+    argv, env, cwd = req.get("argv"), req.get("env") or {}, req.get("cwd") or "/workspace"
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        raise ValueError("argv must be a non-empty list of strings")
+    if not isinstance(env, dict):
+        raise ValueError("env must be an object")
+    if not isinstance(cwd, str):
+        raise ValueError("cwd must be a string")
+    return argv, {str(k): str(v) for k, v in env.items()}, cwd
+
+
 class Command:
     def __init__(self, door, sid, req):
         self.door, self.sid = door, sid
-        argv = req.get("argv")
-        env = req.get("env") or {}
-        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-            raise ValueError("argv must be a non-empty list of strings")
+        argv, env, cwd = command_request(req)
         full_env = dict(os.environ)
         full_env.pop("TKBOX_DOOR_FD", None)
-        full_env.update({str(k): str(v) for k, v in env.items()})
-        self.proc = subprocess.Popen(argv, cwd=req.get("cwd") or "/workspace", env=full_env,
+        full_env.update(env)
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
         self.readers = [threading.Thread(target=self._pump, args=(self.proc.stdout, p.CH_STDOUT), daemon=True),

@@ -12,6 +12,7 @@ docs/protocol.md is the specification.
 """
 
 import json
+import re
 import struct
 
 OPEN, DATA, WINDOW, CLOSE = 1, 2, 3, 4
@@ -48,18 +49,36 @@ def encode_data(stream, channel, data):
                     for i in range(0, max(len(data), 1), step))
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name):
+    raise ValueError("not JSON: " + name)
+
+
+def loads_strict(body, what):
+    """One JSON object from UTF-8 bytes, strictly: no NaN or Infinity, and no lone surrogate escape (a string the
+    host could not write out again as UTF-8, to the signer or to a Jupyter frontend). ProtocolError otherwise."""
+    try:
+        obj = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ProtocolError(what + " that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(what + " that is not a JSON object")
+    if _SURROGATE_ESCAPE.search(body):  # rare: only then check every string (a valid pair is one character)
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(what + " with a lone surrogate") from None
+    return obj
+
+
 def decode_json(payload, what):
     if len(payload) > MAX_JSON:
         raise ProtocolError(what + ": JSON body over the limit")
     if not payload:
         return {}
-    try:
-        obj = json.loads(bytes(payload).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ProtocolError(what + ": not a JSON object") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(what + ": not a JSON object")
-    return obj
+    return loads_strict(payload, what + ": a body")
 
 
 class Decoder:
@@ -267,13 +286,7 @@ class MessageReader:
                 break
             body = bytes(self._buf[MSG_HEADER.size:MSG_HEADER.size + length])
             del self._buf[:MSG_HEADER.size + length]
-            try:
-                obj = json.loads(body.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):
-                raise ProtocolError("a message that is not JSON") from None
-            if not isinstance(obj, dict):
-                raise ProtocolError("a message that is not a JSON object")
-            out.append(obj)
+            out.append(loads_strict(body, "a message"))
         return out
 
     @property

@@ -1,0 +1,816 @@
+"""The fuzz targets: one function of bytes per parser of box or bundle input, each asserting that parser's contract.
+
+A target returns normally when the input was handled as documented (parsed, or refused with the parser's own error
+type) and raises anything else: an AssertionError when a contract does not hold, or the unexpected exception itself.
+The same functions run under hypothesis in CI (tests/test_fuzz_targets.py) and under atheris (`python -m fuzz`).
+
+Structured targets read their choices from the input with `Input` (like libFuzzer's FuzzedDataProvider), so a
+coverage-guided fuzzer and hypothesis drive them alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import io
+import ipaddress
+import json
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+import h11
+
+from tkbox_nb import protocol as p
+from tkbox_nb.box_messages import JAVASCRIPT_MIME, check_box_message
+from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
+from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
+from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
+from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
+from tkbox_nb.doors.intercept import read_request
+from tkbox_nb.doors.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.doors.secrets import Binding, Scrubber, host_matches, misuses_in, rewrite_request
+from tkbox_nb.errors import BundleError, PolicyError, TkboxError
+from tkbox_nb.guest.agent import command_request
+from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
+from tkbox_nb.replay import _facts, _sanitize, parse_sanitizers, to_notebook
+from tkbox_nb.run import Run
+from tkbox_nb.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
+
+from . import seeds
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    fn: Callable[[bytes], None]
+    seeds: Callable[[], list[bytes]]
+    doc: str
+
+
+TARGETS: dict[str, Target] = {}
+
+
+def target(name: str, seed_fn: Callable[[], list[bytes]]):
+    def register(fn):
+        TARGETS[name] = Target(name, fn, seed_fn, " ".join((fn.__doc__ or "").split()))
+        return fn
+    return register
+
+
+class Input:
+    """Choices read from the fuzzer's bytes, front to back; past the end every read gives zeros or nothing."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = bytes(data), 0
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            return 0
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def int(self, n: int) -> int:
+        return int.from_bytes(self.take(n).ljust(n, b"\0"), "big")
+
+    def take(self, n: int) -> bytes:
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+    def rest(self) -> bytes:
+        return self.take(len(self.data))
+
+    def value(self, depth: int = 0) -> Any:
+        """A JSON value (the shapes hostile facts and messages take)."""
+        kind = self.byte() % (9 if depth < 3 else 6)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return bool(self.byte() & 1)
+        if kind == 2:
+            return self.int(2) - 1024
+        if kind == 3:
+            return [1e308 * 10, -0.0, 0.5, float("nan"), 2 ** 70][self.byte() % 5]
+        if kind in (4, 5):
+            return self.take(self.byte() % 24).decode("utf-8", "surrogateescape")
+        if kind in (6, 7):
+            return [self.value(depth + 1) for _ in range(self.byte() % 4)]
+        return {self.take(self.byte() % 8).decode("utf-8", "replace"): self.value(depth + 1)
+                for _ in range(self.byte() % 4)}
+
+
+def _step(b: int) -> int:
+    """How a byte stream is cut into reads: 1 to 64 bytes at a time, or all at once."""
+    return b % 64 + 1 if b < 192 else 1 << 30
+
+
+def _split(data: bytes, step: int) -> list[bytes]:
+    return [data[i:i + step] for i in range(0, len(data), step)] or [b""]
+
+
+def _with_step(items: list[bytes]) -> list[bytes]:
+    return [bytes([s]) + x for x in items for s in (0, 7, 200)]
+
+
+def _utf8(obj: Any) -> bytes:
+    """What the host does with a checked message or stated facts: JSON, then UTF-8 (no lone surrogates)."""
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+
+# -- the door stream ---------------------------------------------------------------------------------------------
+@target("frame-decoder", lambda: _with_step(seeds.frames()))
+def frame_decoder(data: bytes) -> None:
+    """Decoder: any bytes in any split give frames or ProtocolError; the frames it gives re-encode to exactly the
+    bytes it consumed, and it never holds more than one frame."""
+    inp = Input(data)
+    step, body = _step(inp.byte()), inp.rest()
+    d, frames = p.Decoder(), []
+    try:
+        for chunk in _split(body, step):
+            frames += [(t, s, bytes(pl)) for t, s, pl in d.feed(chunk)]
+    except p.ProtocolError:
+        return
+    assert d.buffered <= p.HEADER.size + p.MAX_PAYLOAD
+    assert all(t in p.TYPES and len(pl) <= p.MAX_PAYLOAD for t, _, pl in frames)
+    assert b"".join(p.encode(t, s, pl) for t, s, pl in frames) == body[:len(body) - d.buffered]
+
+
+@target("codec-roundtrip", lambda: [b"\x00\x02\x00\x00\x00\x02\x00\x05\x01hello", b"\xc8" + b"\x01" * 40])
+def codec_roundtrip(data: bytes) -> None:
+    """encode, encode_data and encode_json then Decoder, across any split: exactly the frames, bytes and objects
+    that went in."""
+    inp = Input(data)
+    flags = inp.byte()
+    step = _step(flags)
+    frames = []
+    while inp.pos < len(inp.data) and len(frames) < 64:
+        t, sid, n = inp.byte() % 4 + 1, inp.int(4), inp.int(2) % 700
+        frames.append((t, sid, inp.take(n)))
+    wire = b"".join(p.encode(t, s, pl) for t, s, pl in frames)
+    d, got = p.Decoder(), []
+    for chunk in _split(wire, step):
+        got += [(t, s, bytes(pl)) for t, s, pl in d.feed(chunk)]
+    assert got == frames and d.buffered == 0
+    bulk = b"".join(pl for _, _, pl in frames)
+    if flags & 1:  # past one frame's payload: split into several DATA frames, joined back
+        bulk = bulk * (p.MAX_PAYLOAD // max(len(bulk), 1) + 1)
+    out = p.Decoder().feed(p.encode_data(5, p.CH_BYTES, bulk))
+    assert all(t == p.DATA and s == 5 and pl[0] == p.CH_BYTES for t, s, pl in out)
+    assert b"".join(bytes(pl[1:]) for _, _, pl in out) == bulk
+    try:
+        obj = json.loads(bulk[:p.MAX_JSON].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return
+    if isinstance(obj, dict):
+        try:
+            frame = p.encode_json(p.OPEN, 2, obj)
+        except ValueError:  # over MAX_PAYLOAD once re-encoded
+            return
+        (_, _, payload), = p.Decoder().feed(frame)
+        again = p.decode_json(payload, "open") if len(payload) <= p.MAX_JSON else None
+        assert again is None or json.dumps(again, sort_keys=True) == json.dumps(obj, sort_keys=True)
+
+
+def _check_session(s: p.Session) -> None:
+    assert len(s.streams) <= s.max_streams
+    for st in s.streams.values():
+        assert 0 <= st["recv_left"] <= s.window and 0 <= st["send_left"] <= p.MAX_WINDOW
+        assert not (st["recv_closed"] and st["sent_closed"])
+
+
+@target("session", lambda: _with_step([b"\x00" + f for f in seeds.frames()] + [b"\x03" + f for f in seeds.frames()]))
+def session(data: bytes) -> None:
+    """Session, host or guest side: any frames give events or ProtocolError; a stream is opened only by its side,
+    never past the stream limit or a window, and the credit granted back is what was consumed."""
+    inp = Input(data)
+    flags, step = inp.byte(), _step(inp.byte())
+    is_host = bool(flags & 1)
+    s, d = p.Session(is_host=is_host, max_streams=8), p.Decoder()
+    for _ in range(flags >> 1 & 3):
+        s.open()
+    try:
+        for chunk in _split(inp.rest(), step):
+            for ftype, sid, payload in d.feed(chunk):
+                event = s.receive(ftype, sid, bytes(payload))
+                assert event[0] in ("open", "data", "window", "close") and event[1] == sid
+                if event[0] == "open":
+                    assert isinstance(event[2], dict) and sid % 2 == (0 if is_host else 1)
+                elif event[0] == "data":
+                    frame = s.consumed(sid, len(event[3]))
+                    if frame:
+                        (t, fsid, credit), = p.Decoder().feed(frame)
+                        assert t == p.WINDOW and fsid == sid and int.from_bytes(credit, "big") >= s.window // 4
+                elif event[0] == "close":
+                    assert isinstance(event[2], dict)
+                    s.close(sid)
+                _check_session(s)
+    except p.ProtocolError:
+        pass
+    _check_session(s)
+
+
+@target("message-reader", lambda: _with_step(seeds.messages()))
+def message_reader(data: bytes) -> None:
+    """MessageReader: any bytes in any split give JSON objects or ProtocolError, never more than its limit
+    buffered; each object it gives reads back the same once re-encoded."""
+    inp = Input(data)
+    step, body = _step(inp.byte()), inp.rest()
+    r, out = p.MessageReader(max_message=1 << 12), []
+    try:
+        for chunk in _split(body, step):
+            out += r.feed(chunk)
+    except p.ProtocolError:
+        return
+    assert r.buffered < p.MSG_HEADER.size + (1 << 12)
+    for obj in out:
+        assert isinstance(obj, dict)
+        text = json.dumps(obj).encode()
+        (again,) = p.MessageReader().feed(p.MSG_HEADER.pack(len(text)) + text)
+        assert json.dumps(again) == json.dumps(obj)
+
+
+MESSAGE_FIELDS = [("content",), ("content", "data"), ("content", "text"), ("content", "name"), ("header",),
+                  ("header", "msg_type"), ("header", "msg_id"), ("parent_header",), ("parent_header", "msg_id"),
+                  ("metadata",), ("buffers",), ("channel",), ("content", "payload"), ("content", "execution_count"),
+                  ("content", "transient"), ("content", "traceback"), ("content", "matches"), ("content", "wait"),
+                  ("content", "data", "text/plain"), ("content", "data", "application/javascript"),
+                  ("content", "prompt"), ("content", "password"), ("content", "comm_id"), ("content", "status"),
+                  ("content", "payload", 1), ("content", "payload", 1, "data"), ("content", "execution_state")]
+
+
+def _set_path(obj: Any, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        if isinstance(obj, dict):
+            obj = obj.setdefault(key, {})
+        elif isinstance(obj, list) and isinstance(key, int) and key < len(obj):
+            obj = obj[key]
+        else:
+            return
+    if isinstance(obj, dict):
+        obj[path[-1]] = value
+    elif isinstance(obj, list) and isinstance(path[-1], int) and path[-1] < len(obj):
+        obj[path[-1]] = value
+
+
+@target("box-message", lambda: [b"\x00" + json.dumps(m).encode() for m in seeds.KERNEL_MESSAGES]
+        + [bytes([1 + 2 * i, f]) + b"\x04\x05hello" for i in range(len(seeds.KERNEL_MESSAGES)) for f in (0, 1, 5)])
+def box_message(data: bytes) -> None:
+    """check_box_message: a message passes, is dropped whole, or raises ProtocolError; what passes holds no
+    JavaScript and no execute_reply payload but the pager's text, gives its notebook output, and can be sent on as
+    UTF-8 JSON."""
+    inp = Input(data)
+    mode = inp.byte()
+    if mode & 1:  # a real message with one field replaced
+        msg = copy.deepcopy(seeds.KERNEL_MESSAGES[(mode >> 1) % len(seeds.KERNEL_MESSAGES)])
+        _set_path(msg, MESSAGE_FIELDS[inp.byte() % len(MESSAGE_FIELDS)], inp.value())
+        body = json.dumps(msg).encode()
+    else:
+        body = inp.rest()
+    try:  # as the host reads it: MessageReader's strict JSON, then the checker
+        m = check_box_message(p.loads_strict(body, "a message"))
+    except p.ProtocolError:
+        return
+    if m is None:
+        return
+    bundles = [m.content.get("data")] if m.msg_type in ("display_data", "update_display_data", "execute_result",
+                                                       "inspect_reply") else []
+    for b in bundles:
+        assert b is None or not any(k in JAVASCRIPT_MIME or "javascript" in k.lower() for k in b)
+    if m.msg_type == "execute_reply":
+        assert all(set(x) == {"source", "data", "start"} and x["source"] == "page" and set(x["data"]) == {"text/plain"}
+                   for x in m.content["payload"])
+    out = m.as_output()
+    _utf8(m.wire())
+    if out is not None:
+        _utf8(out)
+
+
+# -- the egress door ---------------------------------------------------------------------------------------------
+@target("proxy-request", lambda: _with_step(seeds.PROXY_REQUESTS))
+def proxy_request(data: bytes) -> None:
+    """ProxyRequestParser: any bytes in any split give a CONNECT or absolute-form request, or ProxyRequestError with
+    a status the door answers; the head sent upstream is origin-form, hop-by-hop headers gone, Connection: close."""
+    inp = Input(data)
+    step = _step(inp.byte())
+    parser, req = ProxyRequestParser(), None
+    try:
+        for chunk in _split(inp.rest(), step):
+            req = parser.feed(chunk)
+            if req is not None:
+                break
+    except ProxyRequestError as e:
+        assert e.status in REASONS, e.status
+        return
+    if req is None:
+        return
+    assert 0 < req.port < 65536 and "@" not in req.host and req.tunnel == (req.method == "CONNECT")
+    if not req.tunnel:
+        assert req.target.startswith("/")
+        assert all(k.lower() not in HOP_BY_HOP for k, _ in req.headers)
+        head = parser.upstream_head(req)
+        assert head.startswith(req.method.encode() + b" /") and b"\r\nconnection: close\r\n" in head.lower()
+
+
+WIDE = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0", "::/0"]\n')
+
+
+@target("egress-request", lambda: [bytes([0]) + r for r in seeds.PROXY_REQUESTS]
+        + [b"\x02\x00\x5d\xb8\xd8\x22\x00\xa9\xfe\xa9\xfe" + r for r in seeds.PROXY_REQUESTS[:3]])
+def egress_request(data: bytes) -> None:
+    """A proxy request through the door's own statement of it (`stated_facts`, the resolver answering from the
+    input) to Policy.decide under a policy that allows every host and range: never an exception, JSON facts, and no
+    allow for an always-refused name or any always-refused address in the answer."""
+    inp = Input(data)
+    answers = []
+    for _ in range(inp.byte() % 5):
+        answers.append(str(ipaddress.IPv6Address(inp.take(16).ljust(16, b"\0")) if inp.byte() & 1
+                           else ipaddress.IPv4Address(inp.take(4).ljust(4, b"\0"))))
+    try:
+        req = ProxyRequestParser().feed(inp.rest())
+    except ProxyRequestError:
+        return
+    if req is None:
+        return
+    calls = []
+
+    def lookup(name: str, port: int) -> list[str]:
+        calls.append(name)
+        if not answers:
+            raise OSError("no such name")
+        return answers
+
+    facts, address = stated_facts(req, WIDE, lookup)
+    assert len(calls) <= 1 and len(facts["addresses"]) <= MAX_ADDRESSES
+    assert address == (facts["addresses"][0] if facts["addresses"] else "")
+    _utf8(facts)
+    v = WIDE.decide(dict(facts, door="egress", kind="connect"))
+    _check_verdict(v)
+    if v.allowed:
+        assert "host_error" not in facts and address and facts["address_class"] != "always"
+        assert refused_name(facts["host"]) is None
+        assert all(classify(ipaddress.ip_address(a))[0] != "always" for a in facts["addresses"])
+
+
+def _hostname_seeds() -> list[bytes]:
+    return list(seeds.HOSTS)
+
+
+@target("hostname", _hostname_seeds)
+def hostname(data: bytes) -> None:
+    """check_host: ("ip", an address), ("name", one lower-case ASCII spelling) or HostError; the spelling it gives
+    is not an IP literal and passes again unchanged."""
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        kind, value = check_host(text)
+    except HostError:
+        return
+    if kind == "ip":
+        assert isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address))
+        classify(value)
+        return
+    assert kind == "name" and isinstance(value, str) and value.isascii() and value == value.lower()
+    assert 0 < len(value) <= MAX_NAME and parse_ip_literal(value) is None
+    assert check_host(value) == ("name", value)
+
+
+_ANY = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+
+
+@target("address", lambda: [b"\x00\x7f\x00\x00\x01", b"\x01" + bytes(15) + b"\x01", b"\x02::ffff:169.254.169.254",
+                            b"\x02" + b"0x7f.1", b"\x01\x20\x01\x00\x00\x41\x36\xe3\x78\x80\x00\x63\xbf\x3f\xff\xfd\xd2",
+                            b"\x00\xc6\x12\x00\x01"])
+def address(data: bytes) -> None:
+    """parse_ip_literal and classify: an address, None or ValueError; every address gets a class, no allow_cidrs
+    lifts an always-refused one, an embedded IPv4 address is judged as itself, and whatever the standard library
+    calls loopback, private, link-local, multicast or unspecified is never "ok"."""
+    inp = Input(data)
+    mode = inp.byte() % 3
+    if mode == 0:
+        addr = ipaddress.IPv4Address(inp.take(4).ljust(4, b"\0"))
+    elif mode == 1:
+        addr = ipaddress.IPv6Address(inp.take(16).ljust(16, b"\0"))
+    else:
+        try:
+            addr = parse_ip_literal(inp.rest().decode("utf-8", "replace"))
+        except ValueError:
+            return
+        if addr is None:
+            return
+    cls, _ = classify(addr)
+    wide, _ = classify(addr, _ANY)
+    assert cls in ("ok", "always", "special") and (cls == "always") == (wide == "always")
+    assert wide in ("ok", "always")
+    for v4 in embedded_ipv4(addr):
+        if classify(v4)[0] == "always":
+            assert cls == "always", (addr, v4)
+    mapped = isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None
+    flagged = addr.is_loopback or addr.is_link_local or addr.is_multicast or addr.is_unspecified or addr.is_private
+    if isinstance(addr, ipaddress.IPv4Address):
+        flagged = flagged or addr.is_reserved
+    else:
+        flagged = flagged or addr.is_site_local
+    if flagged and not mapped:
+        assert cls != "ok", addr
+
+
+# -- the secrets door --------------------------------------------------------------------------------------------
+BINDINGS = [Binding("API_KEY", ["api.example.org", "*.svc.example"], "Authorization", "Bearer {value}",
+                    "env:API_KEY", "flag", value="s3cr3t-value-A", placeholder=seeds.PH_A),
+            Binding("TOKEN", ["tok.example"], "X-Token", "{value}", "env:TOKEN", "refuse", value="välue-B✓",
+                    placeholder=seeds.PH_B)]
+BOUND_HOSTS = ["api.example.org", "x.svc.example", "tok.example", "other.example"]
+
+
+def _expand(data: bytes) -> bytes:
+    return data.replace(seeds.TOKEN_A, seeds.PH_A.encode()).replace(seeds.TOKEN_B, seeds.PH_B.encode())
+
+
+@target("secrets-rewrite", lambda: [b"\x01/path\nAuthorization:\xfe\nX-Token: tok \xfd\nAccept: */*",
+                                    b"\x02/q?k=\xfd\nX-Token:\xfd\nX-Other: \xfe", b"\x05/\nAuthorization: Basic \xfe",
+                                    b"\x07/\nAuthorization: \xe9t\xe9 \xfe\nX-Latin: caf\xe9"])
+def secrets_rewrite(data: bytes) -> None:
+    """rewrite_request: never raises; a placeholder becomes its value only in the bound header of a TLS request to a
+    bound host, every other placeholder is named a misuse, and a header holding no placeholder passes byte for byte."""
+    inp = Input(data)
+    flags = inp.byte()
+    tls, host = bool(flags & 1), BOUND_HOSTS[(flags >> 1) % len(BOUND_HOSTS)]
+    lines = _expand(inp.rest()).split(b"\n")
+    target_, headers = lines[0], [tuple(line.partition(b":")[::2]) for line in lines[1:]]
+    rw = rewrite_request(host, target_, headers, BINDINGS, tls)
+    assert [k for k, _ in rw.headers] == [k for k, _ in headers]
+    for b in BINDINGS:
+        if b.placeholder.encode() in target_:
+            assert (b.name, "path or query") in rw.misuses
+    for (key, sent), (_, out) in zip(headers, rw.headers):
+        if not any(b.placeholder.encode() in sent for b in BINDINGS):
+            assert out == sent, (sent, out)
+            continue
+        for b in BINDINGS:
+            bound = tls and key.decode("latin-1").lower() == b.header.lower() and host_matches(host, b.hosts)
+            if b.placeholder.encode() in sent:
+                assert ((b.name, b.header) in rw.swaps) if bound else any(n == b.name for n, _ in rw.misuses)
+            if b.value.encode() in out and b.value.encode() not in sent:
+                assert bound, (key, b.name, host, tls)
+
+
+@target("secrets-scrubber", lambda: [b"\x01\x06secret\x07xx secret yy", b"\x02\x03abc\x02bc\x00abcabc",
+                                     b"\x00\x04v\xc3\xa4l\x03" + b"v\xc3\xa4l" * 5])
+def secrets_scrubber(data: bytes) -> None:
+    """Scrubber: however a response is cut into reads, no secret value reaches the box and the stream keeps its
+    length (so Content-Length stays right)."""
+    inp = Input(data)
+    values = []
+    for _ in range(inp.byte() % 3 + 1):
+        v = inp.take(inp.byte() % 12 + 1).decode("utf-8", "replace").replace("*", "")
+        if v:
+            values.append(v)
+    step, stream = _step(inp.byte()), inp.rest()
+    s = Scrubber(values)
+    out = b"".join(s.feed(c) for c in _split(stream, step)) + s.flush()
+    assert len(out) == len(stream)
+    for v in values:
+        assert v.encode() not in out, v
+
+
+@target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: api.example.org\r\n"
+                                      b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd" for f in (0, 2, 6)]
+        + [b"\x00\x03POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"])
+def intercept_request(data: bytes) -> None:
+    """The request path to a bound host: h11 reads the box's request (or raises h11.RemoteProtocolError), the
+    rewrite swaps or flags each placeholder, and the rewritten request is one h11 sends upstream without error."""
+    inp = Input(data)
+    flags, step = inp.byte(), _step(inp.byte())
+    chunks = iter(_split(_expand(inp.rest()), step))
+    from_box = h11.Connection(h11.SERVER)
+    try:
+        request, body = read_request(lambda: next(chunks, b""), from_box)
+    except h11.RemoteProtocolError:
+        return
+    if request is None:
+        return
+    host = BOUND_HOSTS[flags % len(BOUND_HOSTS)]
+    rw = rewrite_request(host, request.target, list(request.headers.raw_items()), BINDINGS, tls=True)
+    rw.misuses += misuses_in(body, BINDINGS, "body")
+    for b in BINDINGS:
+        if b.placeholder.encode() in body:
+            assert (b.name, "body") in rw.misuses
+    to_up = h11.Connection(h11.CLIENT)
+    to_up.send(h11.Request(method=request.method, target=request.target, headers=rw.headers))
+    if body:
+        to_up.send(h11.Data(data=body))
+    to_up.send(h11.EndOfMessage())
+
+
+# -- bundles -----------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def seed_files() -> dict[str, bytes]:
+    return read_entries(seeds.SEED_BUNDLE.read_bytes())
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return buf.getvalue()
+
+
+@target("bundle-reader", lambda: [seeds.SEED_BUNDLE.read_bytes(), _zip({"manifest.json": b"{}"}), b"PK\x05\x06"
+                                  + bytes(18)])
+def bundle_reader(data: bytes) -> None:
+    """read_entries then parse on any bytes: the entries or BundleError; every name it gives is a safe relative
+    path and every entry within the limits."""
+    try:
+        files = read_entries(data)
+    except BundleError:
+        return
+    total = 0
+    for name, body in files.items():
+        check_name(name)
+        assert len(body) <= MAX_ENTRY
+        total += len(body)
+    assert total <= MAX_TOTAL
+    try:
+        parse(files)
+    except BundleError:
+        pass
+
+
+def _json_edit(body: bytes, inp: Input) -> bytes:
+    """One JSON line of `body` with one value (up to three keys deep) replaced by one from the input."""
+    lines = body.split(b"\n")
+    i = inp.byte() % len(lines)
+    try:
+        obj = json.loads(lines[i])
+    except ValueError:
+        return body
+    node, key = obj, None
+    for _ in range(inp.byte() % 4):
+        if isinstance(node, dict) and node:
+            key = sorted(node)[inp.byte() % len(node)]
+            if isinstance(node[key], (dict, list)):
+                node = node[key]
+                key = None
+                continue
+            break
+        if isinstance(node, list) and node:
+            key = inp.byte() % len(node)
+            if isinstance(node[key], (dict, list)):
+                node, key = node[key], None
+                continue
+            break
+    if key is None:
+        key = sorted(node)[0] if isinstance(node, dict) and node else 0
+    value = inp.value()
+    if isinstance(node, dict):
+        node[key] = value
+    elif isinstance(node, list) and node:
+        node[key % len(node)] = value
+    lines[i] = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogateescape")
+    return b"\n".join(lines)
+
+
+def mutated_bundle(data: bytes) -> tuple[dict[str, bytes], bytes]:
+    """The seed bundle's entries with one change read from the input (a JSON value replaced, bytes spliced in, an
+    entry replaced, removed or added), the manifest recomputed when the input says so (a forger's best)."""
+    inp = Input(data)
+    files = dict(seed_files())
+    op, pick = inp.byte(), inp.byte()
+    names = sorted(files)
+    name = names[pick % len(names)]
+    kind = op % 5
+    if kind == 0:
+        files[name] = _json_edit(files[name], inp)
+    elif kind == 1:
+        at = inp.int(2) % (len(files[name]) + 1)
+        cut = inp.byte() % 8
+        files[name] = files[name][:at] + inp.rest() + files[name][at + cut:]
+    elif kind == 2:
+        files[name] = inp.rest()
+    elif kind == 3:
+        del files[name]
+    else:
+        files[inp.take(inp.byte() % 40).decode("ascii", "replace") or "box/extra"] = inp.rest()
+    if op & 0x80 and "manifest.json" in files and name != "manifest.json":
+        try:
+            m = json.loads(files["manifest.json"])
+            m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
+            files["manifest.json"] = json.dumps(m, indent=1).encode()
+        except (ValueError, TypeError):
+            pass
+    return files, _zip(files)
+
+
+def _signed_meaning(files: dict[str, bytes]) -> Any:
+    """What a valid bundle vouches for: its records, disclosures, content and policies, as parsed values."""
+    def lines(body: bytes | None) -> list:
+        return [json.loads(x) for x in (body or b"").split(b"\n") if x.strip()]
+    try:
+        return json.dumps([[lines(b) for n, b in sorted(files.items()) if n.startswith("runs/")],
+                           lines(files.get("box/disclosures.jsonl")),
+                           [lines(b) for n, b in sorted(files.items()) if n.startswith("box/content-")],
+                           {n: b.decode("utf-8", "replace") for n, b in files.items() if n.startswith("box/policies/")}],
+                          sort_keys=True)
+    except ValueError:
+        return None
+
+
+@target("bundle-verify", lambda: [bytes([op, pick]) + b"\x00\x02\x05hello" for op in (0, 128, 1, 129, 2, 130, 4)
+                                  for pick in range(0, 14, 3)])
+def bundle_verify(data: bytes) -> None:
+    """The whole of `tkbox verify` (Tracekit's verifier, then the box layer) on a changed copy of a real signed
+    bundle: a report, never an exception; and VALID only when what the bundle vouches for is unchanged."""
+    files, raw = mutated_bundle(data)
+    report = VerifyReport(path="fuzz", trust_path=str(seeds.SEED_TRUST), trust_source="given")
+    verify_bytes(raw, report)
+    assert report.exit_code in (EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE)
+    report.summary()
+    json.dumps(report.as_dict())
+    if report.valid:
+        assert _signed_meaning(files) == _signed_meaning(seed_files()), "a changed bundle verified"
+
+
+@target("bundle-view", lambda: [bytes([op, pick]) + b"\x00\x02\x05hello" for op in (0, 2, 4) for pick in range(14)])
+def bundle_view(data: bytes) -> None:
+    """Reading a (changed, unverified) bundle as a run: its crossings, DataFrame, replay notebook and audit facts,
+    or BundleError; nothing else."""
+    files, _ = mutated_bundle(data)
+    try:
+        run = Run("fuzz.tkb", parse(files))
+        for c in run.crossings():
+            run.summary_of(c)
+        run.to_dataframe()
+        to_notebook(run)
+        _facts(run, [])
+    except TkboxError:
+        pass
+
+
+# -- the policy and the exec door --------------------------------------------------------------------------------
+PROBE_FACTS = [
+    {"door": "box", "kind": "start"}, {"door": "exec", "kind": "cell"}, {"door": "exec", "kind": "comm"},
+    {"door": "exec", "kind": "command", "argv": ["/usr/bin/python3", "-c", "1"]},
+    {"door": "exec", "kind": "command", "argv": ["rm", "-rf", "/"]},
+    {"door": "egress", "kind": "connect", "host": "api.example.org", "port": 443, "addresses": ["93.184.216.34"]},
+    {"door": "egress", "kind": "connect", "host": "x.test", "port": 80, "addresses": ["198.18.0.10"]},
+    {"door": "secrets", "kind": "swap", "name": "API_KEY", "binding_hosts": ["api.example.org"],
+     "binding_header": "Authorization", "host": "api.example.org", "header": "authorization", "tls": True},
+    {"door": "host", "kind": "magic", "magic": "box_status"}, {"door": "model", "kind": "call"},
+]
+
+
+def _check_verdict(v: Verdict) -> None:
+    assert isinstance(v, Verdict) and v.verdict in ("allow", "deny")
+    assert isinstance(v.rule, str) and v.rule and isinstance(v.reason, str)
+
+
+@target("policy-parse", lambda: [b"\x00" + x for x in seeds.POLICIES] + [bytes([1 + 2 * i]) + b"\x00\x10\n#"
+                                                                          for i in range(len(seeds.POLICIES))])
+def policy_parse(data: bytes) -> None:
+    """Policy.from_toml: a policy or PolicyError; a policy it gives reads back the same from its source, has values
+    of the schema's types, and decides every probe crossing without raising."""
+    inp = Input(data)
+    mode = inp.byte()
+    if mode & 1:  # a real policy with bytes spliced in
+        base = seeds.POLICIES[(mode >> 1) % len(seeds.POLICIES)]
+        at = inp.int(2) % (len(base) + 1)
+        raw = base[:at] + inp.rest() + base[at:]
+    else:
+        raw = inp.rest()
+    text = raw.decode("utf-8", "replace")
+    try:
+        pol = Policy.from_toml(text, "fuzz.toml")
+    except PolicyError:
+        return
+    assert pol.hash == policy_hash(text) and Policy.from_toml(pol.source).data == pol.data
+    for section, keys in _SCHEMA.items():
+        for key, want in keys.items():
+            assert isinstance(pol.get(section, key), want)
+    pol.allow_cidrs()
+    for facts in PROBE_FACTS:
+        _check_verdict(pol.decide(facts))
+
+
+DOORS = ["box", "exec", "egress", "secrets", "host", "model", "patch"]
+KINDS = ["start", "stop", "cell", "comm", "command", "connect", "bind", "swap", "misuse", "magic", "other"]
+FACT_KEYS = ["argv", "host", "port", "addresses", "address", "host_error", "resolve_error", "name", "binding_hosts",
+             "binding_header", "binding_misuse", "header", "tls", "where", "magic", "line", "door", "kind"]
+DECIDE_POLICIES = [Policy.from_toml(x.decode()) for x in seeds.POLICIES] + [WIDE]
+
+
+@target("policy-decide", lambda: [bytes([i, d, k, 0]) for i in range(6) for d in range(7) for k in (0, 4, 5, 7, 8)])
+def policy_decide(data: bytes) -> None:
+    """Policy.decide on any facts (as a verifier reads them from a hostile bundle): a verdict, the same every time,
+    never an exception."""
+    inp = Input(data)
+    pol = DECIDE_POLICIES[inp.byte() % len(DECIDE_POLICIES)]
+    door, kind = DOORS[inp.byte() % len(DOORS)], KINDS[inp.byte() % len(KINDS)]
+    facts: dict[str, Any] = {"door": door, "kind": kind}
+    for _ in range(inp.byte() % 6):
+        facts[FACT_KEYS[inp.byte() % len(FACT_KEYS)]] = inp.value()
+    v = pol.decide(facts)
+    _check_verdict(v)
+    assert pol.decide(facts) == v
+
+
+@target("exec-command", lambda: [b"\x01\x01*\x01\x02rm" + b"ls\x00-l", b"\x02\x03py*\x02ls\x00" + b"/usr/bin/python3",
+                                 b"\x00\x00", b"\x01\x01[\x00sh\x00-c"])
+def exec_command(data: bytes) -> None:
+    """The exec door's command: the box policy allows an argv only when its program matches `commands` and no
+    `deny_commands` pattern (deny wins), and the host's argv check and the guest's reading of the request agree."""
+    inp = Input(data)
+    allow = [inp.take(inp.byte() % 8).decode("utf-8", "replace") for _ in range(inp.byte() % 4)]
+    deny = [inp.take(inp.byte() % 8).decode("utf-8", "replace") for _ in range(inp.byte() % 3)]
+    argv = [a.decode("utf-8", "surrogateescape") for a in inp.rest().split(b"\0")] if inp.pos < len(data) else []
+    try:
+        pol = Policy.from_toml(f"[exec]\ncommands = {json.dumps(allow)}\ndeny_commands = {json.dumps(deny)}\n")
+    except PolicyError:
+        return
+    v = pol.decide({"door": "exec", "kind": "command", "argv": argv})
+    _check_verdict(v)
+    host_ok = isinstance(argv, list) and bool(argv) and all(isinstance(a, str) for a in argv)
+    if v.allowed:
+        program = argv[0].rsplit("/", 1)[-1]
+        assert any(fnmatch.fnmatchcase(program, x) for x in allow)
+        assert not any(fnmatch.fnmatchcase(program, x) for x in deny)
+    try:
+        got, env, cwd = command_request({"argv": argv})
+    except ValueError:
+        assert not host_ok
+        return
+    assert host_ok and got == argv and env == {} and cwd == "/workspace"
+
+
+@target("agent-request", lambda: [json.dumps(x).encode() for x in (
+        {"kind": "command", "argv": ["ls"], "env": {"A": "1"}, "cwd": "/tmp"}, {"argv": "ls"}, {"env": [1]})])
+def agent_request(data: bytes) -> None:
+    """The guest agent's reading of a command request (any JSON object in an OPEN body): (argv, env, cwd) of
+    strings, or ValueError."""
+    try:
+        req = p.decode_json(data, "open")
+    except p.ProtocolError:
+        return
+    try:
+        argv, env, cwd = command_request(req)
+    except ValueError:
+        return
+    assert argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+# -- replay and audit --------------------------------------------------------------------------------------------
+@target("audit-sanitizers", lambda: list(seeds.SANITIZER_FILES))
+def audit_sanitizers(data: bytes) -> None:
+    """A sanitizer file for `tkbox audit`: (regex, replacement) pairs or one TkboxError; sanitizing text with the
+    pairs it gives never raises."""
+    text = data.decode("utf-8", "replace")
+    try:
+        extra = parse_sanitizers(text)
+    except TkboxError:
+        return
+    _sanitize("run-123 took 5 ms at 2026-12-01T00:00:00Z, 0xdeadbeef " + text[:200], extra)
+
+
+# -- the patch door --------------------------------------------------------------------------------------------------
+def _patch_seeds() -> list[bytes]:
+    from tkbox_nb.guest.patch import encode
+    e = lambda path, content=b"x", **kw: encode(dict({"path": path, "op": "add", "type": "file", "mode": 0o644}, **kw),
+                                                content)
+    good = e("a.txt", b"one\n") + e("d/b.py", b"\x00bin") + e("gone", b"", op="delete")
+    bad = (e("../x") + e(".GIT/config") + e("l", b"", type="symlink", target="/etc") + e("big", b"y" * 300)
+           + e("m", b"", op="rename", **{"from": "/etc/shadow"}) + e("A") + e("a"))
+    return _with_step([good, bad, good[:-3], b"\x00\x00\x00\x05{}{}{"])
+
+
+@target("patch-stream", _patch_seeds)
+def patch_stream(data: bytes) -> None:
+    """The patch door's reader, then Policy.decide on each entry as the door states it: entries or ProtocolError,
+    content kept only up to the limit, bytes counted against the stream cap; every entry gets a verdict (never an
+    exception), and a path the always-rules refuse is never allowed."""
+    from tkbox_nb.doors import patch_rules
+    from tkbox_nb.doors.patch_reader import PatchReader
+    from tkbox_nb.policy import Policy
+    inp = Input(data)
+    step, body = _step(inp.byte()), inp.rest()
+    reader, entries = PatchReader(keep_bytes=256, max_stream_bytes=1 << 14, max_entries=64), []
+    try:
+        for chunk in _split(body, step):
+            entries += reader.feed(chunk)
+    except p.ProtocolError:
+        return
+    policy, total = Policy.default(), 0
+    for i, e in enumerate(entries):
+        assert e.content is None or len(e.content) == e.size <= 256
+        facts = {"door": "patch", "kind": "file", "path": e.path, "op": e.op, "type": e.type, "mode": e.mode,
+                 "size": e.size, "index": i, "total_before": total, "from": e.source, "not_utf8": e.not_utf8}
+        if e.content is not None:
+            facts["binary"] = patch_rules.is_binary(e.content)
+        v = policy.decide(facts)
+        _utf8({"facts": facts, "rule": v.rule, "reason": v.reason})  # what the door records: always writable
+        if v.allowed:
+            total += e.size
+            assert not patch_rules.path_problem(e.path) and not patch_rules.is_git(e.path) and e.type == "file" \
+                or e.op == "delete" and e.type == "symlink"
