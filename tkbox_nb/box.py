@@ -88,7 +88,7 @@ class Box:
                  secrets: dict[str, Any] | None = None, replay_of: str | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
-        self.backend = get_backend(name)
+        self.backend = get_backend(name, self.policy.get("box", "isolation"))
         self.workspace = Path(workspace) if workspace else None
         if self.workspace is not None and not self.workspace.is_dir():
             raise TkboxError(f"workspace {self.workspace} is not a directory")
@@ -137,7 +137,7 @@ class Box:
                 seed = self.recorder.spool / "seed"
                 shutil.copytree(self.workspace, seed, symlinks=True)
             self.running = self.backend.start(BoxSpec(
-                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
+                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"), cpus=self.policy.get("box", "cpus"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
