@@ -106,11 +106,13 @@ def test_a_cell_runs_in_the_guest_ipykernel(box):
 
 def test_killed_box_leaves_nothing_running_and_its_bundle_verifies(signer, qemu_image, tmp_path):
     b = qemu_box(qemu_image, bundle_path=tmp_path / "k.tkb").start()
-    assert b.run(["true"]).exit_code == 0
-    proc, workdir = b.running.proc, b.running._workdir
-    assert proc.poll() is None and workdir.is_dir()
-    b.run(["sh", "-c", "sleep 600 & sleep 600 & echo started"])
-    b.stop()
+    try:
+        assert b.run(["true"]).exit_code == 0
+        proc, workdir = b.running.proc, b.running._workdir
+        assert proc.poll() is None and workdir.is_dir()
+        assert b.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo started"]).stdout == b"started\n"
+    finally:
+        b.stop()
     assert proc.poll() is not None and not workdir.exists()
     assert not any(f"/proc/{pid}" for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, str(workdir)))
     report = verify_bundle(tmp_path / "k.tkb")

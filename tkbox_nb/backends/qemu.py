@@ -44,6 +44,19 @@ def kvm_usable() -> tuple[bool, str]:
     return True, "/dev/kvm works"
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, looked up before fork (so the child only calls it), or None where it cannot be found."""
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 class QemuRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path):
         self.proc, self.door, self._workdir = proc, door, workdir
@@ -124,11 +137,14 @@ class QemuBackend(Backend):
 
     def argv(self, spec: BoxSpec, door_path: Path, config_img: Path, cpus: int) -> list[str]:
         img = self.image
-        accel = "kvm" if self.accel == "kvm" else ("tcg,thread=multi" if cpus > 1 else "tcg")
+        accel = "kvm" if self.accel == "kvm" else "tcg"  # (-icount runs one TCG thread)
+        # Under TCG on a loaded host the guest's timer calibration can fail and its clock stall; counting
+        # instructions (-icount) gives the guest a time that host load cannot skew.
         cmdline = f"console=ttyS0 quiet panic=-1 tkbox.ws={spec.workspace_mib}"
+        timing = ["-icount", "shift=auto,sleep=on"] if self.accel == "tcg" else []
         return [shutil.which(QEMU) or QEMU, "-M", "microvm", "-accel", accel, "-cpu", "max" if self.accel == "tcg"
                 else "host", "-m", str(spec.memory_mib), "-smp", str(cpus),
-                "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+                *timing, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
                 "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
                 "-serial", "stdio", "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", cmdline,
                 "-drive", f"id=root,file={img.root},format=raw,if=none,readonly=on",
@@ -167,7 +183,11 @@ class QemuBackend(Backend):
             config_img = self._config_disk(spec, workdir)
             cpu_s = spec.cpu_time_s
 
-            def in_child():  # QEMU's CPU time is the box's CPU time; no core dumps of guest memory
+            prctl = _prctl()
+
+            def in_child():  # QEMU's CPU time is the box's CPU time; no core dumps of guest memory; dies with us
+                if prctl is not None:
+                    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
                 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
