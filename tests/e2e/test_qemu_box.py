@@ -146,3 +146,22 @@ def _cmdline_has(pid: str, text: str) -> bool:
         return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_egress_leaves_the_vm_only_through_the_door_and_is_signed(signer, qemu_image, tmp_path):
+    from tkbox_nb import open_run
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from .test_egress import fetch, policy
+    with NamespaceNet(index=21) as net:
+        with qemu_box(qemu_image, policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "e.tkb") as b:
+            out = fetch(b, "http://web.tkb.test:8080/hello.txt")
+            assert out.startswith("200 hello from the test network"), out
+            refused = fetch(b, "http://other.tkb.test:8080/hello.txt")
+            assert refused.startswith("403") and "egress.allow" in refused
+            direct = b.run(["python3", "-c", f"import socket; socket.create_connection(('{net.web}', 8080), 3)"])
+            assert direct.exit_code != 0 and b"Network is unreachable" in direct.stderr
+    assert verify_bundle(tmp_path / "e.tkb").valid
+    rows = [c for c in open_run(tmp_path / "e.tkb").crossings() if c.door == "egress"]
+    assert len(rows) >= 2

@@ -71,6 +71,7 @@ mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
 hostname tkbox
+ip link set lo up || fail "cannot bring up lo"
 cd /newroot
 chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
   PYTHONPATH=/opt/tkbox PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m tkbox_guest.vm
