@@ -122,7 +122,7 @@ def test_killed_box_leaves_nothing_running_and_its_bundle_verifies(signer, qemu_
     with zipfile.ZipFile(tmp_path / "k.tkb") as z:
         manifest = json.loads(z.read("box/manifest.json"))
     assert manifest["backend"] == "qemu" and manifest["isolation"].startswith("vm-")
-    assert manifest["image_digest"] == f"sha256:{qemu_image.digest}"
+    assert manifest["image_digest"] == f"tkbox-image:{qemu_image.digest}"
 
 
 def test_a_guest_that_powers_off_ends_the_box(signer, qemu_image, tmp_path):
@@ -165,3 +165,10 @@ def test_egress_leaves_the_vm_only_through_the_door_and_is_signed(signer, qemu_i
     assert verify_bundle(tmp_path / "e.tkb").valid
     rows = [c for c in open_run(tmp_path / "e.tkb").crossings() if c.door == "egress"]
     assert len(rows) >= 2
+
+
+def test_unchanged_inputs_skip_the_rebuild(qemu_image):
+    import time
+    t = time.monotonic()
+    again, built = build_image(TEST_PACKAGES, home=IMAGE_HOME, say=lambda s: None)
+    assert not built and again == qemu_image and time.monotonic() - t < 5

@@ -120,7 +120,7 @@ class QemuBackend(Backend):
         return self._image
 
     def image_digest(self) -> str:
-        return f"sha256:{self.image.digest}"
+        return f"tkbox-image:{self.image.digest}"  # sha256 of the inputs (image.py), first 128 bits
 
     def available(self) -> tuple[bool, str]:
         exe = shutil.which(QEMU)
