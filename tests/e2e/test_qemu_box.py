@@ -83,6 +83,14 @@ def test_it_is_a_vm_with_its_own_kernel(box):
     assert box.backend.isolation in ("vm-tcg", "vm-kvm")
 
 
+def test_qemu_runs_under_seccomp_and_not_as_root(box):
+    status = Path(f"/proc/{box.running.proc.pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["Seccomp"].strip() == "2"  # filter mode
+    if os.geteuid() == 0:
+        assert fields["Uid"].split()[:2] != ["0", "0"]
+
+
 def test_root_is_read_only_and_the_workspace_is_a_guest_copy(box):
     for path in ("/usr/x", "/etc/x", "/x", "/opt/tkbox/tkbox_guest/../../x"):
         r = sh(box, f"echo x > {path}")
@@ -172,3 +180,22 @@ def test_unchanged_inputs_skip_the_rebuild(qemu_image):
     t = time.monotonic()
     again, built = build_image(TEST_PACKAGES, home=IMAGE_HOME, say=lambda s: None)
     assert not built and again == qemu_image and time.monotonic() - t < 5
+
+
+def test_secret_is_swapped_in_on_the_host_and_never_enters_the_vm(signer, qemu_image, tmp_path, monkeypatch):
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from .test_secrets import CLIENTS, VALUE, _test_ca, secrets_policy
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    chain, ca_file = _test_ca(tmp_path)
+    with NamespaceNet(index=22, tls_chain=str(chain)) as net:
+        net.upstream_ca = ca_file
+        with qemu_box(qemu_image, policy=secrets_policy(net), bundle_path=tmp_path / "s.tkb") as b:
+            r = b.run(["python3", "-c", CLIENTS["urllib"]])  # trusts the per-box CA from the config disk
+            assert r.exit_code == 0, r.stderr.decode()[-1500:]
+            assert "Authorization: Bearer " + "*" * len(VALUE) in r.stdout.decode()
+            seen = b.run(["sh", "-c", 'printf %s "$API_KEY"; cat /run/tkbox/config/env.json /proc/cmdline'])
+            assert seen.stdout.decode().startswith("tkbox-ph-") and VALUE not in seen.stdout.decode()
+    assert VALUE.encode() not in (tmp_path / "s.tkb").read_bytes()
+    assert verify_bundle(tmp_path / "s.tkb").valid

@@ -145,7 +145,7 @@ class QemuBackend(Backend):
         return [shutil.which(QEMU) or QEMU, "-M", "microvm", "-accel", accel, "-cpu", "max" if self.accel == "tcg"
                 else "host", "-m", str(spec.memory_mib), "-smp", str(cpus),
                 *timing, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-                "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+                *self._confinement(),
                 "-serial", "stdio", "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", cmdline,
                 "-drive", f"id=root,file={img.root},format=raw,if=none,readonly=on",
                 "-device", "virtio-blk-device,drive=root",
@@ -154,6 +154,14 @@ class QemuBackend(Backend):
                 "-device", "virtio-serial-device,max_ports=2",
                 "-chardev", f"socket,id=door,path={door_path}",
                 "-device", f"virtserialport,chardev=door,name={DOOR_NAME}"]
+
+    @staticmethod
+    def _confinement() -> list[str]:
+        """QEMU under seccomp (no exec, no obsolete calls, no resource control); started as root, it opens its files
+        and sockets and then drops to nobody (set*uid must stay allowed for that one drop, which nobody cannot undo)."""
+        root = os.geteuid() == 0
+        sandbox = f"on,obsolete=deny,elevateprivileges={'allow' if root else 'deny'},spawn=deny,resourcecontrol=deny"
+        return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
 
     def _config_disk(self, spec: BoxSpec, workdir: Path) -> Path:
         """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
