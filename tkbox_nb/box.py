@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import protocol as p
 from .backends import BoxSpec, get_backend
-from .box_kernel import READY_TIMEOUT_S as KERNEL_READY_S, BoxKernel, Cell
+from .box_kernel import BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
 from .errors import DoorRefused, TkboxError
@@ -27,7 +27,6 @@ from .policy import Policy
 from .recorder import Crossing, RunRecorder, recover_orphans
 from .signer import MachineSigner
 
-READY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -137,7 +136,8 @@ class Box:
                 seed = self.recorder.spool / "seed"
                 shutil.copytree(self.workspace, seed, symlinks=True)
             self.running = self.backend.start(BoxSpec(
-                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"), cpus=self.policy.get("box", "cpus"),
+                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
+                cpus=self.policy.get("box", "cpus"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
@@ -151,7 +151,7 @@ class Box:
                 self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
             self.conn = HostConnection(self.running.door, self._violation, on_open=self.egress.accept)
-            deadline = time.monotonic() + READY_TIMEOUT_S
+            deadline = time.monotonic() + self.backend.ready_timeout_s
             while not self.conn.ready.wait(0.1):
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
                     raise BoxEnded(f"the box did not come up ({self.running.exit_reason()}): {self._log_tail()}")
@@ -264,12 +264,13 @@ class Box:
                     self._end(f"door stream lost: {e}")
                     raise BoxEnded(f"the box has ended: {self.ended}") from None
             kernel = self._kernel
-        deadline = time.monotonic() + KERNEL_READY_S
+        ready_s = self.backend.kernel_ready_s
+        deadline = time.monotonic() + ready_s
         while not kernel.ready.wait(0.1):
             if self.ended or not self.running.alive():
                 raise BoxEnded(f"the box has ended: {self.ended or self.running.exit_reason()}")
             if time.monotonic() > deadline:
-                self._end(f"the box's kernel did not answer within {KERNEL_READY_S:g}s")
+                self._end(f"the box's kernel did not answer within {ready_s:g}s")
                 raise BoxEnded(f"the box has ended: {self.ended}")
         if kernel.ended:
             if self.ended:

@@ -57,10 +57,11 @@ def _cmd_doctor(a) -> int:
 def _cmd_image(a) -> int:
     from .backends.image import DEFAULT_PACKAGES, KERNEL_PACKAGE, build_image, images_dir
     packages = list(DEFAULT_PACKAGES) + [p for arg in a.packages for p in arg.split(",") if p]
-    image, built = build_image(packages, a.kernel or KERNEL_PACKAGE, force=a.force)
+    pip = [p for arg in a.pip for p in arg.split(",") if p]
+    image, built = build_image(packages, a.kernel or KERNEL_PACKAGE, force=a.force, pip=pip, make_current=True)
     size = image.size_bytes() / 2**20
     print(f"image {image.digest} {'built' if built else 'cached (inputs unchanged)'}: {image.path} ({size:.0f} MiB; "
-          f"cache {images_dir()})")
+          f"cache {images_dir()}); qemu boxes boot it from now on")
     return 0
 
 
@@ -93,6 +94,8 @@ def add_commands(sub) -> None:
     i.add_argument("action", choices=["build"])
     i.add_argument("--packages", action="append", default=[], metavar="PKG[,PKG...]",
                    help="more Debian packages in the root (besides python3, ipykernel, numpy, pandas, matplotlib)")
+    i.add_argument("--pip", action="append", default=[], metavar="REQ[,REQ...]",
+                   help="pip packages installed into the root at build time (NAME[extras] and one version clause)")
     i.add_argument("--kernel", help="the Debian kernel package (default linux-image-cloud-amd64)")
     i.add_argument("--force", action="store_true", help="rebuild even when the inputs did not change")
     i.set_defaults(fn=_cmd_image)

@@ -48,6 +48,8 @@ class RunningBox(abc.ABC):
 class Backend(abc.ABC):
     name: str = ""
     isolation: str = ""
+    ready_timeout_s: float = 30.0  # start to the agent's hello
+    kernel_ready_s: float = 90.0   # a kernel's start to its first answer
 
     @abc.abstractmethod
     def available(self) -> tuple[bool, str]:

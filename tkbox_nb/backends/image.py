@@ -139,6 +139,17 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
+PIP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}(\[[A-Za-z0-9,._-]{1,100}\])?"
+                    r"((==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!-]{1,50})?$")  # name[extras] and one version clause
+
+
+def check_pip(requirements: list[str]) -> list[str]:
+    bad = [r for r in requirements if not PIP_RE.match(r)]
+    if bad:
+        raise TkboxError(f"not a pip requirement this builder takes (NAME[extras] and one version clause): {bad[0]!r}")
+    return sorted(set(requirements))
+
+
 def check_packages(packages: list[str]) -> list[str]:
     bad = [p for p in packages if not PACKAGE_RE.match(p)]
     if bad:
@@ -146,12 +157,16 @@ def check_packages(packages: list[str]) -> list[str]:
     return sorted(set(packages))
 
 
-def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE) -> tuple[dict, dict]:
+def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, pip: list[str] | None = None
+           ) -> tuple[dict, dict]:
     """(root inputs, all inputs): what the root's digest and the image's digest are computed over."""
-    pkgs = check_packages(list(packages if packages is not None else DEFAULT_PACKAGES))
+    pip = check_pip(list(pip or []))
+    pkgs = check_packages(list(packages if packages is not None else DEFAULT_PACKAGES) + (["python3-pip"] if pip else []))
     check_packages([kernel])
     root = {"builder": BUILDER_VERSION, "suite": SUITE, "mirror": debian_mirror(), "packages": pkgs,
             "trim": list(TRIM)}
+    if pip:  # only then, so that images without pip packages keep their digests
+        root["pip"] = pip
     full = {**root, "root": _sha(json.dumps(root, sort_keys=True).encode()), "kernel": kernel,
             "modules": list(MODULES), "init": _sha(INIT.encode()), "agent": agent_digest()}
     return root, full
@@ -161,10 +176,22 @@ def digest_of(obj: dict) -> str:
     return _sha(json.dumps(obj, sort_keys=True).encode())[:32]
 
 
-def find_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, home: Path | None = None
-               ) -> Image | None:
+def current_image(home: Path | None = None) -> Image | None:
+    """The image `tkbox image build` built or found last (what a qemu box boots), else the default inputs' image."""
+    base = images_dir(home)
+    try:
+        digest = (base / "current").read_text().strip()
+    except OSError:
+        digest = ""
+    if re.fullmatch(r"[0-9a-f]{32}", digest) and (base / digest / "manifest.json").is_file():
+        return Image(digest, base / digest)
+    return find_image(home=home)
+
+
+def find_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, home: Path | None = None,
+               pip: list[str] | None = None) -> Image | None:
     """The cached image for these inputs, or None when it has not been built."""
-    _, full = inputs(packages, kernel)
+    _, full = inputs(packages, kernel, pip)
     d = digest_of(full)
     path = images_dir(home) / d
     return Image(d, path) if (path / "manifest.json").is_file() else None
@@ -258,7 +285,8 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
                                                               "usr/share/locale")]
     _run(["mmdebstrap", "--variant=essential", "--mode=root" if os.geteuid() == 0 else "--mode=unshare",
           "--include=" + ",".join(root_inputs["packages"]), *excludes, "--aptopt=APT::Install-Recommends \"false\"", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
-          SUITE, str(tree), root_inputs["mirror"]], progress, "mmdebstrap", stream=True)
+          *_pip_hook(root_inputs.get("pip", [])), SUITE, str(tree), root_inputs["mirror"]], progress, "mmdebstrap",
+         stream=True)
     for rel in TRIM:
         p = tree / rel
         if p.is_dir():
@@ -292,6 +320,31 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
     return versions
 
 
+def _pip_hook(requirements: list[str]) -> list[str]:
+    """pip packages, installed in the chroot by mmdebstrap's customize hook (the one step that reaches PyPI)."""
+    if not requirements:
+        return []
+    import shlex
+    args = " ".join(shlex.quote(r) for r in requirements)
+    # pip in the chroot trusts what the host trusts for HTTPS (a site's own CA, an inspecting proxy's), and takes
+    # nothing else from this process's environment but the proxy settings: the image must not depend on our PIP_*.
+    ca = next((c for c in (os.environ.get("PIP_CERT"), os.environ.get("REQUESTS_CA_BUNDLE"),
+                           os.environ.get("SSL_CERT_FILE"), "/etc/ssl/certs/ca-certificates.crt")
+               if c and os.path.isfile(c)), None)
+    env = " ".join(shlex.quote(f"{k}={v}") for k, v in os.environ.items()
+                   if k.lower() in ("http_proxy", "https_proxy", "no_proxy"))
+    hooks = []
+    cert = ""
+    if ca:
+        hooks.append(f'--customize-hook=cp {shlex.quote(ca)} "$1/tmp/tkbox-pip-ca.pem"')
+        cert = "--cert /tmp/tkbox-pip-ca.pem "
+    hooks.append(f'--customize-hook=chroot "$1" env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp {env} '
+                 f'python3 -m pip install --no-cache-dir --break-system-packages --no-warn-script-location '
+                 f'--progress-bar off --disable-pip-version-check {cert}{args}')
+    hooks.append('--customize-hook=rm -f "$1/tmp/tkbox-pip-ca.pem"')
+    return hooks
+
+
 def _fetch_kernel(kernel: str, work: Path, progress: _Progress) -> tuple[Path, Path, str]:
     """Download the kernel package (and the versioned package a metapackage names) with apt; extract, no install."""
     name = kernel
@@ -317,11 +370,13 @@ def _fetch_kernel(kernel: str, work: Path, progress: _Progress) -> tuple[Path, P
 
 
 def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, home: Path | None = None,
-                say: Callable[[str], None] | None = None, force: bool = False) -> tuple[Image, bool]:
-    """Build (or find) the image for these inputs. Returns (image, built): built is False when the cache had it."""
+                say: Callable[[str], None] | None = None, force: bool = False, pip: list[str] | None = None,
+                make_current: bool = False) -> tuple[Image, bool]:
+    """Build (or find) the image for these inputs. Returns (image, built): built is False when the cache had it.
+    `make_current`: qemu boxes boot this image from now on (`tkbox image build` does this)."""
     say = say or (lambda s: print(s, file=sys.stderr, flush=True))
     progress = _Progress(say)
-    root_inputs, full = inputs(packages, kernel)
+    root_inputs, full = inputs(packages, kernel, pip)
     digest = digest_of(full)
     base = images_dir(home)
     base.mkdir(parents=True, exist_ok=True)
@@ -329,6 +384,8 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
     with open(base / ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time per cache: a second caller finds the first's image
         if (final / "manifest.json").is_file() and not force:
+            if make_current:
+                _set_current(base, digest)
             return Image(digest, final), False
         work = Path(tempfile.mkdtemp(prefix=f".build-{digest[:8]}-", dir=base))
         os.chmod(work, 0o755)  # apt's download user must reach it
@@ -361,11 +418,19 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
             if final.exists():
                 shutil.rmtree(final)
             os.replace(out, final)
+            if make_current:
+                _set_current(base, digest)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     image = Image(digest, final)
     progress.step(f"image {digest}: {image.size_bytes() / 2**20:.0f} MiB in {final}")
     return image, True
+
+
+def _set_current(base: Path, digest: str) -> None:
+    tmp = base / f".current-{os.getpid()}"
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, base / "current")
 
 
 def _is_static(exe: Path) -> bool:

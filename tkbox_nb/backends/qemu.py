@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import TkboxError
 from .base import Backend, BoxSpec, RunningBox
-from .image import CONFIG_LABEL, DOOR_NAME, Image, find_image, make_ext4
+from .image import CONFIG_LABEL, DOOR_NAME, Image, current_image, make_ext4
 
 QEMU = "qemu-system-x86_64"
 CONSOLE_TAIL_BYTES = 8192
@@ -103,6 +103,8 @@ class QemuRunning(RunningBox):
 
 class QemuBackend(Backend):
     name = "qemu"
+    ready_timeout_s = 120.0  # an emulated boot on a loaded host can take tens of seconds
+    kernel_ready_s = 300.0   # and `import ipykernel` under TCG from 7 s (idle host) to a minute (loaded)
 
     def __init__(self, image: Image | None = None, accel: str | None = None):
         self._image = image
@@ -114,7 +116,7 @@ class QemuBackend(Backend):
     @property
     def image(self) -> Image:
         if self._image is None:
-            self._image = find_image()
+            self._image = current_image()
             if self._image is None:
                 raise TkboxError("no guest image built for the qemu backend: run `tkbox image build` first")
         return self._image
@@ -127,7 +129,7 @@ class QemuBackend(Backend):
         if not exe:
             return False, f"{QEMU} is not installed (apt-get install qemu-system-x86)"
         try:
-            image = self._image or find_image()
+            image = self._image or current_image()
         except TkboxError as e:
             return False, str(e)
         if image is None:
@@ -167,7 +169,8 @@ class QemuBackend(Backend):
         """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
         cfg = workdir / "config"
         cfg.mkdir()
-        env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, **spec.env}
+        env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, "TKBOX_KERNEL_READY_S": str(int(self.kernel_ready_s) - 30),
+               **spec.env}
         (cfg / "env.json").write_text(json.dumps(env, sort_keys=True))
         if spec.ca_bundle is not None:
             (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
