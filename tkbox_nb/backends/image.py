@@ -29,13 +29,15 @@ from typing import Callable
 
 from ..errors import TkboxError
 
-BUILDER_VERSION = "1"  # bump when the way a root is made changes
+BUILDER_VERSION = "2"  # bump when the way a root is made changes
 SUITE = "bookworm"
 DEFAULT_PACKAGES = ("python3", "python3-ipykernel", "python3-numpy", "python3-pandas", "python3-matplotlib")
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
+# debugpy: ipykernel imports it when present (seconds under TCG), and no debug request is forwarded to a box
+REMOVE = ("usr/lib/python3/dist-packages/debugpy",)
 PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{0,99}$")  # a Debian package name
 TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt", "var/lib/apt/lists",
         "var/log")
@@ -164,7 +166,7 @@ def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, pip:
     pkgs = check_packages(list(packages if packages is not None else DEFAULT_PACKAGES) + (["python3-pip"] if pip else []))
     check_packages([kernel])
     root = {"builder": BUILDER_VERSION, "suite": SUITE, "mirror": debian_mirror(), "packages": pkgs,
-            "trim": list(TRIM)}
+            "trim": list(TRIM), "remove": list(REMOVE)}
     if pip:  # only then, so that images without pip packages keep their digests
         root["pip"] = pip
     full = {**root, "root": _sha(json.dumps(root, sort_keys=True).encode()), "kernel": kernel,
@@ -295,6 +297,8 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
                     shutil.rmtree(child, ignore_errors=True)
                 else:
                     child.unlink(missing_ok=True)
+    for rel in REMOVE:
+        shutil.rmtree(tree / rel, ignore_errors=True)
     for rel in ("workspace", "opt/tkbox", "run", "tmp"):
         (tree / rel).mkdir(parents=True, exist_ok=True)
     etc_tkbox = tree / "etc" / "tkbox"
