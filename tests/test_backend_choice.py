@@ -77,3 +77,21 @@ def test_initramfs_archive_is_newc_with_aligned_entries():
         if name == "TRAILER!!!":
             break
     assert names == ["init", "bin", "TRAILER!!!"] and offset == len(data)
+
+
+def test_prune_keeps_the_current_image_and_the_root_it_links(tmp_path):
+    base = tmp_path / "images"
+    (base / "roots").mkdir(parents=True)
+    for root in ("r1", "r2"):
+        (base / "roots" / f"{root}.img").write_bytes(b"x" * 4096)
+        (base / "roots" / f"{root}.json").write_text("{}")
+    for digest, root in (("a" * 32, "r1"), ("b" * 32, "r2")):
+        (base / digest).mkdir()
+        (base / digest / "manifest.json").write_text("{}")
+        import os
+        os.link(base / "roots" / f"{root}.img", base / digest / "root.img")
+    (base / "current").write_text("a" * 32 + "\n")
+    removed, freed = image.prune(tmp_path)
+    assert removed == 1 and freed >= 4096
+    assert sorted(p.name for p in base.iterdir() if not p.name.startswith(".")) == ["a" * 32, "current", "roots"]
+    assert sorted(p.name for p in (base / "roots").iterdir()) == ["r1.img", "r1.json"]

@@ -55,7 +55,12 @@ def _cmd_doctor(a) -> int:
 
 
 def _cmd_image(a) -> int:
-    from .backends.image import DEFAULT_PACKAGES, KERNEL_PACKAGE, build_image, images_dir
+    from .backends.image import DEFAULT_PACKAGES, KERNEL_PACKAGE, build_image, images_dir, prune
+    if a.action == "prune":
+        removed, freed = prune()
+        print(f"removed {removed} image(s) and the roots no image uses, {freed / 2**20:.0f} MiB freed "
+              f"(kept the current one; cache {images_dir()})")
+        return 0
     packages = list(DEFAULT_PACKAGES) + [p for arg in a.packages for p in arg.split(",") if p]
     pip = [p for arg in a.pip for p in arg.split(",") if p]
     image, built = build_image(packages, a.kernel or KERNEL_PACKAGE, force=a.force, pip=pip, make_current=True)
@@ -91,7 +96,7 @@ def add_commands(sub) -> None:
     d.add_argument("--policy", help="box policy (TOML) whose box.isolation the auto choice must meet")
     d.set_defaults(fn=_cmd_doctor)
     i = sub.add_parser("image", help="the guest image of the qemu backend")
-    i.add_argument("action", choices=["build"])
+    i.add_argument("action", choices=["build", "prune"], help="build (or find) the image; prune all but the current")
     i.add_argument("--packages", action="append", default=[], metavar="PKG[,PKG...]",
                    help="more Debian packages in the root (besides python3, ipykernel, numpy, pandas, matplotlib)")
     i.add_argument("--pip", action="append", default=[], metavar="REQ[,REQ...]",

@@ -431,6 +431,30 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
     return image, True
 
 
+def prune(home: Path | None = None, keep: set[str] | None = None) -> tuple[int, int]:
+    """Remove every cached image but the current one (and `keep`), then every root no image links to any more.
+    Returns (images removed, bytes freed). Never touches a build in progress (its lock is held)."""
+    base = images_dir(home)
+    if not base.is_dir():
+        return 0, 0
+    current = current_image(home)
+    keep = set(keep or ()) | ({current.digest} if current else set())
+    removed = freed = 0
+    with open(base / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for d in base.iterdir():
+            if d.is_dir() and re.fullmatch(r"[0-9a-f]{32}", d.name) and d.name not in keep:
+                freed += sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file() and f.stat().st_nlink == 1)
+                shutil.rmtree(d)
+                removed += 1
+        for img in (base / "roots").glob("*.img") if (base / "roots").is_dir() else []:
+            if img.stat().st_nlink == 1:  # no image directory holds a link to it
+                freed += img.stat().st_blocks * 512
+                img.unlink()
+                img.with_suffix(".json").unlink(missing_ok=True)
+    return removed, freed
+
+
 def _set_current(base: Path, digest: str) -> None:
     tmp = base / f".current-{os.getpid()}"
     tmp.write_text(digest + "\n")
