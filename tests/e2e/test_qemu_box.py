@@ -144,6 +144,16 @@ def test_a_guest_that_powers_off_ends_the_box(signer, qemu_image, tmp_path):
     assert verify_bundle(tmp_path / "p.tkb").valid
 
 
+def test_memory_vcpus_and_workspace_size_come_from_the_policy(signer, qemu_image, tmp_path):
+    policy = Policy.from_toml("[box]\nmemory_mib = 384\ncpus = 2\nworkspace_mib = 8\n")
+    with qemu_box(qemu_image, policy=policy, bundle_path=tmp_path / "l.tkb") as b:
+        r = sh(b, "grep MemTotal /proc/meminfo; nproc; dd if=/dev/zero of=/workspace/big bs=1M count=16 2>&1")
+        lines = r.stdout.decode().splitlines()
+        mem_kib = int(lines[0].split()[1])
+        assert 256 * 1024 < mem_kib <= 384 * 1024 and lines[1] == "2"
+        assert r.exit_code != 0 and "No space left on device" in r.stdout.decode()
+
+
 def test_isolation_vm_refuses_a_namespace_box():
     with pytest.raises(TkboxError, match="below the policy"):
         Box(backend="bwrap", policy=Policy.from_toml('[box]\nisolation = "vm"\n'))

@@ -142,8 +142,13 @@ class QemuBackend(Backend):
         accel = "kvm" if self.accel == "kvm" else "tcg"  # (-icount runs one TCG thread)
         # Under TCG on a loaded host the guest's timer calibration can fail and its clock stall; counting
         # instructions (-icount) gives the guest a time that host load cannot skew.
+        # With more than one vCPU the delay-loop calibration of the second one never settles under -icount: preset it
+        # (the guest sees a 1 GHz TSC there, and Debian's kernel ticks at 250 Hz).
         cmdline = f"console=ttyS0 quiet panic=-1 tkbox.ws={spec.workspace_mib}"
-        timing = ["-icount", "shift=auto,sleep=on"] if self.accel == "tcg" else []
+        timing = []
+        if self.accel == "tcg":
+            timing = ["-icount", "shift=auto,sleep=on"]
+            cmdline += " lpj=4000000"
         return [shutil.which(QEMU) or QEMU, "-M", "microvm", "-accel", accel, "-cpu", "max" if self.accel == "tcg"
                 else "host", "-m", str(spec.memory_mib), "-smp", str(cpus),
                 *timing, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
