@@ -95,3 +95,16 @@ def test_prune_keeps_the_current_image_and_the_root_it_links(tmp_path):
     assert removed == 1 and freed >= 4096
     assert sorted(p.name for p in base.iterdir() if not p.name.startswith(".")) == ["a" * 32, "current", "roots"]
     assert sorted(p.name for p in (base / "roots").iterdir()) == ["r1.img", "r1.json"]
+
+
+@pytest.mark.skipif(not BwrapBackend().available()[0], reason="bubblewrap cannot run here")
+def test_doctor_says_what_auto_picks_and_why(tmp_path):
+    policy = tmp_path / "vm.toml"
+    policy.write_text('[box]\nisolation = "vm"\n')
+    r = run_cli("doctor", "--policy", str(policy), env={"TKBOX_HOME": str(tmp_path / "home")})
+    auto = [line for line in r.stdout.splitlines() if line.startswith("auto")]
+    assert len(auto) == 1 and "for box.isolation = 'vm'" in auto[0]
+    assert "picks bwrap" not in auto[0]
+    assert "bwrap: namespace isolation is below the policy's minimum" in r.stdout
+    r = run_cli("doctor", env={"TKBOX_HOME": str(tmp_path / "home")})
+    assert "picks" in r.stdout and "qemu (TCG)" in r.stdout
