@@ -16,12 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench")
     p.add_argument("targets", nargs="*", default=[])
     p.add_argument("--n", type=int, default=None, help="operations per measurement (default: each target's own)")
+    p.add_argument("--backend", choices=["bwrap", "qemu"], default=None, help="the box backend (box target only)")
     a = p.parse_args(argv)
+    if a.backend and any(t != "box" for t in a.targets or TARGETS):
+        p.error("--backend applies to the box target only: python -m bench box --backend qemu")
     unknown = [t for t in a.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     for name in a.targets or TARGETS:
-        TARGETS[name](a.n)
+        TARGETS[name](a.n, backend=a.backend) if a.backend else TARGETS[name](a.n)
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import protocol as p
 from .backends import BoxSpec, get_backend
-from .box_kernel import READY_TIMEOUT_S as KERNEL_READY_S, BoxKernel, Cell
+from .box_kernel import BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
 from .doors.patch import Patch, PatchDoor
@@ -28,7 +28,6 @@ from .policy import Policy
 from .recorder import Crossing, RunRecorder, recover_orphans
 from .signer import MachineSigner
 
-READY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -89,7 +88,7 @@ class Box:
                  secrets: dict[str, Any] | None = None, replay_of: str | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
-        self.backend = get_backend(name)
+        self.backend = get_backend(name, self.policy.get("box", "isolation"))
         self.workspace = Path(workspace) if workspace else None
         if self.workspace is not None and not self.workspace.is_dir():
             raise TkboxError(f"workspace {self.workspace} is not a directory")
@@ -141,6 +140,7 @@ class Box:
                 shutil.copytree(self.workspace, seed, symlinks=True)
             self.running = self.backend.start(BoxSpec(
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
+                cpus=self.policy.get("box", "cpus"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
@@ -155,7 +155,7 @@ class Box:
             self.egress = EgressDoor(self)
             self.patch_door = PatchDoor(self)
             self.conn = HostConnection(self.running.door, self._violation, on_open=self.egress.accept)
-            deadline = time.monotonic() + READY_TIMEOUT_S
+            deadline = time.monotonic() + self.backend.ready_timeout_s
             while not self.conn.ready.wait(0.1):
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
                     raise BoxEnded(f"the box did not come up ({self.running.exit_reason()}): {self._log_tail()}")
@@ -288,12 +288,13 @@ class Box:
                     self._end(f"door stream lost: {e}")
                     raise BoxEnded(f"the box has ended: {self.ended}") from None
             kernel = self._kernel
-        deadline = time.monotonic() + KERNEL_READY_S
+        ready_s = self.backend.kernel_ready_s
+        deadline = time.monotonic() + ready_s
         while not kernel.ready.wait(0.1):
             if self.ended or not self.running.alive():
                 raise BoxEnded(f"the box has ended: {self.ended or self.running.exit_reason()}")
             if time.monotonic() > deadline:
-                self._end(f"the box's kernel did not answer within {KERNEL_READY_S:g}s")
+                self._end(f"the box's kernel did not answer within {ready_s:g}s")
                 raise BoxEnded(f"the box has ended: {self.ended}")
         if kernel.ended:
             if self.ended:

@@ -1,4 +1,4 @@
-"""`tkbox run` and `tkbox doctor`: the box commands of the CLI."""
+"""`tkbox run`, `tkbox doctor` and `tkbox image build`: the box commands of the CLI."""
 
 from __future__ import annotations
 
@@ -31,23 +31,43 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_doctor(a) -> int:
+    from .backends.base import choose_backend
     from .backends.bwrap import BwrapBackend
+    from .backends.qemu import QemuBackend
+    from .policy import Policy
     from .signer import MachineSigner
     ok_any = False
-    rows = []
     for name in BACKENDS:
-        if name == "bwrap":
-            ok, why = BwrapBackend().available()
-        else:
-            ok, why = False, "not built in this version"
+        backend = {"bwrap": BwrapBackend, "qemu": QemuBackend}.get(name)
+        ok, why = backend().available() if backend else (False, "not built in this version")
         ok_any = ok_any or ok
-        rows.append((name, ok, why))
-    for name, ok, why in rows:
         print(f"{name:12s} {'ok' if ok else 'no':3s} {why}")
+    minimum = Policy.coerce(a.policy).get("box", "isolation")
+    picked, why = choose_backend(minimum)
+    label = f"{picked.name} ({picked.isolation})" if picked else "nothing"
+    print(f"{'auto':12s} {'ok' if picked else 'no':3s} picks {label} for box.isolation = {minimum!r}")
+    for line in why:
+        print(f"{'':16s} {line}")
     signer = MachineSigner()
     print(f"{'signer':12s} {'ok' if signer.answering() else 'off':3s} {signer.dir} "
           f"({'answering' if signer.answering() else 'starts on first use'})")
     return 0 if ok_any else 1
+
+
+def _cmd_image(a) -> int:
+    from .backends.image import DEFAULT_PACKAGES, KERNEL_PACKAGE, build_image, images_dir, prune
+    if a.action == "prune":
+        removed, freed = prune()
+        print(f"removed {removed} image(s) and the roots no image uses, {freed / 2**20:.0f} MiB freed "
+              f"(kept the current one; cache {images_dir()})")
+        return 0
+    packages = list(DEFAULT_PACKAGES) + [p for arg in a.packages for p in arg.split(",") if p]
+    pip = [p for arg in a.pip for p in arg.split(",") if p]
+    image, built = build_image(packages, a.kernel or KERNEL_PACKAGE, force=a.force, pip=pip, make_current=True)
+    size = image.size_bytes() / 2**20
+    print(f"image {image.digest} {'built' if built else 'cached (inputs unchanged)'}: {image.path} ({size:.0f} MiB; "
+          f"cache {images_dir()}); qemu boxes boot it from now on")
+    return 0
 
 
 def _cmd_kernel(a) -> int:
@@ -73,7 +93,17 @@ def add_commands(sub) -> None:
     r.add_argument("argv", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)
     d = sub.add_parser("doctor", help="which backends can run here, and why not")
+    d.add_argument("--policy", help="box policy (TOML) whose box.isolation the auto choice must meet")
     d.set_defaults(fn=_cmd_doctor)
+    i = sub.add_parser("image", help="the guest image of the qemu backend")
+    i.add_argument("action", choices=["build", "prune"], help="build (or find) the image; prune all but the current")
+    i.add_argument("--packages", action="append", default=[], metavar="PKG[,PKG...]",
+                   help="more Debian packages in the root (besides python3, ipykernel, numpy, pandas, matplotlib)")
+    i.add_argument("--pip", action="append", default=[], metavar="REQ[,REQ...]",
+                   help="pip packages installed into the root at build time (NAME[extras] and one version clause)")
+    i.add_argument("--kernel", help="the Debian kernel package (default linux-image-cloud-amd64)")
+    i.add_argument("--force", action="store_true", help="rebuild even when the inputs did not change")
+    i.set_defaults(fn=_cmd_image)
     k = sub.add_parser("kernel", help="the Tracekit Box Jupyter kernel")
     k.add_argument("action", choices=["install"])
     k.add_argument("--user", action="store_true", help="install for this user")

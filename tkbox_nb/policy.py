@@ -23,6 +23,7 @@ from .errors import PolicyError
 MAX_POLICY_BYTES = 256 * 1024
 MAX_LIST = 1024
 BACKENDS = ("auto", "bwrap", "qemu", "firecracker")
+ISOLATION = ("namespace", "vm")  # a minimum: "vm" refuses to start a namespace box rather than fall back to one
 
 DEFAULT_SOURCE = """\
 # tkbox-nb default policy: cells and commands run; nothing else leaves the box.
@@ -38,8 +39,8 @@ timeout_s = 600
 
 # section -> {key: (type, validator-or-None)}
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "box": {"backend": str, "memory_mib": int, "cpus": int, "cpu_time_s": int, "max_processes": int,
-            "workspace_mib": int},
+    "box": {"backend": str, "isolation": str, "memory_mib": int, "cpus": int, "cpu_time_s": int,
+            "max_processes": int, "workspace_mib": int},
     "exec": {"cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
     "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
@@ -48,7 +49,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
               "max_files": int, "binary": bool},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
+    "box": {"backend": "auto", "isolation": "namespace", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
             "workspace_mib": 1024},
     "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
              "max_output_bytes": 16 << 20},
@@ -344,6 +345,10 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     backend = out.get("box", {}).get("backend", "auto")
     if backend not in BACKENDS:
         raise PolicyError(f"{name}: box.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    isolation = out.get("box", {}).get("isolation", "namespace")
+    if isolation not in ISOLATION:
+        raise PolicyError(f"{name}: box.isolation must be one of {', '.join(ISOLATION)} (the weakest isolation the box "
+                          f"may start with), not {isolation!r}")
     for key, low in (("memory_mib", 64), ("cpus", 1), ("cpu_time_s", 1), ("max_processes", 4),
                      ("workspace_mib", 1)):
         v = out.get("box", {}).get(key)

@@ -22,6 +22,7 @@ class BoxSpec:
     cpu_time_s: int = 3600
     max_processes: int = 256
     workspace_mib: int = 1024
+    cpus: int = 1
     env: dict[str, str] = field(default_factory=dict)
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
     ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
@@ -47,6 +48,8 @@ class RunningBox(abc.ABC):
 class Backend(abc.ABC):
     name: str = ""
     isolation: str = ""
+    ready_timeout_s: float = 30.0  # start to the agent's hello
+    kernel_ready_s: float = 90.0   # a kernel's start to its first answer
 
     @abc.abstractmethod
     def available(self) -> tuple[bool, str]:
@@ -59,24 +62,65 @@ class Backend(abc.ABC):
         return "none"
 
 
-def get_backend(name: str) -> Backend:
+ISOLATION_LEVELS = {"none": 0, "namespace": 1, "vm-tcg": 2, "vm-kvm": 2, "vm": 2}
+"""How strong each backend's isolation is: a policy's `box.isolation` minimum compares against these."""
+
+
+def _candidates() -> dict[str, type]:
     from .bwrap import BwrapBackend
-    candidates = {"bwrap": BwrapBackend}
+    from .qemu import QemuBackend
+    return {"bwrap": BwrapBackend, "qemu": QemuBackend}
+
+
+def choose_backend(minimum: str = "namespace") -> tuple[Backend | None, list[str]]:
+    """`backend="auto"`: the strongest backend that works here and meets `minimum`, with why each was or was not
+    taken. Order: Firecracker (not built in this version), QEMU with KVM, QEMU with TCG where the policy asks for a VM
+    (emulation is slow, so a namespace box is preferred when it is enough), then bubblewrap."""
+    from .qemu import QemuBackend, kvm_usable
+    from .bwrap import BwrapBackend
+    need = ISOLATION_LEVELS[minimum]
+    why = ["firecracker: not built in this version"]
+    kvm, kvm_why = kvm_usable()
+    order: list[tuple[str, Backend | None, str]] = []
+    if kvm:
+        order.append(("qemu (KVM)", QemuBackend(accel="kvm"), ""))
+    else:
+        order.append(("qemu (KVM)", None, kvm_why))
+    if need >= ISOLATION_LEVELS["vm"]:
+        order.append(("qemu (TCG)", QemuBackend(accel="tcg"), ""))
+    else:
+        why_tcg = "emulated VM, slow; taken only when the policy asks for isolation = \"vm\""
+        order.append(("qemu (TCG)", None, why_tcg))
+    bwrap_why = "" if need <= ISOLATION_LEVELS["namespace"] else "namespace isolation is below the policy's minimum"
+    order.append(("bwrap", BwrapBackend() if not bwrap_why else None, bwrap_why))
+    for label, backend, reason in order:
+        if backend is None:
+            why.append(f"{label}: {reason}")
+            continue
+        ok, reason = backend.available()
+        why.append(f"{label}: {reason}")
+        if ok:
+            return backend, why
+    return None, why
+
+
+def get_backend(name: str, minimum: str = "namespace") -> Backend:
+    """The backend `name` ("auto" chooses), refused when its isolation is below `minimum` (never a fallback)."""
+    from ..errors import TkboxError
     if name == "auto":
-        why = []
-        for cls in candidates.values():
-            b = cls()
-            ok, reason = b.available()
-            if ok:
-                return b
-            why.append(f"{b.name}: {reason}")
-        from ..errors import TkboxError
-        raise TkboxError(f"no box can start here ({'; '.join(why)}); bundles can still be read, verified, replayed "
-                         "and audited")
+        backend, why = choose_backend(minimum)
+        if backend is None:
+            raise TkboxError(f"no box with isolation >= {minimum!r} can start here ({'; '.join(why)}); bundles can "
+                             "still be read, verified, replayed and audited")
+        return backend
+    candidates = _candidates()
     if name not in candidates:
-        from ..errors import TkboxError
         raise TkboxError(f"backend {name!r} is not available in this version (built: {', '.join(candidates)})")
-    return candidates[name]()
+    backend = candidates[name]()
+    if ISOLATION_LEVELS.get(backend.isolation, 0) < ISOLATION_LEVELS[minimum]:
+        raise TkboxError(f"backend {name!r} gives {backend.isolation} isolation, below the policy's "
+                         f"box.isolation = {minimum!r}: refusing to start")
+    return backend
 
 
 BACKENDS = ("bwrap", "qemu", "firecracker")

@@ -4,7 +4,8 @@ It runs what the host asks, after the host's exec door has a signed allow: comma
 and stderr streamed back; the exit status at the end) and a real ipykernel whose Jupyter messages it carries
 (kernel.py, imported only then). It trusts nothing but the door: it has no other channel, no network and no secrets.
 
-Run as `python3 -m tkbox_guest.agent` with the door's file descriptor in $TKBOX_DOOR_FD.
+Run as `python3 -m tkbox_guest.agent` with the door's file descriptor in $TKBOX_DOOR_FD (a socket), or from
+vm.py in a VM, where the door is a virtio-serial port (a character device, read and written as a file).
 """
 
 import os
@@ -181,15 +182,34 @@ def serve(sock):
                     kernels.pop(sid).stop()
 
 
-def main():
-    fd = int(os.environ["TKBOX_DOOR_FD"])
+class CharDevice:
+    """A door on a character device (a VM's virtio-serial port): the two socket calls serve() uses, on an fd."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def sendall(self, data):
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(self.fd, view):]
+
+    def recv_into(self, buffer):
+        return os.readv(self.fd, [buffer])
+
+    def close(self):
+        os.close(self.fd)
+
+
+def main(door=None):
+    """Serve the door: a socket fd in $TKBOX_DOOR_FD (bubblewrap), or `door` given by the VM's entry (vm.py)."""
     seed = os.environ.get("TKBOX_SEED")
     if seed and os.path.isdir(seed):  # the box's own writable copy, in its size-limited tmpfs
         import shutil
         shutil.copytree(seed, "/workspace", symlinks=True, dirs_exist_ok=True)
-    sock = socket.socket(fileno=fd)
+    if door is None:
+        door = socket.socket(fileno=int(os.environ["TKBOX_DOOR_FD"]))
     try:
-        return serve(sock)
+        return serve(door)
     except p.ProtocolError as e:
         sys.stderr.write("tkbox agent: protocol error from the host: %s\n" % e)
         return 3

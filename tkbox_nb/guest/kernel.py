@@ -25,7 +25,10 @@ import time
 
 from . import protocol as p
 
-READY_TIMEOUT_S = 60.0
+try:  # a VM under emulation imports ipykernel far slower: its backend sets a longer wait in the box's environment
+    READY_TIMEOUT_S = min(max(float(os.environ.get("TKBOX_KERNEL_READY_S", "60")), 1.0), 3600.0)
+except ValueError:
+    READY_TIMEOUT_S = 60.0
 CHANNELS = ("shell", "control", "stdin")
 
 

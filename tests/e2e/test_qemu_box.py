@@ -1,0 +1,211 @@
+"""Real QEMU micro-VM boxes: a guest image built from Debian, booted under TCG (or KVM where it works), no NIC.
+
+The image is built once per machine into a persistent cache (inputs unchanged: no rebuild), with the small package
+set (python3 and ipykernel) so CI spends its time on boxes rather than on pandas. Skipped, with the reason, where
+QEMU is not installed or the image cannot be built (no mmdebstrap, no Debian mirror).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tkbox_nb import Box, BoxEnded, Policy
+from tkbox_nb.backends.image import build_image, find_image
+from tkbox_nb.backends.qemu import QemuBackend
+from tkbox_nb.errors import TkboxError
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = pytest.mark.slow
+
+TEST_PACKAGES = ["python3", "python3-ipykernel"]
+IMAGE_HOME = Path(os.environ.get("TKBOX_TEST_IMAGE_HOME", "/var/tmp/tkbox-test-images"))
+
+
+@pytest.fixture(scope="session")
+def qemu_image():
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
+    if not shutil.which("mmdebstrap") and find_image(TEST_PACKAGES, home=IMAGE_HOME) is None:
+        pytest.skip("no cached test image and no mmdebstrap to build one (apt-get install mmdebstrap)")
+    try:
+        image, _ = build_image(TEST_PACKAGES, home=IMAGE_HOME, say=lambda s: None)
+    except TkboxError as e:
+        pytest.skip(f"the guest image cannot be built here: {e}")
+    return image
+
+
+def qemu_box(image, **kw) -> Box:
+    box = Box(backend="bwrap", **kw)  # then swapped: the test image, not the user's default one
+    box.backend = QemuBackend(image=image)
+    return box
+
+
+@pytest.fixture(scope="module")
+def box(signer, qemu_image, tmp_path_factory):
+    ws = tmp_path_factory.mktemp("ws")
+    (ws / "data.txt").write_text("host data\n")
+    b = qemu_box(qemu_image, workspace=ws, bundle_path=tmp_path_factory.mktemp("out") / "vm.tkb").start()
+    b.host_workspace = ws
+    yield b
+    b.stop()
+
+
+def sh(box, script):
+    return box.run(["sh", "-c", script])
+
+
+def test_command_round_trip_with_stdin_and_exit_status(box):
+    r = box.run(["python3", "-c", "import sys; print(6 * 7); sys.exit(3)"])
+    assert (r.exit_code, r.stdout) == (3, b"42\n")
+    assert box.run(["cat"], stdin=b"through the virtio-serial door\n").stdout == b"through the virtio-serial door\n"
+    big = box.run(["python3", "-c", "import sys; sys.stdout.write('x' * 3_000_000)"])
+    assert big.exit_code == 0 and big.stdout == b"x" * 3_000_000
+
+
+def test_the_guest_has_no_network_device(box):
+    r = sh(box, "ls /sys/class/net")
+    assert r.stdout.split() in ([b"lo"], [])
+    r = box.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
+    assert r.stdout.strip() in (b"['lo']", b"[]")
+    r = box.run(["python3", "-c", "import socket; socket.create_connection(('198.18.0.1', 80), timeout=2)"])
+    assert r.exit_code != 0 and b"Network is unreachable" in r.stderr
+
+
+def test_it_is_a_vm_with_its_own_kernel(box):
+    r = sh(box, "uname -r; cat /proc/cpuinfo | grep -c ^processor")
+    kernel, cpus = r.stdout.split()
+    assert b"cloud-amd64" in kernel and kernel.decode() != os.uname().release
+    assert int(cpus) == 1  # box.cpus from the policy
+    assert box.backend.isolation in ("vm-tcg", "vm-kvm")
+
+
+def test_qemu_runs_under_seccomp_and_not_as_root(box):
+    status = Path(f"/proc/{box.running.proc.pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["Seccomp"].strip() == "2"  # filter mode
+    if os.geteuid() == 0:
+        assert fields["Uid"].split()[:2] != ["0", "0"]
+
+
+def test_root_is_read_only_and_the_workspace_is_a_guest_copy(box):
+    for path in ("/usr/x", "/etc/x", "/x", "/opt/tkbox/tkbox_guest/../../x"):
+        r = sh(box, f"echo x > {path}")
+        assert r.exit_code != 0, path
+    assert b"Read-only file system" in sh(box, "echo x > /usr/x").stderr
+    r = sh(box, "grep ' / ' /proc/mounts; grep ' /run/tkbox/config ' /proc/mounts")
+    assert all(b" ro," in line for line in r.stdout.splitlines()) and len(r.stdout.splitlines()) == 2
+    assert sh(box, "echo y > /workspace/new.txt && cat /workspace/data.txt").stdout == b"host data\n"
+    assert not (box.host_workspace / "new.txt").exists()
+    assert sh(box, "echo z > /run/tkbox/config/seed/data.txt").exit_code != 0
+
+
+def test_a_cell_runs_in_the_guest_ipykernel(box):
+    r = box.execute("import platform; x = 20 + 22; platform.release()")
+    assert r.status == "ok"
+    text = r.outputs[-1]["data"]["text/plain"]
+    assert "cloud-amd64" in text
+    r = box.execute("x")
+    assert r.outputs[-1]["data"]["text/plain"] == "42"
+
+
+def test_killed_box_leaves_nothing_running_and_its_bundle_verifies(signer, qemu_image, tmp_path):
+    b = qemu_box(qemu_image, bundle_path=tmp_path / "k.tkb").start()
+    try:
+        assert b.run(["true"]).exit_code == 0
+        proc, workdir = b.running.proc, b.running._workdir
+        assert proc.poll() is None and workdir.is_dir()
+        assert b.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo started"]).stdout == b"started\n"
+    finally:
+        b.stop()
+    assert proc.poll() is not None and not workdir.exists()
+    assert not any(f"/proc/{pid}" for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, str(workdir)))
+    report = verify_bundle(tmp_path / "k.tkb")
+    assert report.valid
+    import json
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "k.tkb") as z:
+        manifest = json.loads(z.read("box/manifest.json"))
+    assert manifest["backend"] == "qemu" and manifest["isolation"].startswith("vm-")
+    assert manifest["image_digest"] == f"tkbox-image:{qemu_image.digest}"
+
+
+def test_a_guest_that_powers_off_ends_the_box(signer, qemu_image, tmp_path):
+    b = qemu_box(qemu_image, bundle_path=tmp_path / "p.tkb").start()
+    try:
+        with pytest.raises(BoxEnded):
+            b.run(["sh", "-c", "echo o > /proc/sysrq-trigger"])
+        assert not b.running.alive()
+    finally:
+        b.stop()
+    assert verify_bundle(tmp_path / "p.tkb").valid
+
+
+def test_memory_vcpus_and_workspace_size_come_from_the_policy(signer, qemu_image, tmp_path):
+    policy = Policy.from_toml("[box]\nmemory_mib = 384\ncpus = 2\nworkspace_mib = 8\n")
+    with qemu_box(qemu_image, policy=policy, bundle_path=tmp_path / "l.tkb") as b:
+        r = sh(b, "grep MemTotal /proc/meminfo; nproc; dd if=/dev/zero of=/workspace/big bs=1M count=16 2>&1")
+        lines = r.stdout.decode().splitlines()
+        mem_kib = int(lines[0].split()[1])
+        assert 256 * 1024 < mem_kib <= 384 * 1024 and lines[1] == "2"
+        assert r.exit_code != 0 and "No space left on device" in r.stdout.decode()
+
+
+def test_isolation_vm_refuses_a_namespace_box():
+    with pytest.raises(TkboxError, match="below the policy"):
+        Box(backend="bwrap", policy=Policy.from_toml('[box]\nisolation = "vm"\n'))
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_egress_leaves_the_vm_only_through_the_door_and_is_signed(signer, qemu_image, tmp_path):
+    from tkbox_nb import open_run
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from .test_egress import fetch, policy
+    with NamespaceNet(index=21) as net:
+        with qemu_box(qemu_image, policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "e.tkb") as b:
+            out = fetch(b, "http://web.tkb.test:8080/hello.txt")
+            assert out.startswith("200 hello from the test network"), out
+            refused = fetch(b, "http://other.tkb.test:8080/hello.txt")
+            assert refused.startswith("403") and "egress.allow" in refused
+            direct = b.run(["python3", "-c", f"import socket; socket.create_connection(('{net.web}', 8080), 3)"])
+            assert direct.exit_code != 0 and b"Network is unreachable" in direct.stderr
+    assert verify_bundle(tmp_path / "e.tkb").valid
+    rows = [c for c in open_run(tmp_path / "e.tkb").crossings() if c.door == "egress"]
+    assert len(rows) >= 2
+
+
+def test_unchanged_inputs_skip_the_rebuild(qemu_image):
+    import time
+    t = time.monotonic()
+    again, built = build_image(TEST_PACKAGES, home=IMAGE_HOME, say=lambda s: None)
+    assert not built and again == qemu_image and time.monotonic() - t < 5
+
+
+def test_secret_is_swapped_in_on_the_host_and_never_enters_the_vm(signer, qemu_image, tmp_path, monkeypatch):
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from .test_secrets import CLIENTS, VALUE, _test_ca, secrets_policy
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    chain, ca_file = _test_ca(tmp_path)
+    with NamespaceNet(index=22, tls_chain=str(chain)) as net:
+        net.upstream_ca = ca_file
+        with qemu_box(qemu_image, policy=secrets_policy(net), bundle_path=tmp_path / "s.tkb") as b:
+            r = b.run(["python3", "-c", CLIENTS["urllib"]])  # trusts the per-box CA from the config disk
+            assert r.exit_code == 0, r.stderr.decode()[-1500:]
+            assert "Authorization: Bearer " + "*" * len(VALUE) in r.stdout.decode()
+            seen = b.run(["sh", "-c", 'printf %s "$API_KEY"; cat /run/tkbox/config/env.json /proc/cmdline'])
+            assert seen.stdout.decode().startswith("tkbox-ph-") and VALUE not in seen.stdout.decode()
+    assert VALUE.encode() not in (tmp_path / "s.tkb").read_bytes()
+    assert verify_bundle(tmp_path / "s.tkb").valid

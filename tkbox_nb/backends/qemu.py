@@ -1,0 +1,241 @@
+"""The QEMU backend: each box is a `microvm` with no network device at all, its own kernel, and one door.
+
+Isolation is a virtual machine: the box's code runs on the guest kernel, and reaches the host only through the
+devices QEMU gives it: a read-only root disk (the cached image), a read-only config disk made for this box (its
+environment, CA bundle and workspace seed, written by the host with `mke2fs -d`), and one virtio-serial port, the door,
+whose host end is a Unix socket this process listens on and QEMU connects to. `-nodefaults` means no NIC, no
+display, no USB; the workspace is a tmpfs inside the guest that the host never mounts. KVM is used when it can run a
+stock kernel here, TCG (emulation) otherwise; the choice is the box's recorded isolation ("vm-kvm" or "vm-tcg").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..errors import TkboxError
+from .base import Backend, BoxSpec, RunningBox
+from .image import CONFIG_LABEL, DOOR_NAME, Image, current_image, make_ext4
+
+QEMU = "qemu-system-x86_64"
+CONSOLE_TAIL_BYTES = 8192
+CONNECT_TIMEOUT_S = 15.0
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
+
+
+def kvm_usable() -> tuple[bool, str]:
+    """Whether KVM can boot a stock kernel here (nested PVM cannot: it boots only PVM-enabled guests)."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not readable and writable by this user"
+    if Path("/sys/module/kvm_pvm").exists():
+        return False, "/dev/kvm is nested PVM (kvm_pvm), which does not boot stock kernels"
+    return True, "/dev/kvm works"
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, looked up before fork (so the child only calls it), or None where it cannot be found."""
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+class QemuRunning(RunningBox):
+    def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path):
+        self.proc, self.door, self._workdir = proc, door, workdir
+        self._console_tail = bytearray()
+        self._drain = threading.Thread(target=self._drain_console, daemon=True, name="tkbox-vm-console")
+        self._drain.start()
+
+    def _drain_console(self) -> None:
+        """The guest's serial console is box output: only its last bytes are kept, in memory."""
+        while True:
+            try:
+                chunk = self.proc.stdout.read1(65536)
+            except (OSError, ValueError):
+                return
+            if not chunk:
+                return
+            self._console_tail += chunk
+            del self._console_tail[:-CONSOLE_TAIL_BYTES]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            self.door.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        return bytes(self._console_tail).decode("utf-8", "replace")[-2000:]
+
+    def exit_reason(self) -> str:
+        rc = self.proc.poll()
+        if rc is None:
+            return "running"
+        if rc < 0:
+            name = signal.Signals(-rc).name
+            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
+        return f"exit status {rc}" + (" (the guest powered off)" if rc == 0 else "")
+
+
+class QemuBackend(Backend):
+    name = "qemu"
+    ready_timeout_s = 120.0  # an emulated boot on a loaded host can take tens of seconds
+    kernel_ready_s = 300.0   # and `import ipykernel` under TCG from 7 s (idle host) to a minute (loaded)
+
+    def __init__(self, image: Image | None = None, accel: str | None = None):
+        self._image = image
+        if accel is None:
+            accel = "kvm" if kvm_usable()[0] else "tcg"
+        self.accel = accel
+        self.isolation = f"vm-{accel}"
+
+    @property
+    def image(self) -> Image:
+        if self._image is None:
+            self._image = current_image()
+            if self._image is None:
+                raise TkboxError("no guest image built for the qemu backend: run `tkbox image build` first")
+        return self._image
+
+    def image_digest(self) -> str:
+        return f"tkbox-image:{self.image.digest}"  # sha256 of the inputs (image.py), first 128 bits
+
+    def available(self) -> tuple[bool, str]:
+        exe = shutil.which(QEMU)
+        if not exe:
+            return False, f"{QEMU} is not installed (apt-get install qemu-system-x86)"
+        try:
+            image = self._image or current_image()
+        except TkboxError as e:
+            return False, str(e)
+        if image is None:
+            return False, "no guest image built (tkbox image build)"
+        kvm, why = kvm_usable()
+        return True, f"{exe}, image {image.digest[:12]}, {'KVM' if self.accel == 'kvm' else 'TCG'} ({why})"
+
+    def argv(self, spec: BoxSpec, door_path: Path, config_img: Path, cpus: int) -> list[str]:
+        img = self.image
+        accel = "kvm" if self.accel == "kvm" else "tcg"  # (-icount runs one TCG thread)
+        # Under TCG on a loaded host the guest's timer calibration can fail and its clock stall; counting
+        # instructions (-icount) gives the guest a time that host load cannot skew.
+        # With more than one vCPU the delay-loop calibration of the second one never settles under -icount: preset it
+        # (the guest sees a 1 GHz TSC there, and Debian's kernel ticks at 250 Hz).
+        cmdline = f"console=ttyS0 quiet panic=-1 tkbox.ws={spec.workspace_mib}"
+        timing = []
+        if self.accel == "tcg":
+            timing = ["-icount", "shift=auto,sleep=on"]
+            cmdline += " lpj=4000000"
+        return [shutil.which(QEMU) or QEMU, "-M", "microvm", "-accel", accel, "-cpu", "max" if self.accel == "tcg"
+                else "host", "-m", str(spec.memory_mib), "-smp", str(cpus),
+                *timing, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+                *self._confinement(),
+                "-serial", "stdio", "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", cmdline,
+                "-drive", f"id=root,file={img.root},format=raw,if=none,readonly=on",
+                "-device", "virtio-blk-device,drive=root",
+                "-drive", f"id=cfg,file={config_img},format=raw,if=none,readonly=on",
+                "-device", "virtio-blk-device,drive=cfg",
+                "-device", "virtio-serial-device,max_ports=2",
+                "-chardev", f"socket,id=door,path={door_path}",
+                "-device", f"virtserialport,chardev=door,name={DOOR_NAME}"]
+
+    @staticmethod
+    def _confinement() -> list[str]:
+        """QEMU under seccomp (no exec, no obsolete calls, no resource control); started as root, it opens its files
+        and sockets and then drops to nobody (set*uid must stay allowed for that one drop, which nobody cannot undo)."""
+        root = os.geteuid() == 0
+        sandbox = f"on,obsolete=deny,elevateprivileges={'allow' if root else 'deny'},spawn=deny,resourcecontrol=deny"
+        return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
+
+    def _config_disk(self, spec: BoxSpec, workdir: Path) -> Path:
+        """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
+        cfg = workdir / "config"
+        cfg.mkdir()
+        env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, "TKBOX_KERNEL_READY_S": str(int(self.kernel_ready_s) - 30),
+               **spec.env}
+        (cfg / "env.json").write_text(json.dumps(env, sort_keys=True))
+        if spec.ca_bundle is not None:
+            (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
+        if spec.seed is not None:
+            shutil.copytree(spec.seed, cfg / "seed", symlinks=True)
+        out = workdir / "config.img"
+        make_ext4(cfg, out, CONFIG_LABEL, slack_mib=4)
+        shutil.rmtree(cfg, ignore_errors=True)
+        return out
+
+    def start(self, spec: BoxSpec) -> QemuRunning:
+        if spec.agent_argv is not None:
+            raise TkboxError("the qemu backend runs only the image's guest agent (agent_argv is for bwrap tests)")
+        self.image  # noqa: B018 -- fail before making anything when there is no image
+        workdir = Path(tempfile.mkdtemp(prefix="tkbox-vm-", dir="/tmp"))  # short: a Unix socket path lives here
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            door_path = workdir / "door.sock"
+            listener.bind(str(door_path))
+            listener.listen(1)
+            config_img = self._config_disk(spec, workdir)
+            cpu_s = spec.cpu_time_s
+
+            prctl = _prctl()
+
+            def in_child():  # QEMU's CPU time is the box's CPU time; no core dumps of guest memory; dies with us
+                if prctl is not None:
+                    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+            proc = subprocess.Popen(self.argv(spec, door_path, config_img, max(1, spec.cpus)), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
+                                    preexec_fn=in_child, start_new_session=True)
+        except BaseException:
+            listener.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        running = None
+        try:
+            listener.settimeout(0.1)
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            door = None
+            while door is None:
+                try:
+                    door, _ = listener.accept()
+                except socket.timeout:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        out = proc.stdout.read1(4096).decode("utf-8", "replace").strip() if proc.poll() is not None \
+                            else "no connection"
+                        raise TkboxError(f"QEMU did not connect its door ({out.splitlines()[-1][:300] if out else proc.poll()})")
+            door.settimeout(None)
+            running = QemuRunning(proc, door, workdir)
+            return running
+        finally:
+            listener.close()
+            with contextlib.suppress(OSError):
+                door_path.unlink()
+            if running is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                shutil.rmtree(workdir, ignore_errors=True)
