@@ -209,3 +209,21 @@ def test_secret_is_swapped_in_on_the_host_and_never_enters_the_vm(signer, qemu_i
             assert seen.stdout.decode().startswith("tkbox-ph-") and VALUE not in seen.stdout.decode()
     assert VALUE.encode() not in (tmp_path / "s.tkb").read_bytes()
     assert verify_bundle(tmp_path / "s.tkb").valid
+
+
+def test_the_patch_comes_back_from_the_vm_decided_file_by_file(signer, qemu_image, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("one\n")
+    box = qemu_box(qemu_image, workspace=ws, bundle_path=tmp_path / "p.tkb", policy='[patch]\napply = "auto"\n')
+    box.start()
+    try:
+        assert sh(box, "echo two >> a.txt; echo new > b.txt; ln -s /etc/passwd link").exit_code == 0
+        patch = box.patch()
+    finally:
+        box.stop()
+    assert {f.path: f.rule for f in patch.files} == {"a.txt": "patch.allow[0]", "b.txt": "patch.allow[0]",
+                                                     "link": "patch.type"}
+    assert (ws / "a.txt").read_text() == "one\ntwo\n" and (ws / "b.txt").read_text() == "new\n"
+    assert not (ws / "link").exists()
+    assert verify_bundle(tmp_path / "p.tkb").valid
