@@ -37,7 +37,7 @@ def _cells(home: Path, n: int) -> str:
         last = box.execute("i").outputs[-1]["data"]["text/plain"]
     elapsed = time.perf_counter() - t
     decisions, results = _count(bundle, "exec", "cell")
-    ok = decisions == results == n + 2 and last == str(n) and verify_bundle(bundle).valid
+    ok = decisions == results == n + 2 and last == str(n) and verify_bundle(bundle, home / 'trust.json').valid
     return (f"{n} cells in one box: {elapsed:.1f} s ({elapsed / n * 1000:.1f} ms per cell); signed {decisions} cell "
             f"decisions and {results} results for {n + 2} cells; {'nothing lost, verifies' if ok else 'LOST OR INVALID'}")
 
@@ -52,7 +52,7 @@ def _boxes(home: Path, boxes: int, commands: int) -> str:
                 for i in range(commands):
                     assert box.run(["echo", str(i)]).stdout == f"{i}\n".encode()
             d, r = _count(bundle, "exec", "command")
-            results[k] = (d == r == commands and verify_bundle(bundle).valid, f"{d}/{r}")
+            results[k] = (d == r == commands and verify_bundle(bundle, home / 'trust.json').valid, f"{d}/{r}")
         except Exception as e:  # counted as a failure below, with its reason
             results[k] = (False, f"{type(e).__name__}: {e}"[:200])
 
@@ -88,7 +88,7 @@ def _long_run(home: Path, n: int) -> str:
     static_html(run)
     html = time.perf_counter() - t
     t = time.perf_counter()
-    report = verify_bundle(bundle)
+    report = verify_bundle(bundle, home / "trust.json")
     verify = time.perf_counter() - t
     rows = int((df["door"] == "exec").sum())
     ok = rows == n and report.valid
@@ -100,6 +100,7 @@ def _long_run(home: Path, n: int) -> str:
 def main(n: int | None = None) -> None:
     scale = n or 1
     home = Path(tempfile.mkdtemp(prefix="tkb-load-", dir="/tmp"))
+    MachineSigner(home).ensure().write_trust(home / "trust.json")  # every bundle here verifies against this signer
     try:
         print("load:")
         print("  " + _cells(home, 1000 // scale))

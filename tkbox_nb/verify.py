@@ -8,7 +8,6 @@ disclosed box policy, and that the box manifest says what the records say. The f
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import io
@@ -120,8 +119,9 @@ def verify_bytes(data: bytes, report: VerifyReport) -> VerifyReport:
 
 def _tracekit(report: VerifyReport, bundle: io.BytesIO, trust_path: str) -> None:
     from tracekit.verify.v2 import verify as tracekit_verify
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        rep, code = tracekit_verify(bundle, trust_path)
+    # called as is: swapping sys.stdout around it (redirect_stdout) is process-wide, and two verifications in two
+    # threads (boxes ending at once, a widget's Verify) left it pointing at a dead buffer
+    rep, code = tracekit_verify(bundle, trust_path)
     report.tracekit = list(rep.checks)
     report.integrity = str(getattr(rep, "integrity", "") or "")
     report.assurance = str(rep.assurance or "")

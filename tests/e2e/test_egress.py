@@ -202,7 +202,7 @@ def test_git_clones_over_https_through_the_door(signer, tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "ca.pem").write_bytes(ca_file.read_bytes())
-    with NamespaceNet(index=13, tls_chain=str(chain)) as n:
+    with NamespaceNet(index=15, tls_chain=str(chain)) as n:
         bare = n.root / "www" / "repo.git"
         subprocess.run(git + ["clone", "-q", "--bare", str(src), str(bare)], check=True)
         subprocess.run(["git", "-C", str(bare), "update-server-info"], check=True)
