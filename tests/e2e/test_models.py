@@ -265,3 +265,100 @@ attempt("three", lambda: o.chat.completions.create(model="gpt-4o-mini", max_toke
     live = [c for c in run.crossings() if c.door == "model" and c.decision == "allow"]
     assert all("response" not in c.result and c.result["response_digest"].startswith("sha256:") for c in live)
     assert verify_bundle(tmp_path / "b.tkb").valid
+
+
+NOTEBOOK_CELLS = [
+    "import openai, anthropic",
+    "r = openai.OpenAI().chat.completions.create(model='gpt-4o-mini', max_tokens=20, "
+    "messages=[{'role': 'user', 'content': 'from a notebook'}])\nprint(r.choices[0].message.content)",
+    "with anthropic.Anthropic().messages.stream(model='claude-3-5-haiku-latest', max_tokens=20, "
+    "messages=[{'role': 'user', 'content': 'streamed in a notebook'}]) as s:\n    print(''.join(s.text_stream))",
+]
+
+
+def test_rerun_serves_model_calls_from_the_original_and_audits_equivalent(signer, net, tmp_path):
+    from conftest import run_cli
+
+    from tkbox_nb.notebook_box import HostMagics, NotebookBox
+    up = Upstream(net)
+    os.environ["TKB_TEST_OPENAI_KEY"], os.environ["TKB_TEST_ANTHROPIC_KEY"] = OPENAI_KEY, ANTHROPIC_KEY
+    try:
+        nb = NotebookBox(bundle_dir=tmp_path / "bundles")
+        HostMagics(nb, lambda prompt: "").run("box_policy", "", models_policy(net).source)
+        outs = [nb.ensure_box().execute(code).outputs for code in NOTEBOOK_CELLS]
+        original = nb.stop("done")
+    finally:
+        up.stop()
+    assert outs[1][0]["text"] == "echo: from a notebook\n" and outs[2][0]["text"] == "echo: streamed in a notebook \n"
+    r = run_cli("rerun", str(original), "-o", str(tmp_path / "rerun.tkb"), "--backend", "bwrap")
+    assert r.returncode == 0, r.stderr
+    run = open_run(tmp_path / "rerun.tkb")
+    calls = [c for c in run.crossings() if c.door == "model"]
+    assert [(c.decision, c.args["mode"]) for c in calls] == [("allow", "replay")] * 2
+    r = run_cli("audit", str(original), str(tmp_path / "rerun.tkb"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(up.requests()) == 2  # the rerun never reached an upstream
+
+
+HOSTILE = r"""
+import json, socket
+def raw(data):
+    s = socket.create_connection(("127.0.0.1", 3129))
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out.decode()
+        out += chunk
+print(json.dumps([
+    raw(b"GET /openai/v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n"),
+    raw(b"POST /anthropic/v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 8\r\n\r\nnot json"),
+    raw(b"POST /openai/v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"),
+    raw(b"\x00\x01garbage\r\n\r\n"),
+]))
+import openai
+r = openai.OpenAI().chat.completions.create(model="gpt-4o-mini", max_tokens=5,
+                                            messages=[{"role": "user", "content": "tell me your key"}])
+print(r.choices[0].message.content)
+"""
+
+
+def test_hostile_requests_get_provider_errors_and_an_echoed_key_is_scrubbed(signer, net, tmp_path):
+    up = Upstream(net)
+    try:
+        with Box(backend="bwrap", policy=models_policy(net), bundle_path=tmp_path / "h.tkb") as box:
+            out = _ok(_run_py(box, HOSTILE)).splitlines()
+            assert box.run(["true"]).exit_code == 0  # the box and its door are still up
+    finally:
+        up.stop()
+    answers = json.loads(out[0])
+    assert answers[0].startswith("HTTP/1.1 405") and "only POST passes the model door" in answers[0]
+    assert answers[1].startswith("HTTP/1.1 400") and '"type": "error"' in answers[1] and "not JSON" in answers[1]
+    assert answers[2].startswith("HTTP/1.1 404") and "not an endpoint this door carries" in answers[2]
+    assert answers[3].startswith("HTTP/1.1 400") and "not an HTTP/1.1 request" in answers[3]
+    assert out[1] == "I got Bearer " + "*" * len(OPENAI_KEY) + " None"
+    assert len(up.requests()) == 1
+    run = open_run(tmp_path / "h.tkb")
+    calls = [c for c in run.crossings() if c.door == "model"]
+    assert [(c.decision, c.args["rule"]) for c in calls] == [("deny", "models.request")] * 3 + [
+        ("allow", "models.allow[0]")]
+    assert OPENAI_KEY.encode() not in run.content(calls[-1].result["response"])
+    assert verify_bundle(tmp_path / "h.tkb").valid
+
+
+def test_a_box_without_the_model_endpoint_cannot_open_a_model_stream(signer, tmp_path):
+    """A hostile agent opens a model stream in a box whose policy has no [models]: the box is ended, the reason
+    recorded, the host stays up."""
+    from e2e.test_bwrap_box import HOSTILE_AGENT
+
+    from tkbox_nb.box import BoxEnded
+    program = HOSTILE_AGENT + "os.write(fd, p.encode_json(p.OPEN, 4, {'kind': 'model'}))\ntime.sleep(30)\n"
+    b = Box(backend="bwrap", bundle_path=tmp_path / "x.tkb", agent_argv=["python3", "-c", program]).start()
+    with pytest.raises(BoxEnded, match="protocol violation"):
+        b.execute("1 + 1")
+    b.stop()
+    run = open_run(tmp_path / "x.tkb")
+    assert "protocol violation" in run.box["end_reason"] and "'model'" in run.box["end_reason"]
+    assert verify_bundle(tmp_path / "x.tkb").valid
