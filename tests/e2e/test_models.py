@@ -362,3 +362,12 @@ def test_a_box_without_the_model_endpoint_cannot_open_a_model_stream(signer, tmp
     run = open_run(tmp_path / "x.tkb")
     assert "protocol violation" in run.box["end_reason"] and "'model'" in run.box["end_reason"]
     assert verify_bundle(tmp_path / "x.tkb").valid
+
+
+def test_replay_refuses_a_bundle_that_does_not_verify(recorded, tmp_path):
+    from conftest import tamper_content
+
+    from tkbox_nb.errors import TkboxError
+    bad = tamper_content(recorded["bundle"], tmp_path / "bad.tkb")
+    with pytest.raises(TkboxError, match="does not verify.*not served"):
+        Box(backend="bwrap", model_replay=bad)
