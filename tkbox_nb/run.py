@@ -122,6 +122,11 @@ class Run:
             return (code.splitlines() or [""])[0][:120]
         if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             return shlex.join(str(x) for x in a["argv"])[:120]
+        if c.door == "model" and a.get("kind") == "call":
+            usage = (c.result or {}).get("usage") or {}
+            tokens = f" {usage.get('input_tokens', '?')}+{usage.get('output_tokens', '?')} tokens" if usage else ""
+            return (f"{a.get('provider')}:{a.get('model', '?')} {a.get('endpoint', '')}"
+                    f"{' stream' if a.get('stream') else ''} ({a.get('mode', '')}){tokens}")[:120]
         if c.door == "box":
             if a.get("kind") == "start":
                 return f"box {a.get('backend')} ({a.get('isolation')})"

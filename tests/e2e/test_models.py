@@ -190,6 +190,7 @@ def test_each_call_is_signed_with_usage_digests_and_disclosed_bodies(recorded, s
     assert first.result["usage"] == {"input_tokens": 11, "output_tokens": 7}
     assert b"echo: hi there" in run.content(first.result["response"])
     assert calls[1].result["streamed"] and calls[1].result["usage"]["output_tokens"] == 7
+    assert run.summary_of(calls[1]) == "openai:gpt-4o-mini /v1/chat/completions stream (record) 11+7 tokens"
     assert calls[5].result["usage"] == {"input_tokens": 12, "output_tokens": 6}
     assert calls[5].result["stop_reason"] == "end_turn"
     assert calls[5].args["run_calls"] == 5  # the totals before each call are signed with it

@@ -95,6 +95,8 @@ class ModelDoor:
             pass
         except p.ProtocolError as e:
             self.box._end(f"door protocol violation: {e}")
+        except Exception as e:  # a fault of this door: the box's client gets an answer, never a hang
+            self._answer(stream, parser, "", 502, f"tkbox model door: internal error: {type(e).__name__}", "api_error")
 
     def _read(self, stream: Stream, parser: ModelRequestParser) -> ModelRequest | None:
         deadline = time.monotonic() + HEAD_TIMEOUT_S
