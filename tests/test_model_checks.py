@@ -185,3 +185,34 @@ def test_usage_from_openai_and_anthropic_streams_and_bodies():
     r.feed(b"data: " + b"x" * (2 << 20))  # a line too long to read is skipped, never buffered whole
     r.feed(b'\ndata: {"usage": {"input_tokens": -3, "output_tokens": true}}\n')
     assert r.end().as_dict() == {}
+
+
+def _recorded_calls(signer, path, second_totals):
+    """A run with two model calls stated straight to the signer (no door): the second states `second_totals`."""
+    from tkbox_nb.recorder import RunRecorder
+    rec = RunRecorder(signer, policy("max_calls = 1"), {"backend": "none", "isolation": "none",
+                                                        "image_digest": "none"}).open()
+    first = rec.decide("model", "call", {k: v for k, v in facts().items() if k not in ("door", "kind")},
+                       {"request": b'{"model": "gpt-4o-mini"}'})
+    assert first.allowed
+    rec.complete(first, "ok", {"usage": {"input_tokens": 11, "output_tokens": 7}})
+    second = rec.decide("model", "call", {k: v for k, v in facts(**second_totals).items()
+                                          if k not in ("door", "kind")}, {"request": b'{"model": "gpt-4o-mini"}'})
+    rec.close("done")
+    rec.write_bundle(path)
+    return second
+
+
+def test_stated_totals_are_recounted_by_the_verifier(signer, tmp_path):
+    from tkbox_nb.verify import verify_bundle
+    honest = _recorded_calls(signer, tmp_path / "honest.tkb",
+                             {"run_calls": 1, "run_input_tokens": 11, "run_output_tokens": 7})
+    assert honest.verdict.rule == "models.max_calls" and not honest.allowed
+    assert verify_bundle(tmp_path / "honest.tkb").valid
+    # a door that understates the run's calls gets the call through its budget, and the bundle fails verification
+    lying = _recorded_calls(signer, tmp_path / "lying.tkb",
+                            {"run_calls": 0, "run_input_tokens": 11, "run_output_tokens": 7})
+    assert lying.allowed
+    report = verify_bundle(tmp_path / "lying.tkb")
+    assert not report.valid and report.first_failure.name == "model totals"
+    assert "'run_calls': 0" in report.first_failure.detail

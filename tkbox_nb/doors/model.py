@@ -137,6 +137,7 @@ class ModelDoor:
         result: dict = {"mode": mode, "streamed": req.stream}
         usage_reader = UsageReader(req.stream)
         body = bytearray()
+        failure: _Failed | None = None
         started = time.monotonic()
         try:
             if mode == "replay":
@@ -150,28 +151,35 @@ class ModelDoor:
                 recorder.model_event(crossing, "request", req.provider, req.model,
                                      content_digest=crossing.args["request"], streamed=req.stream)
                 self._upstream(stream, parser, req, result, body, usage_reader, started)
-            self._send(stream, parser, h11.EndOfMessage())
         except _Failed as e:
-            result["error"] = str(e)[:300]
-            if "status_code" not in result:  # nothing sent yet: the box gets the reason in the provider's shape
-                self._answer(stream, parser, req.provider, e.status, f"tkbox model door: {e}", e.kind)
+            result["error"], failure = str(e)[:300], e
         except (StreamClosed, OSError, h11.LocalProtocolError) as e:
             result["error"] = f"the box's connection ended: {e}"[:300]
+        # signed before the box sees the end of the answer, so the box's next call is decided on totals that hold
+        # this one (and the verifier can recount them exactly, verify.py)
+        self._sign_end(crossing, req, mode, result, bytes(body), usage_reader.end(), started)
+        try:
+            if failure is not None and "status_code" not in result:  # nothing sent yet: the reason, in its shape
+                self._answer(stream, parser, req.provider, failure.status, f"tkbox model door: {failure}",
+                             failure.kind)
+            elif "error" not in result:
+                self._send(stream, parser, h11.EndOfMessage())
+        except (StreamClosed, OSError, h11.LocalProtocolError):
+            pass
         finally:
             try:
                 self.box.conn.close(stream.sid)
             except (StreamClosed, OSError):
                 pass
-        usage = usage_reader.end()
+
+    def _sign_end(self, crossing, req: ModelRequest, mode: str, result: dict, data: bytes, usage, started: float):
+        """Tracekit's response event, then the call's result and the run's totals together under the door's lock:
+        the totals each later decision states are exactly the signed results before it (plus calls in flight)."""
+        from ..recorder import sha256_digest
+        recorder = self.box.recorder
         result.update(latency_ms=int((time.monotonic() - started) * 1000), usage=usage.as_dict())
         if usage.stop_reason:
             result["stop_reason"] = usage.stop_reason
-        with self.lock:
-            self.reserved -= req.max_output or 0
-            self.input_tokens += usage.input_tokens or 0
-            self.output_tokens += usage.output_tokens or 0
-        data = bytes(body)
-        from ..recorder import sha256_digest
         if mode != "replay":
             event = {k: v for k, v in (("usage", usage.as_dict()), ("stop_reason", usage.stop_reason),
                                        ("error", result.get("error"))) if v}
@@ -183,7 +191,11 @@ class ModelDoor:
         else:
             result.update(response_digest=sha256_digest(data), response_size=len(data))
         ok = "error" not in result and 200 <= result.get("status_code", 0) < 300
-        recorder.complete(crossing, "ok" if ok else "error", result, content)
+        with self.lock:
+            self.reserved -= req.max_output or 0
+            self.input_tokens += usage.input_tokens or 0
+            self.output_tokens += usage.output_tokens or 0
+            recorder.complete(crossing, "ok" if ok else "error", result, content)
 
     def _upstream(self, stream: Stream, parser: ModelRequestParser, req: ModelRequest, result: dict,
                   body: bytearray, usage_reader: UsageReader, started: float) -> None:
