@@ -43,12 +43,24 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path == "/v1/chat/completions":
             return self.chat(doc, said)
         if self.path == "/v1/responses":
-            return self.json(200, {"id": "resp_1", "object": "response", "created_at": 1, "model": doc["model"],
-                                   "status": "completed", "output": [{
-                                       "type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
-                                       "content": [{"type": "output_text", "text": said, "annotations": []}]}],
-                                   "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                                   "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}})
+            response = {"id": "resp_1", "object": "response", "created_at": 1, "model": doc["model"],
+                        "status": "completed", "output": [{
+                            "type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                            "content": [{"type": "output_text", "text": said, "annotations": []}]}],
+                        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                        "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}
+            if not doc.get("stream"):
+                return self.json(200, response)
+            started = dict(response, status="in_progress", output=[], usage=None)
+            events = [("response.created", {"type": "response.created", "sequence_number": 0,
+                                            "response": started})]
+            for i, word in enumerate(said.split(" ")):
+                events.append(("response.output_text.delta", {
+                    "type": "response.output_text.delta", "sequence_number": i + 1, "item_id": "msg_1",
+                    "output_index": 0, "content_index": 0, "delta": word + " ", "logprobs": []}))
+            events.append(("response.completed", {"type": "response.completed", "sequence_number": 99,
+                                                  "response": response}))
+            return self.sse(events)
         if self.path == "/v1/embeddings":
             vec = [0.25, 0.5, 0.75]
             emb = base64.b64encode(struct.pack("<3f", *vec)).decode() \

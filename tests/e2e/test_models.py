@@ -43,6 +43,13 @@ for chunk in s:
 out["chat_stream"] = ["".join(parts), usage]
 r = o.responses.create(model="gpt-4o-mini", max_output_tokens=40, input="a response")
 out["responses"] = [r.id, r.output_text, r.usage.input_tokens]
+deltas, done = [], None
+for event in o.responses.create(model="gpt-4o-mini", max_output_tokens=40, input="a streamed response", stream=True):
+    if event.type == "response.output_text.delta":
+        deltas.append(event.delta)
+    elif event.type == "response.completed":
+        done = event.response.usage.output_tokens
+out["responses_stream"] = ["".join(deltas), done]
 e = o.embeddings.create(model="text-embedding-3-small", input="embed me")
 out["embeddings"] = [round(x, 3) for x in e.data[0].embedding]
 a = anthropic.Anthropic()
@@ -57,7 +64,8 @@ print(json.dumps(out, sort_keys=True))
 '''
 
 
-def models_policy(net, mode: str = "record", extra: str = "") -> Policy:
+def models_policy(net, mode: str = "record", extra: str = "", anthropic_key: str = 'key = "env:TKB_TEST_ANTHROPIC_KEY"'
+                  ) -> Policy:
     return Policy.from_toml(f"""
 [models]
 mode = "{mode}"
@@ -70,7 +78,7 @@ key = "env:TKB_TEST_OPENAI_KEY"
 
 [models.anthropic]
 base_url = "http://{net.web}:{PORT}"
-key = "env:TKB_TEST_ANTHROPIC_KEY"
+{anthropic_key}
 """)
 
 
@@ -148,11 +156,12 @@ def test_official_clients_complete_calls_streaming_and_not(recorded):
     assert out["chat"] == ["chatcmpl-1", "echo: hi there", 11, 7]
     assert out["chat_stream"] == ["echo: stream me ", 7]
     assert out["responses"] == ["resp_1", "echo: a response", 9]
+    assert out["responses_stream"] == ["echo: a streamed response ", 4]
     assert out["embeddings"] == [0.25, 0.5, 0.75]
     assert out["messages"] == ["msg_1", "echo: hello", 12, "end_turn"]
     assert out["messages_stream"] == ["echo: stream hello ", 6, "end_turn"]
     paths = [r["path"] for r in recorded["seen"]]
-    assert paths == ["/v1/chat/completions"] * 2 + ["/v1/responses", "/v1/embeddings"] + ["/v1/messages"] * 2
+    assert paths == ["/v1/chat/completions"] * 2 + ["/v1/responses"] * 2 + ["/v1/embeddings"] + ["/v1/messages"] * 2
 
 
 def test_the_key_is_added_on_the_host_and_never_in_the_box_or_the_bundle(recorded):
@@ -180,9 +189,9 @@ def test_each_call_is_signed_with_usage_digests_and_disclosed_bodies(recorded, s
     assert r.returncode == 0 and "Integrity: VERIFIED." in r.stdout, r.stdout
     run = open_run(recorded["bundle"])
     calls = [c for c in run.crossings() if c.door == "model"]
-    assert [c.decision for c in calls] == ["allow"] * 6
-    assert [c.args["endpoint"] for c in calls] == ["/v1/chat/completions"] * 2 + ["/v1/responses", "/v1/embeddings"] \
-        + ["/v1/messages"] * 2
+    assert [c.decision for c in calls] == ["allow"] * 7
+    assert [c.args["endpoint"] for c in calls] == ["/v1/chat/completions"] * 2 + ["/v1/responses"] * 2 + [
+        "/v1/embeddings"] + ["/v1/messages"] * 2
     first = calls[0]
     assert first.args["provider"] == "openai" and first.args["model"] == "gpt-4o-mini"
     assert first.args["rule"] == "models.allow[0]" and first.args["max_output"] == 50
@@ -191,12 +200,13 @@ def test_each_call_is_signed_with_usage_digests_and_disclosed_bodies(recorded, s
     assert b"echo: hi there" in run.content(first.result["response"])
     assert calls[1].result["streamed"] and calls[1].result["usage"]["output_tokens"] == 7
     assert run.summary_of(calls[1]) == "openai:gpt-4o-mini /v1/chat/completions stream (record) 11+7 tokens"
-    assert calls[5].result["usage"] == {"input_tokens": 12, "output_tokens": 6}
-    assert calls[5].result["stop_reason"] == "end_turn"
-    assert calls[5].args["run_calls"] == 5  # the totals before each call are signed with it
-    assert calls[5].args["run_input_tokens"] == 11 + 11 + 9 + 3 + 12
+    assert calls[3].result["streamed"] and calls[3].result["usage"] == {"input_tokens": 9, "output_tokens": 4}
+    assert calls[6].result["usage"] == {"input_tokens": 12, "output_tokens": 6}
+    assert calls[6].result["stop_reason"] == "end_turn"
+    assert calls[6].args["run_calls"] == 6  # the totals before each call are signed with it
+    assert calls[6].args["run_input_tokens"] == 11 + 11 + 9 + 9 + 3 + 12
     exchanges = [e for e in run.records if e.get("type") == "model.exchange"]
-    assert len(exchanges) == 12
+    assert len(exchanges) == 14
     assert {e["data"]["phase"] for e in exchanges} == {"request", "response"}
     assert any(e["data"].get("usage") == {"input_tokens": 12, "output_tokens": 6} for e in exchanges)
 
@@ -219,7 +229,7 @@ def test_a_replayed_run_serves_byte_identical_responses_with_no_upstream(recorde
     a, b = open_run(recorded["bundle"]), open_run(tmp / "replay.tkb")
     ra = [c.result["response"] for c in a.crossings() if c.door == "model"]
     rb = [c.result["response"] for c in b.crossings() if c.door == "model" and c.decision == "allow"]
-    assert ra == rb and len(ra) == 6  # the same bytes, by digest, disclosed again
+    assert ra == rb and len(ra) == 7  # the same bytes, by digest, disclosed again
     assert not [e for e in b.records if e.get("type") == "model.exchange"]  # nothing went upstream
 
 
@@ -243,7 +253,10 @@ attempt("two", lambda: a.messages.create(model="claude-3-5-haiku-latest", max_to
 attempt("three", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
 '''
     try:
-        policy = models_policy(net, mode="live", extra="max_calls = 2\nmax_output_tokens_per_call = 100")
+        # the Anthropic key from a [secrets.NAME] binding this time: the box sees its placeholder, the upstream the value
+        policy = models_policy(net, mode="live", extra="max_calls = 2\nmax_output_tokens_per_call = 100\n"
+                               '[secrets.ANT]\nhosts = ["api.anthropic.com"]\nheader = "x-api-key"\n'
+                               'source = "env:TKB_TEST_ANTHROPIC_KEY"\n', anthropic_key='secret = "ANT"')
         with Box(backend="bwrap", policy=policy, bundle_path=tmp_path / "b.tkb") as box:
             lines = _ok(_run_py(box, code)).splitlines()
     finally:
@@ -257,6 +270,7 @@ attempt("three", lambda: o.chat.completions.create(model="gpt-4o-mini", max_toke
     assert got["one"] == "one ok" and got["two"] == "two ok"
     assert "models.max_calls" in got["three"] and "made its 2 model call(s)" in got["three"]
     assert len(up.requests()) == 2  # refused calls never reached the upstream
+    assert up.requests()[1]["x_api_key"] == ANTHROPIC_KEY
     run = open_run(tmp_path / "b.tkb")
     rules = [(c.decision, c.args["rule"]) for c in run.crossings() if c.door == "model"]
     assert rules == [("deny", "models.max_output_tokens_per_call")] * 2 + [("deny", "models.allow")] * 2 + [
