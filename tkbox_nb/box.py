@@ -157,7 +157,7 @@ class Box:
                     raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
                 self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
-            if self._models_on():
+            if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
                 from .doors.model import ModelDoor
                 self.model = ModelDoor(self, self.model_replay)
             self.conn = HostConnection(self.running.door, self._violation, on_open=self._box_opened)

@@ -386,3 +386,11 @@ def test_replay_refuses_a_bundle_that_does_not_verify(recorded, tmp_path):
     bad = tamper_content(recorded["bundle"], tmp_path / "bad.tkb")
     with pytest.raises(TkboxError, match="does not verify.*not served"):
         Box(backend="bwrap", model_replay=bad)
+
+
+def test_a_missing_key_stops_the_box_at_its_start_with_one_line(signer, net, tmp_path, monkeypatch):
+    from tkbox_nb.errors import PolicyError
+    monkeypatch.delenv("TKB_TEST_OPENAI_KEY")
+    with pytest.raises(PolicyError) as e:
+        Box(backend="bwrap", policy=models_policy(net), bundle_path=tmp_path / "k.tkb").start()
+    assert str(e.value) == "models.openai.key: the host environment has no TKB_TEST_OPENAI_KEY"

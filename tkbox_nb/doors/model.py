@@ -65,6 +65,15 @@ class ModelDoor:
         self.reserved = 0           # output tokens asked for by calls still in flight
         self._keys: dict[tuple[str, str], str] = {}
         self._client = None
+        if recordings is None and box.policy.model("mode") != "replay":
+            self.read_keys()
+
+    def read_keys(self) -> None:
+        """Read every provider's key now, on the host, so a missing key stops the box at its start with one line
+        (PolicyError) instead of failing its first call."""
+        for name, provider in self.box.policy.data.get("models", {}).get("providers", {}).items():
+            if "key" in provider and (name, provider["key"]) not in self._keys:
+                self._keys[(name, provider["key"])] = _read_key(name, provider["key"])
 
     def accept(self, stream: Stream, body: dict) -> bool:
         if body.get("kind") != "model":
@@ -227,7 +236,6 @@ class ModelDoor:
 
     def _key(self, name: str, provider: dict) -> str:
         """The provider's key, read on the host (once per source): a [secrets.NAME] binding's value or key = env:/file:."""
-        from .secrets import read_value
         if "secret" in provider:
             for b in self.box.bindings:
                 if b.name == provider["secret"]:
@@ -236,7 +244,7 @@ class ModelDoor:
         source = provider.get("key", "")
         if (name, source) not in self._keys:
             try:
-                self._keys[(name, source)] = read_value(f"models.{name}", source)
+                self._keys[(name, source)] = _read_key(name, source)
             except PolicyError as e:
                 raise _Failed(502, f"the host has no {name} key: {e}", "api_error") from None
         return self._keys[(name, source)]
@@ -279,6 +287,14 @@ class ModelDoor:
             self.box.conn.close(stream.sid)
         except (StreamClosed, OSError, h11.LocalProtocolError):
             pass
+
+
+def _read_key(name: str, source: str) -> str:
+    from .secrets import read_value
+    try:
+        return read_value(name, source)
+    except PolicyError as e:  # its message names the source, never a value
+        raise PolicyError(str(e).replace(f"secrets.{name}:", f"models.{name}.key:", 1)) from None
 
 
 class _Failed(Exception):
