@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 PORT = 3129
 HEAD_TIMEOUT_S = 60.0
+MAX_AT_ONCE = 16              # calls read and served at once; more wait (their bytes held by the stream's window)
 MAX_RESPONSE = 32 << 20        # a response larger than this is cut (a bundle's content part is at most this)
 DUMMY_KEY = "tkbox-model-door-no-key"   # what the box's clients send as a key: it means nothing, and is dropped
 
@@ -65,6 +66,8 @@ class ModelDoor:
         self.reserved = 0           # output tokens asked for by calls still in flight
         self._keys: dict[tuple[str, str], str] = {}
         self._client = None
+        # bounds what a box can make the host hold: MAX_AT_ONCE request bodies of at most max_request_bytes each
+        self.slots = threading.BoundedSemaphore(MAX_AT_ONCE)
         if recordings is None and box.policy.model("mode") != "replay":
             self.read_keys()
 
@@ -87,6 +90,10 @@ class ModelDoor:
 
     # -- one call ------------------------------------------------------------------------------------------------
     def _serve(self, stream: Stream) -> None:
+        with self.slots:
+            self._serve_one(stream)
+
+    def _serve_one(self, stream: Stream) -> None:
         parser = ModelRequestParser(self.box.policy.model("max_request_bytes"))
         try:
             try:
@@ -218,8 +225,9 @@ class ModelDoor:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers]
         headers += [("authorization", f"Bearer {key}")] if req.provider == "openai" else [("x-api-key", key)]
         headers.append(("user-agent", "tkbox-nb model door"))
-        if self._client is None:
-            self._client = httpx.Client(timeout=self.box.policy.model("timeout_s"), trust_env=False)
+        with self.lock:
+            if self._client is None:  # one pool for the box's calls; the host's proxy settings are not the box's
+                self._client = httpx.Client(timeout=self.box.policy.model("timeout_s"), trust_env=False)
         scrub = Scrubber([key])
         try:
             with self._client.stream("POST", provider["base_url"] + req.endpoint, content=req.body,
