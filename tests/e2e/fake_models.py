@@ -38,6 +38,9 @@ class H(http.server.BaseHTTPRequestHandler):
                                   "x_api_key": self.headers.get("X-Api-Key"), "model": doc.get("model"),
                                   "headers": sorted(k.lower() for k in self.headers.keys())}) + "\n")
         said = "echo: " + _last_text(doc)
+        if _last_text(doc) == "fail please":  # an upstream refusal, passed through as it is
+            return self.json(400, {"error": {"message": "upstream says no", "type": "invalid_request_error",
+                                             "param": None, "code": None}})
         if _last_text(doc) == "tell me your key":  # a hostile or careless upstream that repeats the key it got
             said = f"I got {self.headers.get('Authorization')} {self.headers.get('X-Api-Key')}"
         if self.path == "/v1/chat/completions":

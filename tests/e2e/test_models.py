@@ -394,3 +394,49 @@ def test_a_missing_key_stops_the_box_at_its_start_with_one_line(signer, net, tmp
     with pytest.raises(PolicyError) as e:
         Box(backend="bwrap", policy=models_policy(net), bundle_path=tmp_path / "k.tkb").start()
     assert str(e.value) == "models.openai.key: the host environment has no TKB_TEST_OPENAI_KEY"
+
+
+CONCURRENT = r"""
+import threading, openai
+o = openai.OpenAI()
+out = {}
+def one(i):
+    s = o.chat.completions.create(model="gpt-4o-mini", max_tokens=10 + i, stream=True,
+                                  stream_options={"include_usage": True},
+                                  messages=[{"role": "user", "content": f"thread {i}"}])
+    out[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(sorted(out.values()))
+try:
+    o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "fail please"}])
+except openai.BadRequestError as e:
+    print("upstream", e.status_code, e.message)
+"""
+
+
+def test_concurrent_calls_keep_exact_signed_totals_and_upstream_errors_pass_through(signer, net, tmp_path):
+    up = Upstream(net)
+    try:
+        with Box(backend="bwrap", policy=models_policy(net, extra="max_output_tokens = 10000"),
+                 bundle_path=tmp_path / "c.tkb") as box:
+            lines = _ok(_run_py(box, CONCURRENT)).splitlines()
+    finally:
+        up.stop()
+    assert lines[0] == str(sorted(f"echo: thread {i} " for i in range(8)))
+    assert lines[1].startswith("upstream 400") and "upstream says no" in lines[1]
+    run = open_run(tmp_path / "c.tkb")
+    calls = [c for c in run.crossings() if c.door == "model"]
+    assert len(calls) == 9 and all(c.decision == "allow" for c in calls)
+    assert calls[-1].result["status_code"] == 400 and calls[-1].result["status"] == "error"
+    assert b"upstream says no" in run.content(calls[-1].result["response"])
+    # all 8 were allowed before; a streamed call's result may be signed just after its client saw [DONE], so the
+    # 9th call may be decided before some of them reported: their output stays counted as reserved until then
+    last = calls[-1].args
+    done = last["run_input_tokens"] // 11
+    assert last["run_calls"] == 8 and last["run_input_tokens"] == done * 11 and done <= 8
+    assert done * 7 <= last["run_output_tokens"] <= done * 7 + (8 - done) * 17
+    assert done == 8 or last["run_output_tokens"] > done * 7  # calls still in flight count what they asked for
+    report = verify_bundle(tmp_path / "c.tkb")  # the totals each concurrent call stated recount exactly
+    assert report.valid, report.summary()
