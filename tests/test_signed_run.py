@@ -140,3 +140,9 @@ def test_bundle_from_another_signer_fails_key_substitution(private_signer, signe
     r = run_cli("verify", str(other), "--trust", str(signer.trust_path))
     assert r.returncode == 1, r.stdout
     assert r.stdout.startswith("INVALID: tracekit")
+
+
+def test_trust_output_path_is_relative_to_the_working_directory(signer, tmp_path):
+    r = run_cli("trust", "-o", "pinned.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "pinned.json").read_text())["logs"]

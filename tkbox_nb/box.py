@@ -22,6 +22,7 @@ from .backends import BoxSpec, get_backend
 from .box_kernel import READY_TIMEOUT_S as KERNEL_READY_S, BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
+from .doors.patch import Patch, PatchDoor
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
 from .recorder import Crossing, RunRecorder, recover_orphans
@@ -102,6 +103,8 @@ class Box:
         self.ended: str | None = None
         self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
         self._kernel: BoxKernel | None = None
+        self.patch_door: PatchDoor | None = None
+        self.last_patch: Patch | None = None
         self.bindings = _bindings(self.policy, secrets or {})
         self.replay_of = replay_of
         # model calls served from a bundle's recordings (a path, verified now, or Recordings): replay mode
@@ -157,6 +160,7 @@ class Box:
                     raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
                 self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
+            self.patch_door = PatchDoor(self)
             if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
                 from .doors.model import ModelDoor
                 self.model = ModelDoor(self, self.model_replay)
@@ -198,6 +202,12 @@ class Box:
         with self._lock:
             if self.recorder is None or self.recorder.closed:
                 return self.bundle_path
+            if self.collect_patch_at_stop and self.patch_door is not None and self.conn is not None \
+                    and not self.ended and self.running.alive() and not self.recorder.broken:
+                try:  # the box's last word on its workspace, decided before it goes
+                    self.last_patch = self.patch_door.collect()
+                except TkboxError as e:
+                    reason = f"{reason}; the patch was not collected: {e}"
             if self.running is not None:
                 self.running.kill()
             if self.conn is not None:
@@ -219,6 +229,18 @@ class Box:
             if seed.exists():
                 shutil.rmtree(seed, ignore_errors=True)
             return self.bundle_path
+
+    collect_patch_at_stop = True
+
+    def patch(self, apply: str | None = None) -> Patch:
+        """The workspace changes so far, each file decided and signed; applied per `[patch] apply` (or `apply`:
+        never, review, auto). Files already decided in this box with the same content are not decided again."""
+        self._check_alive()
+        if apply is not None and apply not in ("never", "review", "auto"):
+            raise TkboxError("apply must be never, review or auto")
+        with self._lock:
+            self.last_patch = self.patch_door.collect(apply)
+        return self.last_patch
 
     def _violation(self, reason: str) -> None:
         self._end(f"door protocol violation: {reason}")

@@ -278,6 +278,8 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
     for h in box["policies"]:
         box_files[f"box/policies/{h.removeprefix('sha256:')}.toml"] = \
             (spool / "policies" / (h.removeprefix("sha256:") + ".toml")).read_bytes()
+    if (spool / "patch.diff").exists():  # the last patch summary's diff, readable with `unzip -p` and `git apply`
+        box_files["box/patch.diff"] = (spool / "patch.diff").read_bytes()
     box_files["box/disclosures.jsonl"] = b"".join(
         json.dumps(d, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for d in disclosures)
     box["format"] = BOX_FORMAT

@@ -47,8 +47,9 @@ def _cmd_show(a) -> int:
 
 def _cmd_trust(a) -> int:
     from .signer import MachineSigner
+    from pathlib import Path
     signer = MachineSigner().ensure()
-    trust = signer.write_trust(a.output)
+    trust = signer.write_trust(Path(a.output).resolve())  # relative to where the user is, not the signer's directory
     print(f"wrote {a.output}: pins log {trust['logs'][0].split('+')[0]}")
     return 0
 
@@ -102,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recover: close the runs of boxes whose process died, and write their bundles")
     g.set_defaults(fn=_cmd_signer)
 
-    from . import cli_box, cli_replay
+    from . import cli_box, cli_patch, cli_replay
     cli_box.add_commands(sub)
+    cli_patch.add_commands(sub)
     cli_replay.add_commands(sub)
 
     return p

@@ -24,7 +24,7 @@ from .box import Box
 from .errors import TkboxError
 from .policy import Policy
 
-HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view")
+HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
 
 
 @dataclass
@@ -246,6 +246,18 @@ class HostMagics:
         if self.nb.bundles:
             return self.nb.bundles[-1]
         raise TkboxError("%box_view: no run to view yet (name a .tkb, or run a cell first)")
+
+    def _box_patch(self, line: str, body: str | None) -> str:
+        """The box's workspace changes so far, each file decided and signed; `never`, `review` or `auto` overrides
+        the policy's [patch] apply for this patch."""
+        mode = line.strip() or None
+        if mode not in (None, "never", "review", "auto"):
+            raise TkboxError("%box_patch: the mode must be never, review or auto")
+        if not self.nb.live:
+            raise TkboxError("%box_patch: no box is running")
+        patch = self.nb.box.patch(mode)
+        diff = patch.diff.decode("utf-8", "replace")
+        return patch.summary() + ("\n\n" + diff if diff else "")
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")

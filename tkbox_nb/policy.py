@@ -44,6 +44,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
              "max_output_bytes": int},
     "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
                "upstream_ca_file": str},
+    "patch": {"apply": str, "allow": list, "deny": list, "max_file_bytes": int, "max_total_bytes": int,
+              "max_files": int, "binary": bool},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
@@ -51,9 +53,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
              "max_output_bytes": 16 << 20},
     "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10, "upstream_ca_file": ""},
+    "patch": {"apply": "review", "allow": ["**"], "deny": [], "max_file_bytes": 10 << 20,
+              "max_total_bytes": 100 << 20, "max_files": 10_000, "binary": True},
 }
+PATCH_APPLY = ("never", "review", "auto")
 SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
-_LATER = {"patch": "the patch door"}
+_LATER: dict[str, str] = {}  # sections a later door will enforce (none now)
 MODEL_MODES = ("live", "record", "replay")
 MODEL_PROVIDERS = ("openai", "anthropic")
 # [models] keys: mode, allow, budgets (each per run, except the *_per_call and max_request_bytes ones), timeout
@@ -155,6 +160,8 @@ class Policy:
             return self._decide_secret(kind, facts)
         if door == "model":
             return self._decide_model(kind, facts)
+        if door == "patch":
+            return self._decide_patch(kind, facts)
         if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
             if kind == "magic" and isinstance(facts.get("magic"), str):
                 return Verdict("allow", "host.magic")
@@ -203,6 +210,10 @@ class Policy:
         why = refused_name(host)
         if why:
             return Verdict("deny", "egress.always", why)
+        allowed_by = self.egress_allow_index(host, port)
+        literal = _is_ip_literal(host)
+        if allowed_by is None and not literal:  # a name off the list is refused before any lookup (no DNS leak)
+            return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
         addresses = facts.get("addresses")
         if facts.get("resolve_error") or not isinstance(addresses, list) or not addresses:
             return Verdict("deny", "egress.resolve", str(facts.get("resolve_error") or "the name has no address"))
@@ -215,11 +226,17 @@ class Policy:
             cls, why = classify(addr, cidrs)
             if cls != "ok":
                 return Verdict("deny", f"egress.{cls}", why)
+        if allowed_by is None:
+            return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
+        return Verdict("allow", f"egress.allow[{allowed_by}]")
+
+    def egress_allow_index(self, host: str, port: int) -> int | None:
+        """The first `[egress] allow` entry that matches host:port (the door resolves only such names)."""
         for i, pattern in enumerate(self.get("egress", "allow")):
             want_host, _, want_port = pattern.rpartition(":")
             if fnmatch.fnmatchcase(host, want_host.lower()) and want_port in ("*", str(port)):
-                return Verdict("allow", f"egress.allow[{i}]")
-        return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
+                return i
+        return None
 
 
     def _decide_secret(self, kind: Any, facts: dict[str, Any]) -> Verdict:
@@ -309,6 +326,66 @@ class Policy:
                            "with a run output budget the request must say how many output tokens it may use "
                            "(max_tokens)")
         return Verdict("allow", rule)
+    def _decide_patch(self, kind: Any, facts: dict[str, Any]) -> Verdict:
+        """One file of the box's workspace patch. The always-rules (doors/patch_rules.py) come first, then the
+        limits, then the policy's deny and allow globs. What depends on the rest of the patch (a path seen twice,
+        a collision, the total so far) is stated by the door in the facts."""
+        from .doors import patch_rules as r
+        if kind == "summary":
+            return Verdict("allow", "patch.summary")
+        if kind != "file":
+            return Verdict("deny", "patch.kind", f"unknown patch kind {kind!r}")
+        path, op, ftype = facts.get("path"), facts.get("op"), facts.get("type")
+        if op not in r.OPS:
+            return Verdict("deny", "patch.op", f"unknown operation {str(op)[:40]!r}")
+        why = r.path_problem(path)
+        if why:
+            return Verdict("deny", "patch.path", why)
+        if r.is_git(path):
+            return Verdict("deny", "patch.git", "a .git path (any spelling) is never written")
+        if op == "rename":
+            why = r.path_problem(facts.get("from"))
+            if why or r.is_git(facts["from"]):
+                return Verdict("deny", "patch.from", f"the rename source: {why or 'a .git path'}")
+        if not (ftype == "file" or op == "delete" and ftype == "symlink"):
+            return Verdict("deny", "patch.type", f"a {str(ftype)[:20]} is never applied (only regular files)")
+        for key, rule, what in (("duplicate_of", "patch.duplicate", "the same path twice"),
+                                ("collides_with", "patch.collision", "collides (case or Unicode form) with")):
+            if facts.get(key):
+                return Verdict("deny", rule, f"{what} {str(facts[key])[:200]!r}" if key == "collides_with" else what)
+        folded = r.fold(path)
+        for i, pattern in enumerate(r.DEFAULT_DENY):
+            if r.glob_match(pattern.casefold(), folded):
+                return Verdict("deny", f"patch.deny_default[{i}]", f"{path} matches {pattern}")
+        for i, pattern in enumerate(self.get("patch", "deny")):
+            if r.glob_match(pattern, path) or r.glob_match(pattern.casefold(), folded):
+                return Verdict("deny", f"patch.deny[{i}]", f"{path} matches {pattern}")
+        size, total, index = facts.get("size"), facts.get("total_before"), facts.get("index")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, total, index)):
+            return Verdict("deny", "patch.facts", "a patch entry without its size, index and running total")
+        if index >= self.get("patch", "max_files"):
+            return Verdict("deny", "patch.max_files", f"more than {self.get('patch', 'max_files')} files")
+        if op != "delete":
+            if size > self.get("patch", "max_file_bytes"):
+                return Verdict("deny", "patch.max_file_bytes", f"{size} bytes, over {self.get('patch', 'max_file_bytes')}")
+            if total + size > self.get("patch", "max_total_bytes"):
+                return Verdict("deny", "patch.max_total_bytes",
+                               f"the patch would pass {self.get('patch', 'max_total_bytes')} bytes")
+            if facts.get("binary") is not False and not self.get("patch", "binary"):
+                return Verdict("deny", "patch.binary", "a binary file ([patch] binary = false)")
+        for i, pattern in enumerate(self.get("patch", "allow")):
+            if r.glob_match(pattern, path):
+                return Verdict("allow", f"patch.allow[{i}]")
+        return Verdict("deny", "patch.allow", f"{path} is not in [patch] allow")
+
+
+def _is_ip_literal(host: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def policy_hash(source: str) -> str:
@@ -366,6 +443,13 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
             except ValueError:
                 raise PolicyError(f"{name}: egress.{key} entry {value!r} is not an "
                                   f"{'address range' if key == 'allow_cidrs' else 'IP address'}") from None
+    patch = out.get("patch", {})
+    if patch.get("apply", "review") not in PATCH_APPLY:
+        raise PolicyError(f"{name}: patch.apply must be one of {', '.join(PATCH_APPLY)}, not {patch['apply']!r}")
+    for key in ("max_file_bytes", "max_total_bytes", "max_files"):
+        v = patch.get(key)
+        if v is not None and not 0 < v <= 1 << 40:
+            raise PolicyError(f"{name}: patch.{key} must be positive (and at most 2**40)")
     for key in ("timeout_s", "max_output_bytes"):
         v = out.get("exec", {}).get(key)
         if v is not None and not v > 0:

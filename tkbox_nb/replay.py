@@ -214,7 +214,18 @@ def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
                           f"request {str(a.get('request', ''))[7:19]} response "
                           f"{str(r.get('response') or r.get('response_digest') or '')[7:19]}")
     return {"cell code": cells, "cell outputs": outputs, "egress": egress, "secrets (names only)": secrets,
-            "host magics": host, "model calls": models}
+            "host magics": host, "model calls": models, "patch": _patch_facts(run)}
+
+
+def _patch_facts(run: Run) -> list[str]:
+    """Each file of the run's patch, last decision per path, with its content digest: order-free."""
+    last = {}
+    for c in run.crossings():
+        a = c.args or {}
+        if c.door == "patch" and a.get("kind") == "file":
+            last[str(a.get("path"))] = (f"{a.get('op')} {a.get('path')} {c.decision} ({a.get('rule')}) "
+                                        f"{str(a.get('content', ''))[7:19]}")
+    return [last[p] for p in sorted(last)]
 
 
 def _output_text(o: dict) -> Any:

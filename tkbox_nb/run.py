@@ -127,6 +127,11 @@ class Run:
             tokens = f" {usage.get('input_tokens', '?')}+{usage.get('output_tokens', '?')} tokens" if usage else ""
             return (f"{a.get('provider')}:{a.get('model', '?')} {a.get('endpoint', '')}"
                     f"{' stream' if a.get('stream') else ''} ({a.get('mode', '')}){tokens}")[:120]
+        if c.door == "patch" and a.get("kind") == "file":
+            src = f"{a.get('from')} -> " if a.get("op") == "rename" else ""
+            return f"{a.get('op')} {src}{a.get('path')} ({a.get('size')} bytes, mode {a.get('mode', 0):o})"[:120]
+        if c.door == "patch" and a.get("kind") == "summary":
+            return f"patch: {a.get('allowed')} allowed, {a.get('refused')} refused, apply = {a.get('apply')}"[:120]
         if c.door == "box":
             if a.get("kind") == "start":
                 return f"box {a.get('backend')} ({a.get('isolation')})"

@@ -68,6 +68,9 @@ FLIP_DNS = textwrap.dedent('''
         q = dns.message.from_wire(data)
         r = dns.message.make_response(q)
         question = q.question[0]
+        if len(sys.argv) > 3:  # every name asked, for tests that a name is never looked up
+            with open(sys.argv[3], "a") as log:
+                log.write(question.name.to_text() + "\\n")
         if question.rdtype == 1:
             r.answer.append(dns.rrset.from_text(question.name, 0, "IN", "A", answers[n % len(answers)]))
             n += 1
@@ -120,7 +123,8 @@ class NamespaceNet:
                     "--address=/loop.tkb.test/127.0.0.1", "--address=/private.tkb.test/10.0.0.1",
                     "--address=/meta.tkb.test/169.254.169.254",
                     f"--host-record=mixed.tkb.test,{p}.2,fd00::1", f"--host-record=mapped.tkb.test,{p}.2,::ffff:7f00:1")
-            self.ns(sys.executable, str(self.root / "flip.py"), self.flip_dns, f"{p}.2,127.0.0.1")
+            self.ns(sys.executable, str(self.root / "flip.py"), self.flip_dns, f"{p}.2,127.0.0.1",
+                    str(self.root / "flip-queries.log"))
             self._wait_ready()
         except BaseException:
             self.__exit__(None, None, None)
@@ -133,6 +137,8 @@ class NamespaceNet:
         while time.monotonic() < deadline:
             try:
                 socket.create_connection((self.web, 8080), timeout=1).close()
+                if self.tls_chain:
+                    socket.create_connection((self.web, 8443), timeout=1).close()
                 import dns.resolver
                 r = dns.resolver.Resolver(configure=False)
                 r.nameservers, r.lifetime = [self.web], 1

@@ -240,6 +240,14 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         elif v.verdict == "deny" and data.get("decision") != "deny":
             fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
     _model_totals(events, disclosed, fail_record)
+    # the readable diff is exactly what the last patch summary committed to
+    summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
+                 and d["args"].get("door") == "patch" and d["args"].get("kind") == "summary"]
+    if "box/patch.diff" in b.files:
+        want = summaries[-1]["args"].get("diff") if summaries else None
+        got = "sha256:" + hashlib.sha256(b.files["box/patch.diff"]).hexdigest()
+        report.add("patch diff", want == got, "box/patch.diff is the diff the last patch summary commits to"
+                   if want == got else "box/patch.diff is not the diff the last signed patch summary commits to")
     # the box manifest against the records
     if not starts:
         report.add("box manifest", False, "no disclosed box.start record")

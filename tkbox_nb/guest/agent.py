@@ -93,6 +93,20 @@ class Command:
             pass
 
 
+def send_patch(door, sid):
+    """The changes of /workspace since the box started (guest/patch.py), then CLOSE with their count."""
+    from . import patch
+    count = 0
+    try:
+        for chunk in patch.stream(os.environ.get("TKBOX_SEED"), "/workspace"):
+            door.send_data(sid, p.CH_BYTES, chunk)
+            count += 1
+    except OSError as e:
+        door.close(sid, {"error": str(e)[:300], "entries": count})
+        return
+    door.close(sid, {"entries": count})
+
+
 def serve(sock):
     door = Door(sock)
     commands, kernels, readers = {}, {}, {}
@@ -126,6 +140,8 @@ def serve(sock):
                 try:
                     if req.get("kind") == "command":
                         commands[sid] = Command(door, sid, req)
+                    elif req.get("kind") == "patch":
+                        threading.Thread(target=send_patch, args=(door, sid), daemon=True).start()
                     elif req.get("kind") == "kernel":
                         from .kernel import KernelBridge
                         kernels[sid] = KernelBridge(door, sid)

@@ -1,0 +1,264 @@
+"""The patch door end to end: real boxes change their workspace; every file comes back decided and signed; only
+allowed files reach the host workspace, never through a symlink, never outside it, never half-written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import VENV_BIN, run_cli, tamper_content
+from tkbox_nb import Box
+from tkbox_nb.run import open_run
+from tkbox_nb.verify import verify_bundle
+
+AUTO = '[patch]\napply = "auto"\nmax_file_bytes = 100000\n'
+
+
+def patch_rows(bundle):
+    return {c.args["path"]: c for c in open_run(bundle).crossings()
+            if c.door == "patch" and c.args.get("kind") == "file"}
+
+
+def snapshot(root):
+    out = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = os.path.join(top, name)
+            st = os.lstat(full)
+            out[os.path.relpath(full, root)] = (st.st_mode, open(full, "rb").read() if os.path.isfile(full)
+                                                 and not os.path.islink(full) else os.readlink(full)
+                                                 if os.path.islink(full) else None)
+    return out
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("one\ntwo\n")
+    (ws / "old.txt").write_text("gone\n")
+    (ws / "mv.txt").write_text("moving\n")
+    return ws
+
+
+def test_review_mode_keeps_the_workspace_and_tkbox_apply_writes_the_allowed_files(signer, workspace, tmp_path):
+    before = snapshot(workspace)
+    bundle = tmp_path / "r.tkb"
+    with Box(workspace=workspace, bundle_path=bundle) as box:
+        box.run(["sh", "-c", "echo three >> a.txt; rm old.txt; mv mv.txt moved.txt; mkdir -p d; "
+                             "printf 'x' > d/new.py; chmod 755 d/new.py; echo S=1 > .env"])
+    assert snapshot(workspace) == before  # review: nothing written until asked
+    assert verify_bundle(bundle).valid
+    rows = patch_rows(bundle)
+    assert {p: (c.args["op"], c.decision, c.args["rule"]) for p, c in rows.items()} == {
+        "a.txt": ("modify", "allow", "patch.allow[0]"), "d/new.py": ("add", "allow", "patch.allow[0]"),
+        "moved.txt": ("rename", "allow", "patch.allow[0]"), "old.txt": ("delete", "allow", "patch.allow[0]"),
+        ".env": ("add", "deny", "patch.deny_default[2]")}
+    assert rows[".env"].rule_ids == ["TKB-POLICY-DENY"]
+    # the diff in the bundle applies with git to the starting workspace
+    diff = zipfile.ZipFile(bundle).read("box/patch.diff")
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(workspace), str(copy)], check=True)
+    subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
+    r = subprocess.run(["git", "apply", "-"], input=diff, cwd=copy, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    # the review step
+    listed = run_cli("apply", str(bundle), "--list")
+    assert listed.returncode == 0 and "refused      add     .env" in listed.stdout
+    applied = run_cli("apply", str(bundle), "-w", str(workspace))
+    assert applied.returncode == 0, applied.stderr
+    assert "4 allowed, 4 applied" in applied.stdout
+    assert sorted(os.listdir(workspace)) == ["a.txt", "d", "moved.txt"]
+    assert (workspace / "a.txt").read_text() == (copy / "a.txt").read_text() == "one\ntwo\nthree\n"
+    assert (workspace / "d/new.py").stat().st_mode & 0o777 == 0o755
+    assert run_cli("apply", str(bundle), "-w", str(workspace)).returncode == 0  # applying again changes nothing
+    assert sorted(os.listdir(workspace)) == ["a.txt", "d", "moved.txt"]
+    # the independent verifier accepts it too
+    trust = tmp_path / "trust.json"
+    assert run_cli("trust", "-o", str(trust)).returncode == 0
+    r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(bundle), "--trust", str(trust)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a readable diff that is not the signed one is caught, even with the manifest rewritten to match
+    import hashlib
+    import json
+    from tkbox_nb.bundle import read_bundle_file, write_zip
+    files = read_bundle_file(bundle)
+    files["box/patch.diff"] = files["box/patch.diff"].replace(b"+three", b"+rm -rf ~")
+    manifest = json.loads(files.pop("manifest.json"))
+    manifest["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+    write_zip(tmp_path / "diff.tkb", {"manifest.json": json.dumps(manifest).encode(), **files})
+    report = verify_bundle(tmp_path / "diff.tkb")
+    assert not report.valid and report.first_failure.name == "patch diff"
+
+
+def test_a_changed_host_file_is_never_overwritten(signer, workspace, tmp_path):
+    bundle = tmp_path / "c.tkb"
+    with Box(workspace=workspace, bundle_path=bundle) as box:
+        box.run(["sh", "-c", "echo box >> a.txt"])
+    (workspace / "a.txt").write_text("edited on the host\n")
+    r = run_cli("apply", str(bundle), "-w", str(workspace))
+    assert r.returncode == 1 and "the host file changed since the box started" in r.stdout
+    assert (workspace / "a.txt").read_text() == "edited on the host\n"
+
+
+def test_tkbox_apply_refuses_a_bundle_that_does_not_verify(signer, workspace, tmp_path):
+    bundle = tmp_path / "t.tkb"
+    with Box(workspace=workspace, bundle_path=bundle) as box:
+        box.run(["sh", "-c", "echo box >> a.txt"])
+    bad = tamper_content(bundle, tmp_path / "bad.tkb")
+    before = snapshot(workspace)
+    r = run_cli("apply", str(bad), "-w", str(workspace))
+    assert r.returncode != 0 and "does not verify" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert snapshot(workspace) == before
+
+
+HOSTILE_TREE = r"""
+set -e
+mkdir -p real sub .GIT .git. '.git ' deep
+ln -s /etc etc-link; ln -s real alias; echo through > alias/f.txt
+mkfifo fifo
+python3 -c "import socket; socket.socket(socket.AF_UNIX).bind('sock')"
+echo hard > h1; ln h1 h2
+echo x > .GIT/config; echo x > .git./config; echo x > '.git /config'; mkdir -p sub/.git; echo x > sub/.git/config
+printf 'gitdir: /etc\n' > sub/.git-file; mv sub/.git-file sub2.git 2>/dev/null || true; printf 'gitdir: /etc\n' > .git
+echo a > A.txt; echo b > a.txt
+printf 'nfc' > "$(printf 'caf\303\251')"; printf 'nfd' > "$(printf 'cafe\314\201')"
+echo s > suid; chmod 4755 suid
+echo n > "$(printf 'new\nline')"; echo b > 'back\slash'
+p=deep; for i in $(seq 1 40); do p=$p/d; done; mkdir -p $p; echo deep > $p/f
+head -c 200000 /dev/zero > big.bin
+mkdir -p .github/workflows; echo 'on: push' > .github/workflows/ci.yml
+echo fine > fine.txt
+"""
+
+
+def test_hostile_entries_made_in_the_box_are_refused_and_nothing_escapes(signer, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    around = tmp_path / "around"  # a neighbour of the workspace: must not change
+    around.mkdir()
+    (around / "keep").write_text("keep\n")
+    bundle = tmp_path / "h.tkb"
+    with Box(workspace=ws, bundle_path=bundle, policy=AUTO) as box:
+        r = box.run(["sh", "-c", HOSTILE_TREE])
+        assert r.exit_code == 0, r.stderr
+        patch = box.patch()
+    rows = patch_rows(bundle)
+    rule = {p: c.args["rule"] for p, c in rows.items()}
+    assert rule["etc-link"] == rule["alias"] == rule["fifo"] == rule["sock"] == "patch.type"
+    assert rule["h1"] == rule["h2"] == "patch.type"  # hard links
+    for p in (".GIT/config", ".git./config", ".git /config", "sub/.git/config", ".git"):
+        assert rule[p] == "patch.git", p
+    assert rule["a.txt"] == "patch.collision" or rule["A.txt"] == "patch.collision"
+    cafe = [p for p in rows if p.startswith("caf")]
+    assert sorted(rule[p] for p in cafe) == ["patch.allow[0]", "patch.collision"]
+    assert rule["new\nline"] == rule["back\\slash"] == "patch.path"
+    assert [r for p, r in rule.items() if p.startswith("deep/")] == ["patch.path"]
+    assert rule["big.bin"] == "patch.max_file_bytes"
+    assert rule[".github/workflows/ci.yml"] == "patch.deny_default[0]"
+    assert rule["real/f.txt"] == rule["fine.txt"] == rule["suid"] == "patch.allow[0]"
+    for p, c in rows.items():  # each refusal is signed with its reason
+        assert (c.decision == "deny") == (c.args["verdict"] == "deny"), p
+        assert c.decision == "allow" or c.args["verdict_reason"]
+    # what reached the host: exactly the allowed regular files, modes clamped
+    applied = {f.path for f in patch.files if f.applied}
+    assert applied == {p for p, r in rule.items() if r == "patch.allow[0]"}
+    assert (ws / "suid").stat().st_mode & 0o7777 == 0o755
+    for top, dirs, files in os.walk(ws):
+        for name in dirs + files:
+            full = os.path.join(top, name)
+            assert not os.path.islink(full)
+            assert not os.path.isfile(full) or os.stat(full).st_nlink == 1
+    assert not (ws / ".git").exists() and not (ws / ".GIT").exists() and not (ws / "big.bin").exists()
+    assert [p.name for p in around.iterdir()] == ["keep"]
+    assert verify_bundle(bundle).valid
+
+
+def test_a_symlink_already_on_the_host_is_never_followed(signer, tmp_path):
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "sub" / "f").write_text("start\n")
+    outside.mkdir()
+    bundle = tmp_path / "s.tkb"
+    with Box(workspace=ws, bundle_path=bundle, policy=AUTO) as box:
+        box.run(["sh", "-c", "echo box > sub/f; echo new > sub/g"])
+        (ws / "sub").rename(tmp_path / "sub-moved")  # meanwhile on the host: sub becomes a symlink out
+        (ws / "sub").symlink_to(outside)
+        patch = box.patch()
+    assert not any(f.applied for f in patch.files)
+    assert all("symlink" in f.apply_reason for f in patch.files)
+    assert list(outside.iterdir()) == []
+    assert verify_bundle(bundle).valid
+
+
+CRAFTED = r"""
+import sys
+sys.path.insert(0, "/opt/tkbox")
+from tkbox_guest import agent, patch
+
+def crafted(seed, work):
+    e = lambda path, content=b"x", **kw: patch.encode(dict({"path": path, "op": "add", "type": "file",
+                                                            "mode": 0o644}, **kw), content)
+    yield e("../escape")
+    yield e("/etc/cron.d/evil")
+    yield e("twice.txt", b"first")
+    yield e("twice.txt", b"second")
+    yield e("stolen", op="rename", **{"from": "../../etc/shadow"})
+    yield e("huge.bin", b"z" * 300000)
+    yield e("good.txt", b"good\n")
+    TAIL
+
+patch.stream = crafted  # the agent sends this instead of its real changes
+sys.exit(agent.main())
+"""
+
+
+@pytest.mark.parametrize("tail", ["", "yield b'\\x00\\x00\\x00\\x09{\"path\":1}'",
+                                  "yield patch.encode({'path': 'x', 'op': 'add', 'type': 'file', 'mode': 420}, b'')[:-1]"
+                                  " + b'\\x00\\x00\\x10\\x00' + b'a'"])
+def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer, tmp_path, tail):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    program = CRAFTED.replace("TAIL", tail or "pass")
+    bundle = tmp_path / "g.tkb"
+    box = Box(workspace=ws, bundle_path=bundle, policy=AUTO, agent_argv=[sys.executable, "-c", program]).start()
+    box.collect_patch_at_stop = False
+    try:
+        if not tail:
+            patch = box.patch()
+            why = {f.path: (f.rule, f.reason) for f in patch.files}
+            assert why["../escape"][0] == why["/etc/cron.d/evil"][0] == "patch.path"
+            assert why["stolen"][0] == "patch.from"
+            assert why["huge.bin"][0] == "patch.max_file_bytes"
+            assert [(f.path, f.decision, f.rule) for f in patch.files if f.path == "twice.txt"] == [
+                ("twice.txt", "allow", "patch.allow[0]"), ("twice.txt", "deny", "patch.duplicate")]
+            assert sorted(os.listdir(ws)) == ["good.txt", "twice.txt"]
+            assert (ws / "twice.txt").read_bytes() == b"first"
+        else:
+            with pytest.raises(Exception, match="has ended"):
+                box.patch()
+            assert "protocol violation" in box.ended
+            assert os.listdir(ws) == []  # nothing of a broken patch is applied
+    finally:
+        box.stop()
+    assert verify_bundle(bundle).valid
+
+
+def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
+    from tkbox_nb.replay import audit
+    bundles = []
+    for i, text in enumerate(["same", "same", "other"]):
+        ws = tmp_path / f"ws{i}"
+        ws.mkdir()
+        with Box(workspace=ws, bundle_path=tmp_path / f"a{i}.tkb") as box:
+            box.run(["sh", "-c", f"echo {text} > out.txt; echo kept > keep.txt"])
+        bundles.append(box.bundle_path)
+    assert audit(bundles[0], bundles[1]).equivalent
+    different = audit(bundles[0], bundles[2])
+    assert not different.equivalent
+    assert [d["what"] for d in different.as_dict()["differences"]] == ["patch #2"]  # out.txt (keep.txt is #1)

@@ -1,0 +1,231 @@
+"""The patch door: the box's workspace changes come back file by file, each decided and signed, and only allowed
+files are ever written to the host (tkbox_nb/workspace_writer.py), in the policy's apply mode.
+
+The host asks; the guest agent states its changes as data (guest/patch.py); `PatchReader` parses them strictly.
+Facts that depend on the whole patch (the same path twice, a case or Unicode-form collision, the running total)
+are stated by the door, so `Policy.decide` stays pure and `tkbox verify` re-derives every decision. One signed
+record per file (path, operation, mode, size, content digest, the host digest it replaces, the rule) discloses
+the file's bytes; one summary record per patch discloses the whole cumulative patch as a `git apply` diff.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import protocol as p
+from ..errors import TkboxError
+from ..patch_diff import DiffFile, render
+from ..recorder import sha256_digest
+from ..workspace_writer import ApplyError, FileChange, apply_changes, current_digest
+from . import patch_rules as rules
+from .patch_reader import Entry, PatchReader
+
+if TYPE_CHECKING:
+    from ..box import Box
+
+PATCH_TIMEOUT_S = 300.0
+
+
+@dataclass
+class FileDecision:
+    path: str
+    op: str
+    decision: str
+    rule: str
+    reason: str = ""
+    size: int = 0
+    applied: bool = False
+    apply_reason: str = ""
+
+
+@dataclass
+class Patch:
+    """One collected patch: a decision per file, what was applied, and the cumulative diff."""
+
+    files: list[FileDecision] = field(default_factory=list)
+    diff: bytes = b""
+    mode: str = "review"
+
+    @property
+    def allowed(self) -> list[FileDecision]:
+        return [f for f in self.files if f.decision == "allow"]
+
+    @property
+    def refused(self) -> list[FileDecision]:
+        return [f for f in self.files if f.decision != "allow"]
+
+    def summary(self) -> str:
+        lines = [f"patch: {len(self.allowed)} file(s) allowed, {len(self.refused)} refused (apply = {self.mode})"]
+        for f in self.files:
+            state = ("applied" if f.applied else f"not applied: {f.apply_reason}") if f.decision == "allow" else \
+                f"refused by {f.rule}: {f.reason}"
+            lines.append(f"  {f.op:<7} {f.path}  {state}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{html.escape(f.op)}</td><td><code>{html.escape(f.path)}</code></td>"
+                       f"<td>{html.escape(f.decision)}</td><td>{html.escape(f.rule)}</td>"
+                       f"<td>{html.escape(f.reason or ('applied' if f.applied else f.apply_reason))}</td></tr>"
+                       for f in self.files)
+        return (f"<b>patch</b>: {len(self.allowed)} allowed, {len(self.refused)} refused (apply = "
+                f"{html.escape(self.mode)})<table><tr><th>op</th><th>path</th><th>decision</th><th>rule</th>"
+                f"<th></th></tr>{rows}</table>")
+
+
+class PatchDoor:
+    def __init__(self, box: "Box"):
+        self.box = box
+        self.sent: dict[str, tuple[str, str | None]] = {}   # path -> (op, digest) last decided: decided again only
+                                                             # when it changes
+        self.accepted: dict[str, DiffFile] = {}              # the cumulative allowed patch, for the diff
+
+    @property
+    def seed(self) -> Path | None:
+        seed = self.box.recorder.spool / "seed" if self.box.recorder else None
+        return seed if seed is not None and seed.is_dir() else None
+
+    def _base(self, path: str) -> tuple[str | None, bytes | None, int]:
+        """The digest, bytes and mode of `path` in the host's copy of the starting workspace (None: absent)."""
+        seed = self.seed
+        if seed is None or rules.path_problem(path):
+            return None, None, 0o644
+        digest = current_digest(str(seed), path)
+        if digest is None:
+            return None, None, 0o644
+        full = seed / path
+        return digest, full.read_bytes(), full.lstat().st_mode & 0o777
+
+    def collect(self, apply: str | None = None) -> Patch:
+        """Ask the box for its changes, decide and sign each file, apply the allowed ones if the mode says so."""
+        box = self.box
+        policy = box.recorder.policy
+        mode = apply or policy.get("patch", "apply")
+        keep = policy.get("patch", "max_file_bytes")
+        reader = PatchReader(keep, 2 * policy.get("patch", "max_total_bytes") + keep + (64 << 20))
+        entries: list[Entry] = []
+
+        def on_data(channel: int, data: bytes) -> None:
+            if channel != p.CH_BYTES:
+                raise p.ProtocolError(f"patch data on channel {channel}")
+            entries.extend(reader.feed(data))
+
+        body = box._exchange({"kind": "patch"}, PATCH_TIMEOUT_S, on_data)
+        try:
+            reader.finish()
+            if body.get("entries") != reader.entries:
+                raise p.ProtocolError(f"the box said {str(body.get('entries'))[:20]} patch entries and sent "
+                                      f"{reader.entries}")
+        except p.ProtocolError as e:
+            box._end(f"door protocol violation: {e}")
+            raise TkboxError(f"the box has ended: {box.ended}") from None
+        if body.get("error"):
+            raise TkboxError(f"the box could not list its changes: {str(body['error'])[:200]}")
+        return self._decide_all(entries, mode)
+
+    def _decide_all(self, entries: list[Entry], mode: str) -> Patch:
+        box, rec = self.box, self.box.recorder
+        patch = Patch(mode=mode)
+        seen: set[str] = set()
+        seen_folds: dict[str, str] = {}
+        seed_folds: dict[str, str] = {}
+        accepted_folds = {rules.fold(path): path for path in self.accepted}
+        if self.seed is not None:
+            for top, dirs, names in os.walk(self.seed):
+                for name in dirs + names:
+                    rel = os.path.relpath(os.path.join(top, name), self.seed).replace(os.sep, "/")
+                    seed_folds.setdefault(rules.fold(rel), rel)
+        total, index = 0, 0
+        pending: list[tuple] = []  # (FileDecision, FileChange or None)
+        for e in entries:
+            digest = sha256_digest(e.content) if e.content is not None else None
+            if self.sent.get(e.path) == (e.op, digest):
+                continue  # the same change as the last patch of this box: decided already
+            facts: dict = {"path": e.path, "op": e.op, "type": e.type, "mode": e.mode, "size": e.size,
+                           "index": index, "total_before": total}
+            if e.source is not None:
+                facts["from"] = e.source
+            if e.target is not None:
+                facts["target"] = e.target[:1024]
+            if e.content is not None and e.op != "delete":
+                facts["binary"] = rules.is_binary(e.content)
+            if e.dropped:
+                facts["dropped"] = True
+            key = rules.fold(e.path) if isinstance(e.path, str) and not rules.path_problem(e.path) else None
+            if e.path in seen:
+                facts["duplicate_of"] = e.path
+            elif key is not None:
+                other = seen_folds.get(key) or accepted_folds.get(key) or seed_folds.get(key)
+                if other is not None and other != e.path:
+                    facts["collides_with"] = other
+            base, old, old_mode = self._base(e.path) if key is not None else (None, None, 0o644)
+            facts["base"] = base
+            source_base = source_old = None
+            if e.op == "rename" and e.source is not None:
+                source_base, source_old, old_mode = self._base(e.source)
+                facts["from_base"] = source_base
+            content = {"content": e.content} if e.content is not None and e.op != "delete" else {}
+            crossing = rec.decide("patch", "file", facts, content)
+            index += 1
+            seen.add(e.path)
+            if key is not None:
+                seen_folds.setdefault(key, e.path)
+            if rec.broken:
+                box._end(f"signer lost: {rec.broken}")
+                raise TkboxError(f"the box has ended: {box.ended}")
+            fd = FileDecision(e.path, e.op, "allow" if crossing.allowed else "deny", crossing.verdict.rule,
+                              crossing.verdict.reason or ", ".join(crossing.rule_ids), e.size)
+            change = None
+            self.sent[e.path] = (e.op, digest)
+            if crossing.allowed:
+                total += e.size if e.op != "delete" else 0
+                change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode, base,
+                                    e.source, source_base)
+                self.accepted[e.path] = DiffFile(e.path, e.op, old if e.op != "rename" else source_old,
+                                                 e.content if e.op != "delete" else None, e.mode, old_mode, e.source)
+                if e.op == "rename" and e.source:
+                    self.accepted.pop(e.source, None)
+            if crossing.allowed:  # the file's bytes are out of the box and disclosed; applying is the summary's
+                rec.complete(crossing, "ok", {})
+            patch.files.append(fd)
+            pending.append((fd, change))
+        patch.diff = render(list(self.accepted.values()))
+        if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
+            return patch
+        s = rec.decide("patch", "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
+                                            "refused": len(patch.refused), "apply": mode},
+                       {"diff": patch.diff})
+        if not s.allowed:
+            raise TkboxError(f"the patch summary was refused ({', '.join(s.rule_ids)}); nothing applied")
+        (rec.spool / "patch.diff").write_bytes(patch.diff)
+        self._apply(pending, mode)
+        not_applied = [{"path": f.path, "reason": f.apply_reason[:200]} for f, c in pending
+                       if c is not None and not f.applied]
+        rec.complete(s, "ok" if mode != "auto" or not not_applied else "error",
+                     {"applied": sum(f.applied for f, _ in pending), "not_applied": not_applied[:1000],
+                      "not_applied_count": len(not_applied)})
+        return patch
+
+    def _apply(self, pending: list[tuple], mode: str) -> None:
+        """Write the allowed files in auto mode (all staged, then renamed); say why not otherwise."""
+        workspace = self.box.workspace
+        changes = [c for _, c in pending if c is not None]
+        outcomes = {}
+        why = {"never": "apply = never (bundle only)", "review": "apply = review: `tkbox apply BUNDLE`"}.get(mode)
+        if mode == "auto" and workspace is None:
+            why = "no host workspace"
+        elif mode == "auto" and changes:
+            try:
+                outcomes = {id(c): o for c, o in zip(changes, apply_changes(str(workspace), changes))}
+            except ApplyError as e:
+                why = str(e)
+        for fd, change in pending:
+            if change is not None:
+                o = outcomes.get(id(change))
+                fd.applied, fd.apply_reason = (o.applied, o.reason) if o else (False, why or "")

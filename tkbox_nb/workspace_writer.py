@@ -1,0 +1,240 @@
+"""Writing decided patch files into a host workspace without ever leaving it or leaving it half-written.
+
+Every path is walked from a directory descriptor of the workspace root, one component at a time, with O_NOFOLLOW
+and O_DIRECTORY: a symlink anywhere (made by the box or already on the host) stops the file, never followed. A file
+is applied only if the host copy is still what the box started from (its `base` digest), so a change made on the
+host meanwhile is never overwritten. Applying has two phases: every accepted file is first written beside its
+target (a temporary name in the same directory; one syncfs flushes them all), then all are renamed into
+place; a failure while staging
+(a full disk) removes every staged file and every directory made for them, so the workspace is as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+
+from .doors.patch_rules import clamp_mode, path_problem
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class FileChange:
+    """One allowed file: what to do at `path`, with the digest the host file must have now (None: absent)."""
+
+    path: str
+    op: str                    # add, modify, delete, rename
+    content: bytes | None
+    mode: int
+    base: str | None
+    source: str | None = None  # a rename's source path
+    source_base: str | None = None
+
+
+@dataclass
+class Outcome:
+    path: str
+    applied: bool
+    reason: str = ""
+
+
+class ApplyError(Exception):
+    """Staging failed (a full disk, a read-only workspace): nothing was changed."""
+
+
+def sha256_file_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Dirs:
+    """Descriptors of workspace directories, each opened from its parent without following symlinks; a bounded
+    cache, so ten thousand files in as many directories never hold ten thousand descriptors."""
+
+    LIMIT = 256
+
+    def __init__(self, root: str):
+        self.root_fd = os.open(root, DIR_FLAGS)
+        self.fds: dict[str, int] = {}
+        self.made: list[str] = []  # directories this apply created, in creation order
+
+    def get(self, dirpath: str, create: bool) -> int:
+        if dirpath == "":
+            return self.root_fd
+        if dirpath in self.fds:
+            return self.fds[dirpath]
+        parent, _, part = dirpath.rpartition("/")
+        pfd = self.get(parent, create)
+        try:
+            fd = os.open(part, DIR_FLAGS, dir_fd=pfd)
+        except FileNotFoundError:
+            if not create:
+                raise _Refused(f"{dirpath!r} does not exist on the host") from None
+            os.mkdir(part, 0o755, dir_fd=pfd)
+            self.made.append(dirpath)
+            fd = os.open(part, DIR_FLAGS, dir_fd=pfd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _Refused(f"{dirpath!r} on the host is a symlink or not a directory") from None
+            raise
+        if len(self.fds) >= self.LIMIT:
+            self.drop()
+        self.fds[dirpath] = fd
+        return fd
+
+    def drop(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def close(self) -> None:
+        self.drop()
+        os.close(self.root_fd)
+
+
+def _current(dir_fd: int, name: str) -> str | None:
+    """The digest of the regular file `name` in `dir_fd` now, None if absent; a symlink or other kind refuses."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _Refused("the host path is a symlink") from None
+        if e.errno == errno.ENOTDIR:
+            raise _Refused("a parent on the host is not a directory") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _Refused("the host path is not a regular file")
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def current_digest(root: str, path: str) -> str | None:
+    """The digest of a workspace file now (None if absent or not reachable without a symlink)."""
+    dirs = _Dirs(root)
+    try:
+        parent, _, name = path.rpartition("/")
+        return _current(dirs.get(parent, False), name)
+    except _Refused:
+        return None
+    finally:
+        dirs.close()
+
+
+def apply_changes(root: str, changes: list[FileChange]) -> list[Outcome]:
+    """Apply `changes` (each already allowed) to the workspace at `root`; one Outcome per change. A change whose
+    host file moved on, or whose path meets a symlink or a non-directory on the host, is refused alone. Raises
+    ApplyError, with nothing changed, if staging fails."""
+    dirs = _Dirs(root)
+    staged: list[tuple[str, str, str | None]] = []  # (directory, name, temporary name or None for an unlink)
+    outcomes: dict[int, Outcome] = {}
+    try:
+        for i, ch in enumerate(changes):
+            why = path_problem(ch.path) or (path_problem(ch.source) if ch.op == "rename" else None)
+            if why:
+                outcomes[i] = Outcome(ch.path, False, why)
+                continue
+            try:
+                staged.extend(_stage(dirs, ch))
+            except _Refused as e:
+                outcomes[i] = Outcome(ch.path, False, str(e))
+            except OSError as e:
+                _unstage(dirs, staged)
+                raise ApplyError(f"nothing applied: {e.strerror or e} while writing beside {ch.path!r}") from None
+        _syncfs(dirs.root_fd)  # every staged file on disk before any becomes visible (one flush, not one per file)
+        touched = set()
+        for dirpath, name, tmp in staged:  # every file is staged: now each becomes visible in turn
+            dfd = dirs.get(dirpath, False)
+            if tmp is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+            else:
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            touched.add(dirpath)
+        _syncfs(dirs.root_fd)
+        for i, ch in enumerate(changes):
+            outcomes.setdefault(i, Outcome(ch.path, True))
+        return [outcomes[i] for i in range(len(changes))]
+    finally:
+        dirs.close()
+
+
+def _stage(dirs: _Dirs, ch: FileChange) -> list:
+    out = []
+    dirpath, _, name = ch.path.rpartition("/")
+    if ch.op == "delete":  # already gone is done; anything but what the box started from is kept
+        try:
+            dfd = dirs.get(dirpath, False)
+        except _Refused:
+            return out
+        now = _current(dfd, name)
+        if now is not None and now != ch.base:
+            raise _Refused("the host file changed since the box started")
+        return out if now is None else [(dirpath, name, None)]
+    new_digest = sha256_file_digest(ch.content or b"")
+    if ch.op == "rename":  # the source goes (if it is still what the box started from), the target comes
+        sdir, _, sname = ch.source.rpartition("/")
+        try:
+            source_now = _current(dirs.get(sdir, False), sname)
+        except _Refused:
+            source_now = None
+        if source_now is not None and source_now != ch.source_base:
+            raise _Refused(f"the rename source {ch.source!r} changed on the host since the box started")
+        if source_now is not None:
+            out.append((sdir, sname, None))
+    dfd = dirs.get(dirpath, True)
+    now = _current(dfd, name)
+    if now == new_digest:  # applied already
+        return out
+    if now != ch.base:
+        raise _Refused("the host file changed since the box started" if now else
+                       "the host file is gone since the box started")
+    tmp = f".{name[:200]}.tkbox-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(ch.content or b"")
+            f.flush()
+            os.fchmod(f.fileno(), clamp_mode(ch.mode))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    return out + [(dirpath, name, tmp)]
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the workspace's filesystem: syncfs(2) where the C library has it, else sync(2)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.syncfs(fd) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    os.sync()
+
+
+def _unstage(dirs: _Dirs, staged: list) -> None:
+    for dirpath, _name, tmp in staged:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dirs.get(dirpath, False))
+    for dirpath in reversed(dirs.made):
+        parent, _, part = dirpath.rpartition("/")
+        with contextlib.suppress(OSError, _Refused):
+            os.rmdir(part, dir_fd=dirs.get(parent, False))
