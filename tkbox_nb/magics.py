@@ -95,7 +95,7 @@ class BoxMagicsExtension:
                 return view(text)
             print(text)
         magic.__name__ = name
-        magic.__doc__ = f"%{name}: a host-side tkbox magic (docs/notebook.md); never enters the box."
+        magic.__doc__ = f"%{name}: a host-side tkbox magic (docs/jupyter.md); never enters the box."
         return magic
 
     # -- %%box ---------------------------------------------------------------------------------------------------

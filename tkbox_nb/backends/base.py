@@ -63,12 +63,16 @@ def get_backend(name: str) -> Backend:
     from .bwrap import BwrapBackend
     candidates = {"bwrap": BwrapBackend}
     if name == "auto":
+        why = []
         for cls in candidates.values():
             b = cls()
-            if b.available()[0]:
+            ok, reason = b.available()
+            if ok:
                 return b
+            why.append(f"{b.name}: {reason}")
         from ..errors import TkboxError
-        raise TkboxError("no backend can run here (tkbox doctor says why)")
+        raise TkboxError(f"no box can start here ({'; '.join(why)}); bundles can still be read, verified, replayed "
+                         "and audited")
     if name not in candidates:
         from ..errors import TkboxError
         raise TkboxError(f"backend {name!r} is not available in this version (built: {', '.join(candidates)})")

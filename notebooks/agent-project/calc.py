@@ -1,2 +1,0 @@
-def mean(xs):
-    return sum(xs) / len(xs)
