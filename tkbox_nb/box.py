@@ -85,7 +85,8 @@ class Box:
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
                  home: str | Path | None = None, agent_argv: list[str] | None = None,
-                 secrets: dict[str, Any] | None = None, replay_of: str | None = None):
+                 secrets: dict[str, Any] | None = None, replay_of: str | None = None,
+                 model_replay: Any = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
         self.backend = get_backend(name, self.policy.get("box", "isolation"))
@@ -105,6 +106,12 @@ class Box:
         self.last_patch: Patch | None = None
         self.bindings = _bindings(self.policy, secrets or {})
         self.replay_of = replay_of
+        # model calls served from a bundle's recordings (a path, verified now, or Recordings): replay mode
+        if model_replay is not None and not hasattr(model_replay, "take"):
+            from .doors.model_replay import recordings_from_bundle
+            model_replay = recordings_from_bundle(model_replay)
+        self.model_replay = model_replay
+        self.model = None
         if self.bindings:  # the per-box CA the secrets door terminates TLS with; its key stays in this process
             from .doors.box_ca import BoxCA
             self.ca = BoxCA(self.box_id)
@@ -154,7 +161,10 @@ class Box:
                 self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
             self.patch_door = PatchDoor(self)
-            self.conn = HostConnection(self.running.door, self._violation, on_open=self.egress.accept)
+            if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
+                from .doors.model import ModelDoor
+                self.model = ModelDoor(self, self.model_replay)
+            self.conn = HostConnection(self.running.door, self._violation, on_open=self._box_opened)
             deadline = time.monotonic() + self.backend.ready_timeout_s
             while not self.conn.ready.wait(0.1):
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
@@ -166,8 +176,21 @@ class Box:
             raise
         return self
 
+    def _models_on(self) -> bool:
+        """The model endpoint exists in the box when its policy has [models] at start, or calls are replayed."""
+        return "models" in self.policy.data or self.model_replay is not None
+
+    def _box_opened(self, stream, body: dict) -> bool:
+        """A stream the box opened: an egress connection, or a model call when the box has the model endpoint."""
+        if self.egress.accept(stream, body):
+            return True
+        return self.model is not None and self.model.accept(stream, body)
+
     def _box_env(self) -> dict[str, str]:
         env = egress_env()
+        if self._models_on():
+            from .doors.model import box_env
+            env.update(box_env())
         if self.bindings:
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"):
                 env[name] = CA_BUNDLE_IN_BOX
@@ -189,6 +212,8 @@ class Box:
                 self.running.kill()
             if self.conn is not None:
                 self.conn.shutdown()
+            if self.model is not None:
+                self.model.close()
             if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
                 self._kernel._finish(f"the box stopped: {self.ended or reason}")
             self.recorder.close(self.ended or reason)

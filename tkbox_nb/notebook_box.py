@@ -58,6 +58,7 @@ class NotebookBox:
         self.secrets: dict[str, SecretBinding] = {}
         self.bundles: list[Path] = []
         self.replay_of: str | None = None  # a rerun names the run it replays
+        self.model_replay = None  # a rerun's model calls: Recordings of the original run (doors/model_replay.py)
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
 
     # -- the box -------------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class NotebookBox:
             self.bundle_dir.mkdir(parents=True, exist_ok=True)
             bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
-                  home=self.home, secrets=self.secrets, replay_of=self.replay_of)
+                  home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
         box.start()
         self.box = box
         pending, self._pending = self._pending, []

@@ -261,6 +261,26 @@ class RunRecorder:
             return False
         return True
 
+    def model_event(self, crossing: Crossing, phase: str, provider: str, model: str, **fields: Any) -> bool:
+        """Tracekit's own record of one model exchange (phase request or response), tied to the call's decision by
+        its exchange id: provider, model, content digest, usage, stop reason, streamed, error. False (and the
+        recorder broken) when the signer did not take it."""
+        if not crossing.allowed or self.broken or self.closed:
+            return False
+        req = {"provider": provider[:64], "model": model[:128], "phase": phase, "exchange_id": crossing.call_id}
+        for key, value in fields.items():
+            if value is None:
+                continue
+            req[key] = value[:1000] if key == "error" else value[:100] if key == "stop_reason" else value
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._run.call("model_event", **req)
+        except Exception as e:
+            self._fail(f"model_event of {crossing.call_id} was not recorded: {e}")
+            return False
+        return True
+
     # -- spool ---------------------------------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
         if not self.broken:

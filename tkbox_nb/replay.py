@@ -125,6 +125,9 @@ def rerun(bundle: str | Path, out: str | Path, policy: str | Path | None = None,
         policy = Policy.from_toml(source, f"the policy of run {run.run_id}")
     nb = NotebookBox(policy=policy, backend=backend, home=home)
     nb.replay_of = run.run_id
+    if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
+        from .doors.model_replay import recordings_from_run
+        nb.model_replay = recordings_from_run(run)
     magics = HostMagics(nb, lambda prompt: (_ for _ in ()).throw(TkboxError("a rerun cannot answer a prompt")))
     for cell in to_notebook(run).cells:
         if cell.cell_type != "code" or "tkbox-refused" in cell.metadata.get("tags", []):
@@ -207,7 +210,7 @@ def _sanitize(text: str, extra: list[tuple[str, str]]) -> str:
 
 def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
     """What audit compares, each as a list of sanitized strings in run order."""
-    cells, outputs, egress, secrets, host = [], [], [], [], []
+    cells, outputs, egress, secrets, host, models = [], [], [], [], [], []
     for c in run.crossings():
         a = c.args or {}
         if c.door == "exec" and a.get("kind") == "cell":
@@ -220,8 +223,13 @@ def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
             secrets.append(f"{a.get('kind')} {a.get('name')} {a.get('host', '')}".strip())
         elif c.door == "host":
             host.append(f"%{a.get('magic')} {a.get('line', '')}".strip())
+        elif c.door == "model":  # the call and what came back, by digest (not the mode: a rerun replays)
+            r = c.result or {}
+            models.append(f"{a.get('provider')}:{a.get('model')} {a.get('endpoint')} {c.decision} ({a.get('rule')}) "
+                          f"request {str(a.get('request', ''))[7:19]} response "
+                          f"{str(r.get('response') or r.get('response_digest') or '')[7:19]}")
     return {"cell code": cells, "cell outputs": outputs, "egress": egress, "secrets (names only)": secrets,
-            "host magics": host, "patch": _patch_facts(run)}
+            "host magics": host, "model calls": models, "patch": _patch_facts(run)}
 
 
 def _patch_facts(run: Run) -> list[str]:

@@ -130,6 +130,11 @@ class Run:
             return (code.splitlines() or [""])[0][:120]
         if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             return shlex.join(str(x) for x in a["argv"])[:120]
+        if c.door == "model" and a.get("kind") == "call":
+            usage = (c.result or {}).get("usage") or {}
+            tokens = f" {usage.get('input_tokens', '?')}+{usage.get('output_tokens', '?')} tokens" if usage else ""
+            return (f"{a.get('provider')}:{a.get('model', '?')} {a.get('endpoint', '')}"
+                    f"{' stream' if a.get('stream') else ''} ({a.get('mode', '')}){tokens}")[:120]
         if c.door == "patch" and a.get("kind") == "file":
             src = f"{a.get('from')} -> " if a.get("op") == "rename" else ""
             return f"{a.get('op')} {src}{a.get('path')} ({a.get('size')} bytes, mode {a.get('mode', 0):o})"[:120]

@@ -250,6 +250,7 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
                                               f"{stated[0]} by {stated[1]}")
         elif v.verdict == "deny" and data.get("decision") != "deny":
             fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
+    _model_totals(events, disclosed, fail_record)
     # the readable diff is exactly what the last patch summary committed to
     summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
                  and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
@@ -283,3 +284,37 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "
                                         "re-derived from the disclosed policy")
 
+
+
+def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:
+    """The model door decides budgets on the run's totals it states in each call (docs/policy.md#models); recount
+    them from the signed records in order: calls allowed before, tokens the results before reported, and output
+    tokens asked for by calls allowed and not yet ended. The door signs a call's result and moves its totals under
+    one lock, so the recount is exact."""
+    calls = used_in = used_out = 0
+    in_flight: dict[str, int] = {}
+    for seq in sorted(events):
+        e, data = events[seq], events[seq].get("data") or {}
+        if e.get("type") == "policy.decision" and (seq, "policy.decision") in disclosed:
+            args = disclosed[(seq, "policy.decision")]["args"]
+            if args.get("door") != "model" or args.get("kind") != "call" or "run_calls" not in args:
+                continue
+            want = {"run_calls": calls, "run_input_tokens": used_in,
+                    "run_output_tokens": used_out + sum(in_flight.values())}
+            stated = {k: args.get(k) for k in want}
+            if stated != want:
+                fail_record(seq, "model totals", f"the call states {stated}, the signed records before it give {want}")
+            if data.get("decision") == "allow":
+                calls += 1
+                asked = args.get("max_output")
+                in_flight[str(data.get("decision_id"))] = asked if isinstance(asked, int) else 0
+        elif e.get("type") == "tool.result" and str(data.get("decision_id")) in in_flight:
+            in_flight.pop(str(data.get("decision_id")))
+            usage = ((disclosed.get((seq, "tool.result")) or {}).get("result") or {}).get("usage") or {}
+            for key, n in (("input_tokens", 0), ("output_tokens", 1)):
+                v = usage.get(key) if isinstance(usage, dict) else None
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    if n == 0:
+                        used_in += v
+                    else:
+                        used_out += v

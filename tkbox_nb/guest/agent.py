@@ -128,10 +128,14 @@ def serve(sock):
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
-    forwarder = None
-    if os.environ.get("TKBOX_EGRESS_PORT"):
-        from .forwarder import Forwarder
-        forwarder = Forwarder(door, int(os.environ["TKBOX_EGRESS_PORT"]))
+    forwarders = []  # the egress proxy and the model endpoint: each connection to either is a stream it opens
+    from .forwarder import Forwarder
+    for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model")):
+        if os.environ.get(var):
+            forwarders.append(Forwarder(door, int(os.environ[var]), kind))
+
+    def owner(sid):
+        return next((f for f in forwarders if f.owns(sid)), None)
     buffer = bytearray(1 << 20)  # reused: every consumer below copies or uses its bytes before the next recv
     while True:
         n = sock.recv_into(buffer)
@@ -142,7 +146,8 @@ def serve(sock):
                 event = door.session.receive(ftype, sid, payload)
                 door.lock.notify_all()
             kind = event[0]
-            if kind == "window" and forwarder is not None and forwarder.owns(sid):
+            forwarder = owner(sid) if forwarders and kind != "open" else None
+            if kind == "window" and forwarder is not None:
                 forwarder.wake()  # the stream may be read again
             elif kind == "open":
                 req = event[2]
@@ -162,7 +167,7 @@ def serve(sock):
                 except Exception as e:  # no ipykernel in this image; no thread or process left (a fork bomb)
                     door.close(sid, {"error": "%s: %s" % (type(e).__name__, str(e)[:400]), "exit_code": 126})
             elif kind == "data":
-                if forwarder is not None and forwarder.owns(sid):  # credit goes back once delivered
+                if forwarder is not None:  # credit goes back once delivered
                     forwarder.data(sid, event[3])
                     continue
                 with door.lock:
@@ -173,7 +178,7 @@ def serve(sock):
                     for msg in readers[sid].feed(event[3]):
                         kernels[sid].from_host(msg)
             elif kind == "close":
-                if forwarder is not None and forwarder.owns(sid):
+                if forwarder is not None:
                     forwarder.closed(sid)
                 elif sid in commands:
                     commands.pop(sid).end_stdin()

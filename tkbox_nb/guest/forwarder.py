@@ -5,6 +5,9 @@ ways, go on channel 4 unchanged. The host reads the proxy request (CONNECT or ab
 relays; this side decides nothing and parses nothing. HTTP_PROXY, HTTPS_PROXY and ALL_PROXY (and their lower-case
 forms) point here, so pip, curl, git, urllib, requests and httpx use it unchanged. Standard library only.
 
+The model door's endpoint is a second Forwarder (kind "model", 127.0.0.1:3129): the box's OpenAI and Anthropic
+clients send their HTTP requests to it as to a server, and the host parses, decides and answers them the same way.
+
 One thread serves every connection (a selector), so a hundred connections cost no threads in a box whose thread count
 is limited: a client is read only while the host grants window on its stream, and credit goes back to the host only
 once its bytes are delivered to the client.
@@ -31,8 +34,8 @@ class _Conn:
 
 
 class Forwarder:
-    def __init__(self, door, port=PORT):
-        self.door = door
+    def __init__(self, door, port=PORT, kind="egress"):
+        self.door, self.kind = door, kind
         self.conns = {}   # sid -> _Conn
         self.lock = threading.Lock()
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -45,7 +48,7 @@ class Forwarder:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        threading.Thread(target=self._loop, daemon=True, name="tkbox-forwarder").start()
+        threading.Thread(target=self._loop, daemon=True, name="tkbox-forwarder-" + kind).start()
 
     # -- called by the agent's reader thread -----------------------------------------------------------------------
     def owns(self, sid):
@@ -158,7 +161,7 @@ class Forwarder:
                 sid = self.door.session.open()
                 with self.lock:
                     self.conns[sid] = _Conn(sid, client)
-                self.door.send_raw(p.encode_json(p.OPEN, sid, {"kind": "egress"}))
+                self.door.send_raw(p.encode_json(p.OPEN, sid, {"kind": self.kind}))
                 self.door.send_raw(self.door.session.grant(sid, EXTRA_WINDOW))
 
     def _pump(self, conn):
