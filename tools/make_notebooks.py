@@ -36,6 +36,32 @@ NB02 = [
     new_code_cell("%box_status"),
 ]
 
+NB03_POLICY = '[models]\nmode = "replay"\nallow = ["openai:gpt-4o-mini", "anthropic:claude-*"]\n'
+
+NB03 = [
+    new_markdown_cell(
+        "# 03 · Model calls\n\n"
+        "Shows: an agent in a box calling models with the official `openai` and `anthropic` clients, unchanged, "
+        "through the model door. Here the calls are served from a shipped bundle's recordings (`mode = \"replay\"`): "
+        "no network, no API key, and the same answers every time. Each call is decided under `[models]` and signed; a "
+        "request that was not recorded is refused and says so.\n\n"
+        "Needs: bubblewrap. Runs offline. (`samples/model-calls.tkb` was recorded by `tools/make_model_sample.py`.)"),
+    new_code_cell("from pathlib import Path\nfrom tkbox_nb import Box\n"
+                  "from tkbox_nb.doors.model_replay import recordings_from_bundle\n\n"
+                  "recordings = recordings_from_bundle('samples/model-calls.tkb', trust='samples/trust.json')  # verified first\n"
+                  f"POLICY = {NB03_POLICY!r}\n"
+                  "agent = Path('samples/model_agent.py').read_text()\nprint(agent)"),
+    new_code_cell("with Box(policy=POLICY, model_replay=recordings, bundle_path='model-replay.tkb') as box:\n"
+                  "    box.collect_patch_at_stop = False\n"
+                  "    run = box.run(['python3', '-c', agent])\n"
+                  "    other = box.run(['python3', '-c', agent.replace('Name one prime number.', 'Something new?')])\n"
+                  "print(run.stdout.decode())\n"
+                  "print(other.stderr.decode().strip().splitlines()[-1])"),
+    new_code_cell("from tkbox_nb import open_run\n"
+                  "df = open_run('model-replay.tkb').to_dataframe()\n"
+                  "df[df.door == 'model'][['seq', 'decision', 'box_rule', 'summary']]"),
+]
+
 NB04 = [
     new_markdown_cell(
         "# 04 · Replay and audit\n\n"
@@ -118,7 +144,8 @@ NB05 = [
 
 
 def main() -> None:
-    for name, cells, meta in (("02-policy-and-secrets", NB02, TKBOX), ("04-replay-and-audit", NB04, PY3),
+    for name, cells, meta in (("02-policy-and-secrets", NB02, TKBOX), ("03-model-calls", NB03, PY3),
+                              ("04-replay-and-audit", NB04, PY3),
                               ("05-agent-in-a-box", NB05, PY3)):
         nb = new_notebook(cells=cells, metadata=meta)
         nbformat.write(nb, HERE / f"{name}.ipynb")

@@ -14,7 +14,8 @@ import pytest
 from tkbox_nb.verify import verify_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ["02-policy-and-secrets.ipynb", "04-replay-and-audit.ipynb", "05-agent-in-a-box.ipynb"]
+NOTEBOOKS = ["02-policy-and-secrets.ipynb", "03-model-calls.ipynb", "04-replay-and-audit.ipynb",
+             "05-agent-in-a-box.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -27,6 +28,10 @@ def test_example_notebook_runs_under_nbval(signer, tmp_path, name):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", name],
                        capture_output=True, text=True, timeout=600, cwd=work, env=env)
     assert r.returncode == 0, r.stdout[-3000:]
+    if name.startswith("03"):
+        from tkbox_nb import open_run
+        calls = [c for c in open_run(work / "model-replay.tkb").crossings() if c.door == "model"]
+        assert [c.decision for c in calls] == ["allow", "allow", "deny"]
     if name.startswith("04"):
         assert verify_bundle(work / "rerun.tkb").valid
     if name.startswith("05"):
@@ -45,7 +50,8 @@ def test_notebooks_are_made_from_tools_make_notebooks(tmp_path):
         import make_notebooks
     finally:
         sys.path.pop(0)
-    for name, cells in (("02-policy-and-secrets", make_notebooks.NB02), ("04-replay-and-audit", make_notebooks.NB04),
+    for name, cells in (("02-policy-and-secrets", make_notebooks.NB02), ("03-model-calls", make_notebooks.NB03),
+                        ("04-replay-and-audit", make_notebooks.NB04),
                         ("05-agent-in-a-box", make_notebooks.NB05)):
         nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", 4)
         assert [c.source for c in nb.cells] == [c.source for c in cells], name
