@@ -296,8 +296,9 @@ def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict
     for seq in sorted(events):
         e, data = events[seq], events[seq].get("data") or {}
         if e.get("type") == "policy.decision" and (seq, "policy.decision") in disclosed:
-            args = disclosed[(seq, "policy.decision")]["args"]
-            if args.get("door") != "model" or args.get("kind") != "call" or "run_calls" not in args:
+            args = disclosed[(seq, "policy.decision")].get("args")
+            if not isinstance(args, dict) or args.get("door") != "model" or args.get("kind") != "call" \
+                    or "run_calls" not in args:
                 continue
             want = {"run_calls": calls, "run_input_tokens": used_in,
                     "run_output_tokens": used_out + sum(in_flight.values())}
@@ -310,7 +311,8 @@ def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict
                 in_flight[str(data.get("decision_id"))] = asked if isinstance(asked, int) else 0
         elif e.get("type") == "tool.result" and str(data.get("decision_id")) in in_flight:
             in_flight.pop(str(data.get("decision_id")))
-            usage = ((disclosed.get((seq, "tool.result")) or {}).get("result") or {}).get("usage") or {}
+            result = (disclosed.get((seq, "tool.result")) or {}).get("result")
+            usage = result.get("usage") if isinstance(result, dict) else None
             for key, n in (("input_tokens", 0), ("output_tokens", 1)):
                 v = usage.get(key) if isinstance(usage, dict) else None
                 if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
