@@ -116,11 +116,14 @@ class RunRecorder:
         self._write_box_manifest()
         return self
 
-    def _write_handle(self) -> None:
+    def _write_handle(self, abandoned: str | None = None) -> None:
         """What another process needs to close this run if this one dies first (recover_orphans): the run's id and
-        token, this process's pid and where the bundle should go. Host-only (0600 in a 0700 directory)."""
+        token, this process's pid and where the bundle should go; `abandoned`: why this process gave the run up
+        (the signer was lost), so it is recovered even while this process lives. Host-only (0600 in 0700)."""
         handle = {"run_id": self.run_id, "run_token": self._run.run_token, "pid": os.getpid(),
                   "bundle_hint": str(self.bundle_hint) if self.bundle_hint else ""}
+        if abandoned:
+            handle["abandoned"] = abandoned[:300]
         fd = os.open(self.spool / "handle.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(handle, f)
@@ -183,7 +186,9 @@ class RunRecorder:
         if self._client:
             self._client.close()
         self.closed = True
-        if self.spool is not None:
+        if self.spool is not None and self.broken and self._run is not None:
+            self._write_handle(abandoned=self.broken)  # closed here but not in the signer: recover it once it answers
+        elif self.spool is not None:
             (self.spool / "handle.json").unlink(missing_ok=True)  # closed: nothing left to recover
 
     # -- crossings -----------------------------------------------------------------------------------------------
@@ -341,10 +346,11 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
     for spool in sorted(signer.runs_dir.iterdir()):
         handle = spool / "handle.json"
         try:
-            pid = json.loads(handle.read_text())["pid"]
+            held = json.loads(handle.read_text())
+            pid, abandoned = held["pid"], held.get("abandoned")
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if pid_alive(pid):
+        if pid_alive(pid) and not abandoned:
             continue
         lock = spool / "recovering"
         try:
@@ -354,7 +360,8 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
         os.close(fd)
         try:
             rec = RunRecorder.adopt(signer, spool)
-            rec.close(f"recovered: the process that held this box (pid {pid}) ended without closing its run")
+            rec.close(f"recovered: the run ended early ({abandoned})" if abandoned else
+                      f"recovered: the process that held this box (pid {pid}) ended without closing its run")
             out = rec.bundle_hint
             if out is None or not out.parent.is_dir():
                 out = signer.home / "bundles" / f"{rec.run_id}.tkb"

@@ -13,6 +13,7 @@ import pytest
 
 from tkbox_nb import Box, BoxEnded, DoorRefused, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.recorder import recover_orphans
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
@@ -175,7 +176,7 @@ def test_wall_time_limit_ends_the_box_and_is_recorded(signer, tmp_path):
 
 
 def test_killed_signer_refuses_the_next_command_and_stops_the_box(private_signer, tmp_path):
-    b = Box(backend="bwrap", home=private_signer.home).start()
+    b = Box(backend="bwrap", home=private_signer.home, bundle_path=tmp_path / "lost.tkb").start()
     assert b.run(["echo", "1"]).exit_code == 0
     os.kill(private_signer.pid(), signal.SIGKILL)
     with pytest.raises(DoorRefused, match="TKB-SIGNER-UNAVAILABLE"):
@@ -183,8 +184,17 @@ def test_killed_signer_refuses_the_next_command_and_stops_the_box(private_signer
     assert b.ended and not b.running.alive()
     with pytest.raises(BoxEnded):
         b.run(["echo", "2"])
-    with pytest.raises(BoxEnded, match="no bundle"):
+    with pytest.raises(BoxEnded, match="no bundle yet.*tkbox signer recover"):
         b.stop()
+    # the signer comes back: the run is closed as one that ended early, and its bundle verifies to the last record
+    private_signer.ensure()
+    [bundle] = recover_orphans(private_signer)
+    assert bundle == tmp_path / "lost.tkb"
+    run = open_run(bundle)
+    assert run.box["end_reason"].startswith("recovered: the run ended early") and "signer" in run.box["end_reason"]
+    assert [c.args["argv"] for c in run.crossings() if c.door == "exec"] == [["echo", "1"]]
+    private_signer.write_trust(tmp_path / "trust.json")
+    assert verify_bundle(bundle, tmp_path / "trust.json").valid
 
 
 # A guest program in place of the agent: it says hello, waits for the host's first stream, then attacks.
