@@ -230,3 +230,11 @@ def test_reader_refuses_without_writing(good, tmp_path):
     with pytest.raises(Exception):
         read_entries(data.getvalue())
     assert not Path("/tmp/tkbox-escape").exists()
+
+
+def test_a_bundle_no_verifier_could_read_is_never_written():
+    from tkbox_nb.bundle import MAX_ENTRY, check_limits
+    from tkbox_nb.errors import BundleError
+    check_limits({"runs/r.jsonl": b"x" * 1000, "box/disclosures.jsonl": b"y" * 1000}, "r")
+    with pytest.raises(BundleError, match=r"runs/r.jsonl would be 64 MiB, over the 64 MiB .* about 25,000 crossings"):
+        check_limits({"runs/r.jsonl": b"x" * (MAX_ENTRY + 1)}, "r")

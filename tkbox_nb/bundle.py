@@ -291,8 +291,23 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
     box_files["box/manifest.json"] = json.dumps(box, sort_keys=True, indent=1).encode()
     files.update(box_files)
     manifest["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+    check_limits(files, run_id)
     write_zip(out_path, {"manifest.json": json.dumps(manifest, indent=1).encode(), **files})
     return out_path
+
+
+def check_limits(files: dict[str, bytes], run_id: str = "") -> None:
+    """Refuse to write a bundle that no verifier could read back (Tracekit's limits: one entry at most 64 MiB, all
+    of them 512 MiB), with the reason, instead of leaving an unreadable file. A run's records are one entry, so a
+    run of more than about 25,000 crossings cannot be one bundle."""
+    for name, body in files.items():
+        if len(body) > MAX_ENTRY:
+            raise BundleError(f"run {run_id}: {name} would be {len(body) >> 20} MiB, over the {MAX_ENTRY >> 20} MiB a "
+                              "bundle entry may hold (a run's records are one entry: about 25,000 crossings); the "
+                              "records stay in the signer's store, but this run cannot be one bundle")
+    total = sum(len(b) for b in files.values())
+    if total > MAX_TOTAL:
+        raise BundleError(f"run {run_id}: the bundle would be {total >> 20} MiB, over the {MAX_TOTAL >> 20} MiB limit")
 
 
 def write_zip(out_path: Path, files: dict[str, bytes]) -> None:
