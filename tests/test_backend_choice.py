@@ -24,8 +24,9 @@ def test_a_vm_minimum_never_falls_back_to_a_namespace_box():
     with pytest.raises(TkboxError, match="below the policy's box.isolation"):
         get_backend("bwrap", "vm")
     picked, why = choose_backend("vm")
-    assert picked is None or picked.name == "qemu"
-    assert any(line.startswith("bwrap: namespace isolation is below") for line in why)
+    assert picked is None or picked.name == "qemu"  # a VM (where an image is built, QEMU under TCG), never bwrap
+    if picked is None:  # nothing meets the minimum: the reasons say bwrap was not taken for being below it
+        assert any(line.startswith("bwrap: namespace isolation is below") for line in why)
 
 
 @pytest.mark.skipif(not BwrapBackend().available()[0], reason="bubblewrap cannot run here")
