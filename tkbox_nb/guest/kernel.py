@@ -68,6 +68,10 @@ class KernelBridge:
                 s.setsockopt(zmq.SUBSCRIBE, b"")
             else:  # one identity, as jupyter_client does: the kernel sends input_request to the shell's identity
                 s.setsockopt(zmq.IDENTITY, self.session.bsession)
+            if name == "stdin":
+                # the kernel's stdin ROUTER drops an input_request for an identity it has not met yet, and the cell
+                # then waits for its answer forever: the bridge is ready only once this socket's handshake is done
+                self.stdin_monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             s.connect("ipc://%s-%d" % (ip, conn[name + "_port"]))
             self.sockets[name] = s
         self.inbox = self.ctx.socket(zmq.PULL)  # messages from the host, pushed by the agent's reader thread
@@ -129,13 +133,20 @@ class KernelBridge:
         self.own.add(msg["header"]["msg_id"])
         self.session.send(self.sockets["shell"], msg)
 
+    def _maybe_ready(self, info, iopub_seen, stdin_met):
+        """Ready when the kernel answered on shell, published on iopub, and has met the stdin socket."""
+        if not self.ready and info is not None and iopub_seen and stdin_met:
+            self.ready = True
+            self._to_host("bridge", {"header": {"msg_type": "ready"}, "parent_header": {}, "metadata": {},
+                                     "content": info})
+
     def _loop(self):
         zmq = self.zmq
         poller = zmq.Poller()
-        for s in list(self.sockets.values()) + [self.inbox]:
+        for s in list(self.sockets.values()) + [self.inbox, self.stdin_monitor]:
             poller.register(s, zmq.POLLIN)
         names = {s: n for n, s in self.sockets.items()}
-        info, iopub_seen, next_probe = None, False, 0.0
+        info, iopub_seen, stdin_met, next_probe = None, False, False, 0.0
         started = time.monotonic()
         try:
             while not self.stopped:
@@ -151,6 +162,11 @@ class KernelBridge:
                 for sock, _ in poller.poll(200):
                     if sock is self.inbox:
                         self._to_kernel(sock.recv())
+                        continue
+                    if sock is self.stdin_monitor:
+                        sock.recv_multipart()
+                        stdin_met = True
+                        self._maybe_ready(info, iopub_seen, stdin_met)
                         continue
                     frames = sock.recv_multipart(copy=True)
                     name = names[sock]
@@ -168,10 +184,7 @@ class KernelBridge:
                             info = msg["content"]
                         elif name == "iopub":
                             iopub_seen = True
-                        if not self.ready and info is not None and iopub_seen:
-                            self.ready = True
-                            self._to_host("bridge", {"header": {"msg_type": "ready"}, "parent_header": {},
-                                                     "metadata": {}, "content": info})
+                        self._maybe_ready(info, iopub_seen, stdin_met)
                         continue
                     if name == "iopub" and msg["header"]["msg_type"] == "iopub_welcome":
                         continue
