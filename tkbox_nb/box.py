@@ -86,10 +86,11 @@ class Box:
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
                  home: str | Path | None = None, agent_argv: list[str] | None = None,
                  secrets: dict[str, Any] | None = None, replay_of: str | None = None,
-                 model_replay: Any = None):
+                 model_replay: Any = None, jailer: bool | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
-        self.backend = get_backend(name, self.policy.get("box", "isolation"))
+        jailer = self.policy.get("box", "jailer") if jailer is None else jailer
+        self.backend = get_backend(name, self.policy.get("box", "isolation"), jailer=bool(jailer))
         self.workspace = Path(workspace) if workspace else None
         if self.workspace is not None and not self.workspace.is_dir():
             raise TkboxError(f"workspace {self.workspace} is not a directory")

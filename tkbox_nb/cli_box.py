@@ -15,7 +15,8 @@ def _cmd_run(a) -> int:
         raise SystemExit("tkbox run: error: give the command after --, e.g. tkbox run -- python3 -c 'print(1)'")
     argv = a.argv[1:] if a.argv[0] == "--" else a.argv
     stdin = None if sys.stdin.isatty() or not a.stdin else sys.stdin.buffer.read()
-    box = Box(policy=a.policy, backend=a.backend, workspace=a.workspace, bundle_path=a.output)
+    box = Box(policy=a.policy, backend=a.backend, workspace=a.workspace, bundle_path=a.output,
+              jailer=True if a.jailer else None)
     code = 1
     with box:
         try:
@@ -31,19 +32,30 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_doctor(a) -> int:
-    from .backends.base import choose_backend
-    from .backends.bwrap import BwrapBackend
-    from .backends.qemu import QemuBackend
+    from .backends.base import _candidates, choose_backend
     from .policy import Policy
     from .signer import MachineSigner
     ok_any = False
+    policy = Policy.coerce(a.policy)
+    jailer = bool(policy.get("box", "jailer"))
     for name in BACKENDS:
-        backend = {"bwrap": BwrapBackend, "qemu": QemuBackend}.get(name)
-        ok, why = backend().available() if backend else (False, "not built in this version")
+        backend = _candidates()[name]
+        ok, why = (backend(jailer=True) if name == "firecracker" and jailer else backend()).available()
         ok_any = ok_any or ok
         print(f"{name:12s} {'ok' if ok else 'no':3s} {why}")
-    minimum = Policy.coerce(a.policy).get("box", "isolation")
-    picked, why = choose_backend(minimum)
+        if name == "firecracker":
+            fc = backend(jailer=jailer)
+            for what, good, detail in fc.checks():
+                print(f"{'':16s} {what:8s} {'ok' if good else ('no' if good is False else '-'):3s} {detail}")
+            if not ok:
+                print(f"{'':16s} {'boot':8s} -   not tried: a requirement above is missing")
+            elif a.no_boot:
+                print(f"{'':16s} {'boot':8s} -   not tried (--no-boot)")
+            else:
+                ok, detail = _boot_check(fc)
+                print(f"{'':16s} {'boot':8s} {'ok' if ok else 'no':3s} {detail}")
+    minimum = policy.get("box", "isolation")
+    picked, why = choose_backend(minimum, jailer)
     label = f"{picked.name} ({picked.isolation})" if picked else "nothing"
     print(f"{'auto':12s} {'ok' if picked else 'no':3s} picks {label} for box.isolation = {minimum!r}")
     for line in why:
@@ -52,6 +64,25 @@ def _cmd_doctor(a) -> int:
     print(f"{'signer':12s} {'ok' if signer.answering() else 'off':3s} {signer.dir} "
           f"({'answering' if signer.answering() else 'starts on first use'})")
     return 0 if ok_any else 1
+
+
+def _boot_check(backend) -> tuple[bool, str]:
+    """Boot one box on `backend` and run one command in it: what `available()` cannot know (the kernel finds its
+    devices, the door connects)."""
+    import tempfile
+    import time
+    from .box import Box
+    t = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tkbox-doctor-") as tmp, \
+                Box(backend=backend.name, jailer=getattr(backend, "jailer", False),
+                    bundle_path=f"{tmp}/boot-check.tkb") as box:
+            r = box.run(["python3", "-c", "print(6 * 7)"])
+        if r.stdout.strip() != b"42":
+            return False, f"the test command printed {r.stdout[:80]!r}"
+        return True, f"booted and ran a command in {time.monotonic() - t:.1f} s"
+    except Exception as e:  # noqa: BLE001 -- a doctor reports, it does not crash
+        return False, " ".join(str(e).split())[:300]
 
 
 def _cmd_image(a) -> int:
@@ -90,9 +121,11 @@ def add_commands(sub) -> None:
     r.add_argument("--workspace", help="directory copied into the box as /workspace")
     r.add_argument("-o", "--output", help="where to write the .tkb (default: $TKBOX_HOME/bundles/RUN.tkb)")
     r.add_argument("--stdin", action="store_true", help="pass this process's stdin to the command")
+    r.add_argument("--jailer", action="store_true", help="run Firecracker under its jailer (docs/backends.md)")
     r.add_argument("argv", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)
     d = sub.add_parser("doctor", help="which backends can run here, and why not")
+    d.add_argument("--no-boot", action="store_true", help="do not boot a test VM where Firecracker is available")
     d.add_argument("--policy", help="box policy (TOML) whose box.isolation the auto choice must meet")
     d.set_defaults(fn=_cmd_doctor)
     i = sub.add_parser("image", help="the guest image of the qemu backend")

@@ -40,7 +40,7 @@ timeout_s = 600
 # section -> {key: (type, validator-or-None)}
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "box": {"backend": str, "isolation": str, "memory_mib": int, "cpus": int, "cpu_time_s": int,
-            "max_processes": int, "workspace_mib": int},
+            "max_processes": int, "workspace_mib": int, "jailer": bool},
     "exec": {"cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
              "max_output_bytes": int},
     "egress": {"allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
@@ -50,7 +50,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "isolation": "namespace", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
-            "workspace_mib": 1024},
+            "workspace_mib": 1024, "jailer": False},
     "exec": {"cells": True, "comms": True, "commands": ["*"], "deny_commands": [], "timeout_s": 600,
              "max_output_bytes": 16 << 20},
     "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10, "upstream_ca_file": ""},

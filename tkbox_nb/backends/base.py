@@ -68,20 +68,22 @@ ISOLATION_LEVELS = {"none": 0, "namespace": 1, "vm-tcg": 2, "vm-kvm": 2, "vm": 2
 
 def _candidates() -> dict[str, type]:
     from .bwrap import BwrapBackend
+    from .firecracker import FirecrackerBackend
     from .qemu import QemuBackend
-    return {"bwrap": BwrapBackend, "qemu": QemuBackend}
+    return {"bwrap": BwrapBackend, "qemu": QemuBackend, "firecracker": FirecrackerBackend}
 
 
-def choose_backend(minimum: str = "namespace") -> tuple[Backend | None, list[str]]:
+def choose_backend(minimum: str = "namespace", jailer: bool = False) -> tuple[Backend | None, list[str]]:
     """`backend="auto"`: the strongest backend that works here and meets `minimum`, with why each was or was not
-    taken. Order: Firecracker (not built in this version), QEMU with KVM, QEMU with TCG where the policy asks for a VM
-    (emulation is slow, so a namespace box is preferred when it is enough), then bubblewrap."""
-    from .qemu import QemuBackend, kvm_usable
+    taken. Order: Firecracker, QEMU with KVM, QEMU with TCG where the policy asks for a VM (emulation is slow, so a
+    namespace box is preferred when it is enough), then bubblewrap."""
     from .bwrap import BwrapBackend
+    from .firecracker import FirecrackerBackend
+    from .qemu import QemuBackend, kvm_usable
     need = ISOLATION_LEVELS[minimum]
-    why = ["firecracker: not built in this version"]
+    why: list[str] = []
     kvm, kvm_why = kvm_usable()
-    order: list[tuple[str, Backend | None, str]] = []
+    order: list[tuple[str, Backend | None, str]] = [("firecracker", FirecrackerBackend(jailer=jailer), "")]
     if kvm:
         order.append(("qemu (KVM)", QemuBackend(accel="kvm"), ""))
     else:
@@ -104,11 +106,16 @@ def choose_backend(minimum: str = "namespace") -> tuple[Backend | None, list[str
     return None, why
 
 
-def get_backend(name: str, minimum: str = "namespace") -> Backend:
-    """The backend `name` ("auto" chooses), refused when its isolation is below `minimum` (never a fallback)."""
+def get_backend(name: str, minimum: str = "namespace", jailer: bool = False) -> Backend:
+    """The backend `name` ("auto" chooses), refused when its isolation is below `minimum` (never a fallback).
+    `jailer` runs Firecracker under its jailer; it is refused for any other backend rather than ignored."""
     from ..errors import TkboxError
+    if jailer and name not in ("auto", "firecracker"):
+        raise TkboxError(f"the jailer is Firecracker's: backend {name!r} cannot use it")
     if name == "auto":
-        backend, why = choose_backend(minimum)
+        backend, why = choose_backend(minimum, jailer)
+        if jailer and backend is not None and backend.name != "firecracker":
+            raise TkboxError(f"the jailer was asked for but Firecracker cannot run here ({why[0]})")
         if backend is None:
             raise TkboxError(f"no box with isolation >= {minimum!r} can start here ({'; '.join(why)}); bundles can "
                              "still be read, verified, replayed and audited")
@@ -116,7 +123,7 @@ def get_backend(name: str, minimum: str = "namespace") -> Backend:
     candidates = _candidates()
     if name not in candidates:
         raise TkboxError(f"backend {name!r} is not available in this version (built: {', '.join(candidates)})")
-    backend = candidates[name]()
+    backend = candidates[name](jailer=True) if jailer else candidates[name]()
     if ISOLATION_LEVELS.get(backend.isolation, 0) < ISOLATION_LEVELS[minimum]:
         raise TkboxError(f"backend {name!r} gives {backend.isolation} isolation, below the policy's "
                          f"box.isolation = {minimum!r}: refusing to start")

@@ -34,6 +34,8 @@ SUITE = "bookworm"
 DEFAULT_PACKAGES = ("python3", "python3-ipykernel", "python3-numpy", "python3-pandas", "python3-matplotlib")
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
+# loaded only when the kernel command line says the door is vsock (Firecracker): QEMU's door is virtio-serial
+VSOCK_MODULES = ("vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport")
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
 # debugpy: ipykernel imports it when present (seconds under TCG), and no debug request is forwarded to a box
@@ -53,7 +55,9 @@ mount -t devtmpfs devtmpfs /dev
 fail() { echo "tkbox init: $*"; reboot -f; }
 for m in %(modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
 ws=64
-for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; esac; done
+door=serial
+for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;; esac; done
+if [ $door = vsock ]; then for m in %(vsock_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done; fi
 i=0
 until root=$(findfs LABEL=%(root)s 2>/dev/null) && cfg=$(findfs LABEL=%(cfg)s 2>/dev/null); do
   i=$((i+1)); [ $i -gt 400 ] && fail "no root or config disk"; sleep 0.02
@@ -80,7 +84,7 @@ chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG
 echo "tkbox init: agent exited ($?)"
 sync
 reboot -f
-""" % {"modules": " ".join(MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL}
+""" % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL}
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,7 @@ def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, pip:
     if pip:  # only then, so that images without pip packages keep their digests
         root["pip"] = pip
     full = {**root, "root": _sha(json.dumps(root, sort_keys=True).encode()), "kernel": kernel,
-            "modules": list(MODULES), "init": _sha(INIT.encode()), "agent": agent_digest()}
+            "modules": list(MODULES + VSOCK_MODULES), "init": _sha(INIT.encode()), "agent": agent_digest()}
     return root, full
 
 
@@ -251,7 +255,7 @@ def _initramfs(modules_dir: Path, busybox: Path) -> bytes:
     d, f, x = 0o040755, 0o100644, 0o100755
     entries = [("bin", d, b""), ("modules", d, b""), ("agent", d, b""), ("agent/tkbox_guest", d, b""),
                ("init", x, INIT.encode()), ("bin/busybox", x, busybox.read_bytes()), ("bin/sh", 0o120777, b"busybox")]
-    for m in MODULES:
+    for m in MODULES + VSOCK_MODULES:
         found = list(modules_dir.rglob(f"{m}.ko"))
         if len(found) != 1:
             raise TkboxError(f"image build: the kernel package has no single module {m}.ko")

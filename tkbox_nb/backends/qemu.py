@@ -11,26 +11,20 @@ stock kernel here, TCG (emulation) otherwise; the choice is the box's recorded i
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import resource
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from ..errors import TkboxError
-from .base import Backend, BoxSpec, RunningBox
-from .image import CONFIG_LABEL, DOOR_NAME, Image, current_image, make_ext4
+from .base import Backend, BoxSpec
+from .image import DOOR_NAME, Image, current_image
+from .microvm import VmRunning, accept_door, config_disk, stop_process_group, vmm_limits
 
 QEMU = "qemu-system-x86_64"
-CONSOLE_TAIL_BYTES = 8192
 CONNECT_TIMEOUT_S = 15.0
-BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 
 
 def kvm_usable() -> tuple[bool, str]:
@@ -42,63 +36,6 @@ def kvm_usable() -> tuple[bool, str]:
     if Path("/sys/module/kvm_pvm").exists():
         return False, "/dev/kvm is nested PVM (kvm_pvm), which does not boot stock kernels"
     return True, "/dev/kvm works"
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _prctl():
-    """libc's prctl, looked up before fork (so the child only calls it), or None where it cannot be found."""
-    import ctypes
-    import ctypes.util
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-class QemuRunning(RunningBox):
-    def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path):
-        self.proc, self.door, self._workdir = proc, door, workdir
-        self._console_tail = bytearray()
-        self._drain = threading.Thread(target=self._drain_console, daemon=True, name="tkbox-vm-console")
-        self._drain.start()
-
-    def _drain_console(self) -> None:
-        """The guest's serial console is box output: only its last bytes are kept, in memory."""
-        while True:
-            try:
-                chunk = self.proc.stdout.read1(65536)
-            except (OSError, ValueError):
-                return
-            if not chunk:
-                return
-            self._console_tail += chunk
-            del self._console_tail[:-CONSOLE_TAIL_BYTES]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        with contextlib.suppress(OSError):
-            self.door.close()
-        shutil.rmtree(self._workdir, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        return bytes(self._console_tail).decode("utf-8", "replace")[-2000:]
-
-    def exit_reason(self) -> str:
-        rc = self.proc.poll()
-        if rc is None:
-            return "running"
-        if rc < 0:
-            name = signal.Signals(-rc).name
-            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
-        return f"exit status {rc}" + (" (the guest powered off)" if rc == 0 else "")
 
 
 class QemuBackend(Backend):
@@ -170,23 +107,7 @@ class QemuBackend(Backend):
         sandbox = f"on,obsolete=deny,elevateprivileges={'allow' if root else 'deny'},spawn=deny,resourcecontrol=deny"
         return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
 
-    def _config_disk(self, spec: BoxSpec, workdir: Path) -> Path:
-        """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
-        cfg = workdir / "config"
-        cfg.mkdir()
-        env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, "TKBOX_KERNEL_READY_S": str(int(self.kernel_ready_s) - 30),
-               **spec.env}
-        (cfg / "env.json").write_text(json.dumps(env, sort_keys=True))
-        if spec.ca_bundle is not None:
-            (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
-        if spec.seed is not None:
-            shutil.copytree(spec.seed, cfg / "seed", symlinks=True)
-        out = workdir / "config.img"
-        make_ext4(cfg, out, CONFIG_LABEL, slack_mib=4)
-        shutil.rmtree(cfg, ignore_errors=True)
-        return out
-
-    def start(self, spec: BoxSpec) -> QemuRunning:
+    def start(self, spec: BoxSpec) -> VmRunning:
         if spec.agent_argv is not None:
             raise TkboxError("the qemu backend runs only the image's guest agent (agent_argv is for bwrap tests)")
         self.image  # noqa: B018 -- fail before making anything when there is no image
@@ -196,46 +117,22 @@ class QemuBackend(Backend):
             door_path = workdir / "door.sock"
             listener.bind(str(door_path))
             listener.listen(1)
-            config_img = self._config_disk(spec, workdir)
-            cpu_s = spec.cpu_time_s
-
-            prctl = _prctl()
-
-            def in_child():  # QEMU's CPU time is the box's CPU time; no core dumps of guest memory; dies with us
-                if prctl is not None:
-                    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-                resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
+            config_img = config_disk(spec, workdir, self.kernel_ready_s)
             proc = subprocess.Popen(self.argv(spec, door_path, config_img, max(1, spec.cpus)), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
-                                    preexec_fn=in_child, start_new_session=True)
+                                    preexec_fn=vmm_limits(spec.cpu_time_s), start_new_session=True)
         except BaseException:
             listener.close()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         running = None
         try:
-            listener.settimeout(0.1)
-            deadline = time.monotonic() + CONNECT_TIMEOUT_S
-            door = None
-            while door is None:
-                try:
-                    door, _ = listener.accept()
-                except socket.timeout:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        out = proc.stdout.read1(4096).decode("utf-8", "replace").strip() if proc.poll() is not None \
-                            else "no connection"
-                        raise TkboxError(f"QEMU did not connect its door ({out.splitlines()[-1][:300] if out else proc.poll()})")
-            door.settimeout(None)
-            running = QemuRunning(proc, door, workdir)
+            running = VmRunning(proc, accept_door(listener, proc, CONNECT_TIMEOUT_S, "QEMU"), workdir)
             return running
         finally:
             listener.close()
             with contextlib.suppress(OSError):
                 door_path.unlink()
             if running is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_process_group(proc)
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""What the two micro-VM backends (QEMU, Firecracker) share: the box's config disk, the VMM process's limits, and the
+running VM (its console tail, its end, its cleanup).
+
+A VMM process runs the guest's code on its vCPUs, so it gets the box's limits: the box's CPU time is its CPU time, it
+never dumps core (a core is guest memory), and it dies with this process (PR_SET_PDEATHSIG), so a host kernel killed
+with SIGKILL leaves no VM running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..errors import TkboxError
+from .base import BoxSpec, RunningBox
+from .image import CONFIG_LABEL, make_ext4
+
+CONSOLE_TAIL_BYTES = 8192
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, looked up before fork (so the child only calls it), or None where it cannot be found."""
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def vmm_limits(cpu_time_s: int) -> Callable[[], None]:
+    """A preexec_fn for a VMM: the box's CPU time, no core dumps, killed when this process dies."""
+    prctl = _prctl()
+
+    def in_child():
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_time_s, cpu_time_s + 1))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return in_child
+
+
+def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
+    """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
+    cfg = workdir / "config"
+    cfg.mkdir()
+    env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, "TKBOX_KERNEL_READY_S": str(int(kernel_ready_s) - 30), **spec.env}
+    (cfg / "env.json").write_text(json.dumps(env, sort_keys=True))
+    if spec.ca_bundle is not None:
+        (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
+    if spec.seed is not None:
+        shutil.copytree(spec.seed, cfg / "seed", symlinks=True)
+    out = workdir / "config.img"
+    make_ext4(cfg, out, CONFIG_LABEL, slack_mib=4)
+    shutil.rmtree(cfg, ignore_errors=True)
+    return out
+
+
+def accept_door(listener: socket.socket, proc: subprocess.Popen, timeout_s: float, vmm: str) -> socket.socket:
+    """The one connection the VMM makes to the door listener, or a TkboxError naming why none came."""
+    listener.settimeout(0.1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            door, _ = listener.accept()
+            door.settimeout(None)
+            return door
+        except socket.timeout:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read1(4096).decode("utf-8", "replace").strip() if proc.poll() is not None \
+                    else "no connection"
+                raise TkboxError(f"{vmm} did not connect its door ({out.splitlines()[-1][:300] if out else proc.poll()})")
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+class VmRunning(RunningBox):
+    """A VMM process with one door; its stdout is the guest's serial console (box output: only a tail is kept)."""
+
+    def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path, extra_dirs: list[Path] = ()):
+        self.proc, self.door, self._workdir, self._extra_dirs = proc, door, workdir, list(extra_dirs)
+        self._console_tail = bytearray()
+        self._drain = threading.Thread(target=self._drain_console, daemon=True, name="tkbox-vm-console")
+        self._drain.start()
+
+    def _drain_console(self) -> None:
+        while True:
+            try:
+                chunk = self.proc.stdout.read1(65536)
+            except (OSError, ValueError):
+                return
+            if not chunk:
+                return
+            self._console_tail += chunk
+            del self._console_tail[:-CONSOLE_TAIL_BYTES]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        stop_process_group(self.proc)
+        with contextlib.suppress(OSError):
+            self.door.close()
+        for d in (self._workdir, *self._extra_dirs):
+            shutil.rmtree(d, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        return bytes(self._console_tail).decode("utf-8", "replace")[-2000:]
+
+    def exit_reason(self) -> str:
+        rc = self.proc.poll()
+        if rc is None:
+            return "running"
+        if rc < 0:
+            name = signal.Signals(-rc).name
+            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
+        return f"exit status {rc}" + (" (the guest powered off)" if rc == 0 else "")
