@@ -263,19 +263,12 @@ def _unlz4_legacy(data: bytes, max_out: int) -> bytearray:
             raise KernelImageError(f"lz4 payload is truncated: a block of {size} bytes at {pos} runs past its end "
                                    f"({n})")
         block, pos = data[pos:pos + size], pos + size
-        room = max_out - len(out)
-        try:
-            if room <= 0:
-                raise lz4.block.LZ4BlockError("no room")
-            piece = lz4.block.decompress(block, uncompressed_size=min(LZ4_BLOCK_OUT, room))
+        try:  # into a whole block's room (8 MiB, what a block may give), then counted against the bound
+            piece = lz4.block.decompress(block, uncompressed_size=LZ4_BLOCK_OUT)
         except lz4.block.LZ4BlockError:
-            try:  # too little room, or corrupt? Decompress into a whole block's room (8 MiB) to tell
-                piece = lz4.block.decompress(block, uncompressed_size=LZ4_BLOCK_OUT) if room < LZ4_BLOCK_OUT else None
-            except lz4.block.LZ4BlockError:
-                piece = None
-            if piece is None:
-                raise KernelImageError(f"lz4 payload has a corrupt block at {pos - size}") from None
-            raise _bomb("lz4", max_out) from None
+            raise KernelImageError(f"lz4 payload has a corrupt block at {pos - size}") from None
+        if len(out) + len(piece) > max_out:
+            raise _bomb("lz4", max_out)
         out += piece
     return out
 
