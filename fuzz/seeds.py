@@ -148,3 +148,79 @@ def make_seed_bundle(out_dir: Path = CORPUS) -> Path:
             os.environ["TKBOX_HOME"] = old
         shutil.rmtree(home, ignore_errors=True)
     return out_dir / "seed.tkb"
+
+
+# -- kernel images (tkbox_nb/backends/kernel_image.py): a tiny vmlinux, wrapped in a bzImage, compressed each way -------
+KERNEL_BASE = 0x1000000  # where Linux's x86-64 vmlinux loads (CONFIG_PHYSICAL_START)
+COMPRESSIONS = ("gzip", "xz", "lzma", "lz4", "zstd")
+
+
+def elf_note(owner: bytes, ntype: int, desc: bytes) -> bytes:
+    """One ELF note: namesz, descsz, type, then the owner's name (NUL-ended) and the descriptor, each padded to 4."""
+    name = owner + b"\0"
+    pad = lambda b: b + b"\0" * (-len(b) % 4)  # noqa: E731
+    return struct.pack("<III", len(name), len(desc), ntype) + pad(name) + pad(desc)
+
+
+def tiny_vmlinux(machine: int = 62, e_type: int = 2, code: bytes = b"\xf4" * 64, notes: bytes | None = None,
+                 load_filesz: int | None = None, note_filesz: int | None = None, pvh_entry: int = 0x40) -> bytes:
+    """A minimal vmlinux-shaped ELF64 x86-64 executable: one PT_LOAD over the whole file at KERNEL_BASE and one
+    PT_NOTE holding Xen's PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY, 18). The arguments break it on purpose."""
+    if notes is None:
+        notes = elf_note(b"GNU", 3, b"\x01" * 20) + elf_note(b"Xen", 18, struct.pack("<I", KERNEL_BASE + pvh_entry))
+    phoff, phnum = 64, 2
+    note_off = phoff + phnum * 56
+    code_off = note_off + len(notes)
+    size = code_off + len(code)
+    ehdr = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01" + bytes(9), e_type, machine, 1,
+                       KERNEL_BASE + code_off, phoff, 0, 0, 64, 56, phnum, 64, 0, 0)
+    load = struct.pack("<IIQQQQQQ", 1, 7, 0, 0xFFFFFFFF80000000 + KERNEL_BASE, KERNEL_BASE,
+                       size if load_filesz is None else load_filesz, size + 0x1000, 0x200000)
+    note = struct.pack("<IIQQQQQQ", 4, 4, note_off, 0, 0, len(notes) if note_filesz is None else note_filesz, 0, 4)
+    return ehdr + load + note + notes + code
+
+
+def bzimage(payload: bytes, version: int = 0x020F, setup_sects: int = 1, payload_offset: int = 0x40,
+            payload_length: int | None = None, magic: bytes = b"HdrS") -> bytes:
+    """An x86 bzImage around a compressed payload: a real-mode sector with the setup header (boot flag, "HdrS",
+    protocol version, setup_sects, payload_offset and payload_length), then the protected-mode code, which holds
+    the payload `payload_offset` bytes in."""
+    setup = bytearray(((setup_sects or 4) + 1) * 512)
+    setup[0x1F1] = setup_sects
+    setup[0x1FE:0x200] = b"\x55\xaa"
+    setup[0x202:0x206] = magic
+    struct.pack_into("<H", setup, 0x206, version)
+    struct.pack_into("<II", setup, 0x248, payload_offset, len(payload) if payload_length is None else payload_length)
+    return bytes(setup) + b"\x90" * payload_offset + payload + b"\xcc" * 32
+
+
+def kernel_compress(kind: str, data: bytes, trailer: bool = True, lz4_block: int = 8 << 20) -> bytes:
+    """`data` compressed as the kernel build does it: the stream, then the u32 LE uncompressed size. LZ4 is the
+    legacy frame (magic 0x184C2102, then a u32 LE length and a raw LZ4 block per `lz4_block` bytes of input)."""
+    import gzip
+    import lzma
+    if kind == "gzip":
+        out = gzip.compress(data, 9, mtime=0)
+    elif kind == "xz":
+        out = lzma.compress(data, lzma.FORMAT_XZ, check=lzma.CHECK_CRC32)
+    elif kind == "lzma":
+        out = lzma.compress(data, lzma.FORMAT_ALONE)
+    elif kind == "lz4":
+        import lz4.block
+        out = struct.pack("<I", 0x184C2102)
+        for i in range(0, len(data), lz4_block):
+            block = lz4.block.compress(data[i:i + lz4_block], store_size=False)
+            out += struct.pack("<I", len(block)) + block
+    elif kind == "zstd":
+        import zstandard
+        out = zstandard.ZstdCompressor(level=19, write_checksum=True).compress(data)
+    else:
+        raise ValueError(kind)
+    return out + (struct.pack("<I", len(data) & 0xFFFFFFFF) if trailer else b"")
+
+
+def bzimages() -> list[bytes]:
+    """The tiny vmlinux as a bzImage in each compression the reader takes (and LZ4 in several blocks)."""
+    elf = tiny_vmlinux()
+    return [bzimage(kernel_compress(k, elf)) for k in COMPRESSIONS] + [bzimage(kernel_compress("lz4", elf,
+                                                                                               lz4_block=96))]

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import h11
 
 from tkbox_nb import protocol as p
+from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
 from tkbox_nb.box_messages import JAVASCRIPT_MIME, check_box_message
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
@@ -814,3 +815,102 @@ def patch_stream(data: bytes) -> None:
             total += e.size
             assert not patch_rules.path_problem(e.path) and not patch_rules.is_git(e.path) and e.type == "file" \
                 or e.op == "delete" and e.type == "symlink"
+
+
+# -- the guest kernel (Firecracker's vmlinux, taken out of the image's bzImage) ------------------------------------
+def _kernel_seeds() -> list[bytes]:
+    elf = seeds.tiny_vmlinux()
+    return ([b"\x00" + bz for bz in seeds.bzimages()]
+            + [bytes([1, i, 0]) + elf for i in range(len(seeds.COMPRESSIONS))] + [b"\x04\x03\x06" + elf]
+            + [bytes([2, 6]) + seeds.kernel_compress(k, elf) for k in seeds.COMPRESSIONS])
+
+
+@target("kernel-image", _kernel_seeds)
+def kernel_image(data: bytes) -> None:
+    """extract_vmlinux on a whole bzImage, on any payload behind a valid setup header, or on any bytes compressed
+    each way as the kernel build does: an ELF that elf_info accepts, within max_out, or one KernelImageError (one
+    line); bytes that went in compressed come back exactly, or are refused as elf_info or the bound refuses them."""
+    inp = Input(data)
+    mode, kind, bound = inp.byte(), inp.byte(), inp.byte()
+    max_out = 1 << (8 + bound % 12)  # 256 bytes to 512 KiB
+    elf = None
+    if mode % 3 == 0:
+        bz = inp.rest()
+    elif mode % 3 == 1:
+        elf = inp.rest()
+        bz = seeds.bzimage(seeds.kernel_compress(seeds.COMPRESSIONS[kind % len(seeds.COMPRESSIONS)], elf,
+                                                 trailer=not mode & 4, lz4_block=1 << (6 + kind % 8)),
+                           setup_sects=mode >> 3 & 7)
+    else:
+        bz = seeds.bzimage(inp.rest(), setup_sects=mode >> 3 & 7)
+    try:
+        out = extract_vmlinux(bz, max_out=max_out)
+    except KernelImageError as e:
+        assert str(e) and "\n" not in str(e), repr(str(e))
+        if elf is not None and len(elf) <= max_out:  # refused only as elf_info refuses the vmlinux itself
+            try:
+                elf_info(elf)
+            except KernelImageError as again:
+                assert str(again) == str(e), (str(again), str(e))
+                return
+            raise AssertionError(f"a valid vmlinux, compressed as the kernel build does, was refused: {e}")
+        assert elf is None or "past the limit" in str(e), str(e)
+        return
+    assert isinstance(out, bytes) and len(out) <= max_out
+    assert isinstance(elf_info(out), ElfInfo)
+    if elf is not None:
+        assert out == elf
+
+
+ELF_FIELDS = [(4, 1), (5, 1), (6, 1), (16, 2), (18, 2), (20, 4), (24, 8), (32, 8), (52, 2), (54, 2), (56, 2)] + [
+    (64 + 56 * i + o, w) for i in range(2) for o, w in ((0, 4), (8, 8), (24, 8), (32, 8), (40, 8))] + [
+    (176 + o, 4) for o in range(0, 64, 4)]  # the notes: GNU's, then Xen's PVH entry
+
+
+def _elf_seeds() -> list[bytes]:
+    note = seeds.elf_note
+    elfs = [seeds.tiny_vmlinux(), seeds.tiny_vmlinux(notes=note(b"Xen", 18, bytes(8)) + note(b"", 1, b"")),
+            seeds.tiny_vmlinux(notes=note(b"GNU", 3, b"x" * 5)), seeds.tiny_vmlinux(notes=b"")]
+    return [b"\x00" + e for e in elfs] + [b"\x80\x00\x12\x00\x3f", b"\x81\x00\x48\x03" + bytes(8)]
+
+
+@target("elf-info", _elf_seeds)
+def elf_info_target(data: bytes) -> None:
+    """elf_info on any bytes, or on the tiny vmlinux with fields overwritten: an ElfInfo or one KernelImageError;
+    what it accepts is an ELF64 little-endian x86-64 ET_EXEC whose program headers and PT_LOAD segments lie within
+    it, and gets the same answer as a buffer (vmlinux_for maps the file) and with bytes appended."""
+    import struct
+    inp = Input(data)
+    mode = inp.byte()
+    if mode < 0x80:
+        elf = inp.rest()
+    else:
+        b = bytearray(seeds.tiny_vmlinux())
+        for _ in range(mode % 4 + 1):
+            at, width = ELF_FIELDS[inp.byte() % len(ELF_FIELDS)]
+            b[at:at + width] = inp.take(width).ljust(width, b"\0")
+        elf = bytes(b)
+    try:
+        info = elf_info(elf)
+    except KernelImageError as e:
+        assert str(e) and "\n" not in str(e), repr(str(e))
+        with_buffer = None
+        try:
+            elf_info(bytearray(elf))
+        except KernelImageError as again:
+            with_buffer = str(again)
+        assert with_buffer == str(e)
+        return
+    assert elf_info(bytearray(elf)) == info == elf_info(elf + b"\0" * 64)
+    ident, e_type, machine, _v, entry, phoff = struct.unpack_from("<16sHHIQQ", elf, 0)
+    assert ident[:7] == b"\x7fELF\x02\x01\x01" and e_type == 2 and machine == 62 and entry == info.entry
+    phnum, loads = struct.unpack_from("<H", elf, 56)[0], []
+    assert phoff + 56 * phnum <= len(elf)
+    for i in range(phnum):
+        p_type, _f, off, _va, paddr, filesz, memsz, _a = struct.unpack_from("<IIQQQQQQ", elf, phoff + 56 * i)
+        if p_type == 1:
+            assert off + filesz <= len(elf) and filesz <= memsz
+            loads.append((paddr, memsz))
+    assert len(loads) == info.load_segments >= 1 and info.mem_size == sum(m for _, m in loads)
+    assert info.phys_start == min(a for a, _ in loads) and info.phys_end == max(a + m for a, m in loads)
+    assert info.pvh_note == (info.pvh_entry is not None) and (info.pvh_entry or 0) < 1 << 32
