@@ -155,15 +155,15 @@ class Vmm:
             if config_drive:
                 out = tmp / "cfg"
                 out.mkdir()
-                subprocess.run(["debugfs", "-R", f"rdump / {out}", config_drive], capture_output=True, check=True)
+                debugfs = shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin:/bin") or "debugfs"
+                subprocess.run([debugfs, "-R", f"rdump / {out}", config_drive], capture_output=True, check=True)
                 env = json.loads((out / "env.json").read_text())
                 seed = out / "seed" if (out / "seed").is_dir() else None
                 ca = (out / "ca-bundle.pem").read_bytes() if (out / "ca-bundle.pem").exists() else None
             for k in ("PATH", "HOME", "LANG", "USER"):
                 env.pop(k, None)
-            machine = self.config.get("machine", {"mem_size_mib": 128, "vcpu_count": 1})
+            # (the guest's memory is not a per-process address-space limit, so bubblewrap's defaults stand)
             box = BwrapBackend().start(BoxSpec(box_id=env.get("TKBOX_BOX_ID", "standin"), seed=seed, env=env,
-                                               memory_mib=machine["mem_size_mib"], cpus=machine["vcpu_count"],
                                                ca_bundle=ca))
             host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             host.connect(f"{self.config['vsock']['uds_path']}_{port}")
