@@ -7,7 +7,10 @@ channel (the door stream) and no network, and must say honestly what isolation i
 from __future__ import annotations
 
 import abc
+import signal
 import socket
+import subprocess
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,20 +32,50 @@ class BoxSpec:
 
 
 class RunningBox(abc.ABC):
-    """A started box. `door` is the host end of the door stream."""
+    """A started box. `door` is the host end of the door stream; `proc` the process that holds the box (bwrap, or
+    a VMM), whose output stream (bwrap's stderr, a VM's serial console) is box output: only its tail is kept."""
 
     door: socket.socket
+    proc: subprocess.Popen
+    TAIL_BYTES = 8192
+    CLEAN_EXIT = ""  # what an exit status of 0 means for this backend
 
-    @abc.abstractmethod
-    def alive(self) -> bool: ...
+    def _keep_tail(self, stream, name: str) -> None:
+        """Drain `stream` on a thread, keeping only its last bytes in memory: a box that writes without end costs
+        the host nothing."""
+        self._tail = bytearray()
+
+        def drain() -> None:
+            while True:
+                try:
+                    chunk = stream.read1(65536)
+                except (OSError, ValueError):
+                    return
+                if not chunk:
+                    return
+                self._tail += chunk
+                del self._tail[:-self.TAIL_BYTES]
+        threading.Thread(target=drain, daemon=True, name=name).start()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        return bytes(getattr(self, "_tail", b"")).decode("utf-8", "replace")[-2000:]
+
+    def exit_reason(self) -> str:
+        """Why the box ended, in a few words (exit status, signal, a limit)."""
+        rc = self.proc.poll()
+        if rc is None:
+            return "running"
+        if rc < 0:
+            name = signal.Signals(-rc).name
+            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
+        return f"exit status {rc}" + (f" ({self.CLEAN_EXIT})" if rc == 0 and self.CLEAN_EXIT else "")
 
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop the box now and release everything it held (processes, cgroups, temporary files)."""
-
-    @abc.abstractmethod
-    def exit_reason(self) -> str:
-        """Why the box ended, in a few words (exit status, signal, a limit)."""
 
 
 class Backend(abc.ABC):

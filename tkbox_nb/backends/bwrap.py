@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
-STDERR_TAIL_BYTES = 8192
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
              "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf")
 PASSWD = "root:x:0:0:root:/tmp:/bin/sh\nbox:x:1000:1000:box:/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
@@ -49,21 +47,7 @@ class BwrapRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
         self._killed_for: str | None = None
-        self._stderr_tail = bytearray()
-        threading.Thread(target=self._drain_stderr, daemon=True, name="tkbox-box-stderr").start()
-
-    def _drain_stderr(self) -> None:
-        """The box's stderr (bwrap's and the agent's own) is box output too: only its last bytes are kept, in
-        memory, so a box that writes without end costs the host nothing."""
-        while True:
-            chunk = self.proc.stderr.read1(65536)
-            if not chunk:
-                return
-            self._stderr_tail += chunk
-            del self._stderr_tail[:-STDERR_TAIL_BYTES]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        self._keep_tail(proc.stderr, "tkbox-box-stderr")  # bwrap's and the agent's own stderr
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -87,18 +71,6 @@ class BwrapRunning(RunningBox):
         with contextlib.suppress(OSError):
             self.door.close()
         shutil.rmtree(self._workdir, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        return bytes(self._stderr_tail).decode("utf-8", "replace")[-2000:]
-
-    def exit_reason(self) -> str:
-        rc = self.proc.poll()
-        if rc is None:
-            return "running"
-        if rc < 0:
-            name = signal.Signals(-rc).name
-            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
-        return f"exit status {rc}"
 
 
 class BwrapBackend(Backend):

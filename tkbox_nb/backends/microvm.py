@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,7 +24,6 @@ from ..errors import TkboxError
 from .base import BoxSpec, RunningBox
 from .image import CONFIG_LABEL, make_ext4
 
-CONSOLE_TAIL_BYTES = 8192
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
 
@@ -92,27 +90,13 @@ def stop_process_group(proc: subprocess.Popen) -> None:
 
 
 class VmRunning(RunningBox):
-    """A VMM process with one door; its stdout is the guest's serial console (box output: only a tail is kept)."""
+    """A VMM process with one door; its stdout is the guest's serial console."""
+
+    CLEAN_EXIT = "the guest powered off"
 
     def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path, extra_dirs: list[Path] = ()):
         self.proc, self.door, self._workdir, self._extra_dirs = proc, door, workdir, list(extra_dirs)
-        self._console_tail = bytearray()
-        self._drain = threading.Thread(target=self._drain_console, daemon=True, name="tkbox-vm-console")
-        self._drain.start()
-
-    def _drain_console(self) -> None:
-        while True:
-            try:
-                chunk = self.proc.stdout.read1(65536)
-            except (OSError, ValueError):
-                return
-            if not chunk:
-                return
-            self._console_tail += chunk
-            del self._console_tail[:-CONSOLE_TAIL_BYTES]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        self._keep_tail(proc.stdout, "tkbox-vm-console")
 
     def kill(self) -> None:
         stop_process_group(self.proc)
@@ -120,15 +104,3 @@ class VmRunning(RunningBox):
             self.door.close()
         for d in (self._workdir, *self._extra_dirs):
             shutil.rmtree(d, ignore_errors=True)
-
-    def log_tail(self) -> str:
-        return bytes(self._console_tail).decode("utf-8", "replace")[-2000:]
-
-    def exit_reason(self) -> str:
-        rc = self.proc.poll()
-        if rc is None:
-            return "running"
-        if rc < 0:
-            name = signal.Signals(-rc).name
-            return {"SIGXCPU": "CPU time limit", "SIGKILL": "killed"}.get(name, name)
-        return f"exit status {rc}" + (" (the guest powered off)" if rc == 0 else "")
