@@ -236,5 +236,29 @@ def test_a_bundle_no_verifier_could_read_is_never_written():
     from tkbox_nb.bundle import MAX_ENTRY, check_limits
     from tkbox_nb.errors import BundleError
     check_limits({"runs/r.jsonl": b"x" * 1000, "box/disclosures.jsonl": b"y" * 1000}, "r")
-    with pytest.raises(BundleError, match=r"runs/r.jsonl would be 64 MiB, over the 64 MiB .* about 25,000 crossings"):
+    with pytest.raises(BundleError, match=r"runs/r.jsonl would be 64 MiB, over the 64 MiB a bundle entry may hold"):
         check_limits({"runs/r.jsonl": b"x" * (MAX_ENTRY + 1)}, "r")
+
+
+def test_a_long_runs_disclosures_go_in_parts_that_both_verifiers_read(signer, tmp_path, monkeypatch):
+    """Past one part's size the disclosures are split (a 100,000-crossing run's are about 100 MiB): the parts are
+    read in order, and a missing or doubled part is refused."""
+    import subprocess
+
+    import tkbox_nb.bundle as bundle_mod
+    from conftest import VENV_BIN
+    monkeypatch.setattr(bundle_mod, "DISCLOSURE_PART_BYTES", 3000)
+    out = record_run(signer, tmp_path / "parts.tkb", cells=[f"print({i})\n" for i in range(12)])
+    files = entries(out)
+    parts = sorted(n for n in files if n.startswith("box/disclosures"))
+    assert "box/disclosures.jsonl" not in files and len(parts) >= 3 and parts[0] == "box/disclosures-0001.jsonl"
+    assert all(len(files[n]) <= 3000 for n in parts)
+    r = run_cli("verify", str(out), "--trust", str(signer.trust_path))
+    assert r.returncode == 0 and r.stdout.startswith("VALID"), r.stdout
+    r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(out), "--trust", str(signer.trust_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    gap = {n: b for n, b in files.items() if n != "box/disclosures-0002.jsonl"}
+    assert_refused(rewrite(gap, tmp_path / "gap.tkb"), 2, "without a gap", tmp_path)
+    both = dict(files, **{"box/disclosures.jsonl": files["box/disclosures-0001.jsonl"]})
+    assert_refused(rewrite(both, tmp_path / "both.tkb"), 2, "one or the other", tmp_path)

@@ -32,6 +32,8 @@ MAX_ENTRY = 64 << 20
 MAX_TOTAL = 512 << 20
 MAX_RATIO = 200               # uncompressed / compressed for entries over 1 MiB: more is a bomb
 CONTENT_PART_BYTES = 32 << 20
+DISCLOSURE_PART_BYTES = 32 << 20  # a long run's disclosures (about 500 bytes a record) outgrow one 64 MiB entry
+DISCLOSURE_PART = re.compile(r"box/disclosures-([0-9]{4})\.jsonl")
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)*")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -162,6 +164,7 @@ class BundleContents:
     records: list[dict[str, Any]] = field(default_factory=list)
     box: dict[str, Any] | None = None
     disclosures: list[dict[str, Any]] = field(default_factory=list)
+    disclosure_lines: list[tuple[str, int]] = field(default_factory=list)  # (file, line) of each disclosure
     content: dict[str, bytes] = field(default_factory=dict)
     policies: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -197,8 +200,15 @@ def parse(files: dict[str, bytes]) -> BundleContents:
         out.box = loads_json(files["box/manifest.json"], "box/manifest.json")
         if not isinstance(out.box, dict):
             raise BundleError("box/manifest.json is not an object")
-    if "box/disclosures.jsonl" in files:
-        out.disclosures = loads_jsonl(files["box/disclosures.jsonl"], "box/disclosures.jsonl")
+    parts = sorted(n for n in files if DISCLOSURE_PART.fullmatch(n))
+    if parts and "box/disclosures.jsonl" in files:
+        raise BundleError("box/disclosures.jsonl and box/disclosures-NNNN.jsonl parts: a bundle holds one or the other")
+    if parts and [int(DISCLOSURE_PART.fullmatch(n).group(1)) for n in parts] != list(range(1, len(parts) + 1)):
+        raise BundleError(f"box/disclosures parts are not numbered 0001 to {len(parts):04d} without a gap")
+    for name in parts or (["box/disclosures.jsonl"] if "box/disclosures.jsonl" in files else []):
+        items = loads_jsonl(files[name], name)
+        out.disclosures += items
+        out.disclosure_lines += [(name, i + 1) for i in range(len(items))]
     for name in sorted(n for n in files if re.fullmatch(r"box/content-[0-9]{4}\.jsonl", n)):
         for i, item in enumerate(loads_jsonl(files[name], name)):
             if not (isinstance(item, dict) and set(item) == {"digest", "b64"} and isinstance(item["digest"], str)
@@ -284,8 +294,7 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
             (spool / "policies" / (h.removeprefix("sha256:") + ".toml")).read_bytes()
     if (spool / "patch.diff").exists():  # the last patch summary's diff, readable with `unzip -p` and `git apply`
         box_files["box/patch.diff"] = (spool / "patch.diff").read_bytes()
-    box_files["box/disclosures.jsonl"] = b"".join(
-        json.dumps(d, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for d in disclosures)
+    box_files.update(disclosure_files(disclosures))
     box["format"] = BOX_FORMAT
     box["content_files"] = sorted(n for n in box_files if n.startswith("box/content-"))
     box_files["box/manifest.json"] = json.dumps(box, sort_keys=True, indent=1).encode()
@@ -296,15 +305,32 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
     return out_path
 
 
+def disclosure_files(disclosures: list[dict]) -> dict[str, bytes]:
+    """`box/disclosures.jsonl`, or, once it would pass DISCLOSURE_PART_BYTES, its parts in order (whole lines)."""
+    lines = [json.dumps(d, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n" for d in disclosures]
+    if sum(len(line) for line in lines) <= DISCLOSURE_PART_BYTES:
+        return {"box/disclosures.jsonl": b"".join(lines)}
+    parts: list[list[bytes]] = [[]]
+    size = 0
+    for line in lines:
+        if parts[-1] and size + len(line) > DISCLOSURE_PART_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(line)
+        size += len(line)
+    return {f"box/disclosures-{i:04d}.jsonl": b"".join(p) for i, p in enumerate(parts, 1)}
+
+
 def check_limits(files: dict[str, bytes], run_id: str = "") -> None:
     """Refuse to write a bundle that no verifier could read back (Tracekit's limits: one entry at most 64 MiB, all
-    of them 512 MiB), with the reason, instead of leaving an unreadable file. A run's records are one entry, so a
-    run of more than about 25,000 crossings cannot be one bundle."""
+    of them 512 MiB), with the reason, instead of leaving an unreadable file. Tracekit splits a run's records into
+    parts and this writer splits content and disclosures, so only the total can be reached: about 150,000
+    crossings of small content."""
     for name, body in files.items():
         if len(body) > MAX_ENTRY:
             raise BundleError(f"run {run_id}: {name} would be {len(body) >> 20} MiB, over the {MAX_ENTRY >> 20} MiB a "
-                              "bundle entry may hold (a run's records are one entry: about 25,000 crossings); the "
-                              "records stay in the signer's store, but this run cannot be one bundle")
+                              "bundle entry may hold; the records stay in the signer's store, but this run cannot be "
+                              "one bundle")
     total = sum(len(b) for b in files.values())
     if total > MAX_TOTAL:
         raise BundleError(f"run {run_id}: the bundle would be {total >> 20} MiB, over the {MAX_TOTAL >> 20} MiB limit")
