@@ -134,6 +134,7 @@ def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, wor
             if busy:
                 break
             time.sleep(0.05)
+        assert busy, "no worker was running a rerun"
         worker, keys = next(iter(busy.items()))
         pid = client.run(os.getpid, workers=[worker])[worker]
         os.kill(pid, signal.SIGKILL)
@@ -182,3 +183,49 @@ def test_bad_input_is_a_failed_row_or_one_line(originals, worker_tmp, tmp_path):
     r = subprocess.run([str(VENV_BIN / "tkbox"), "rerun", str(originals[0]), "--workers", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--workers goes with --many" in r.stderr
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_running_scheduler_and_its_worker_take_the_batch(originals, worker_tmp, tmp_path):
+    """`--scheduler tcp://HOST:PORT`: a scheduler and a worker started with Dask's own CLI on loopback, as on a host
+    of a lab's cluster; the client ships each bundle to the worker and writes what comes back."""
+    port = _free_port()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = [subprocess.Popen([str(VENV_BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                               "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=open(logs / "scheduler", "wb"),
+                              start_new_session=True)]
+    try:
+        procs.append(subprocess.Popen([str(VENV_BIN / "dask"), "worker", f"tcp://127.0.0.1:{port}", "--nthreads",
+                                       "1", "--no-dashboard", "--host", "127.0.0.1", "--memory-limit", "0"],
+                                      stdout=subprocess.DEVNULL, stderr=open(logs / "worker", "wb"),
+                                      start_new_session=True))
+        from distributed import Client
+        with Client(f"tcp://127.0.0.1:{port}", timeout="60s", set_as_default=False) as c:
+            c.wait_for_workers(1, timeout=60)
+        bundles = [str(originals[0]), str(originals[ALTERED])]
+        r = subprocess.run([str(VENV_BIN / "tkbox"), "rerun", "--many", *bundles, "--scheduler",
+                            f"tcp://127.0.0.1:{port}", "--out-dir", str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr[-2000:]
+        rows = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines() if line.split() and
+                line.split()[0] in bundles}
+        assert rows == {bundles[0]: "equivalent", bundles[1]: "different"}, r.stdout
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+            sorted(rerun_path(b, tmp_path / "out").name for b in bundles)
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert still_running(worker_tmp) == []
