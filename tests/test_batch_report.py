@@ -3,6 +3,8 @@ report, whose text comes partly from the bundles (cell code and outputs: hostile
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tkbox_nb.batch import BatchResult, exit_code, html_report, rerun_path, scheduler_address, table, write_atomic
@@ -42,3 +44,19 @@ def test_exit_status_and_report():
     page = html_report([hostile])
     assert "<script" not in page and "<img" not in page and "<iframe" not in page and "</pre><iframe" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "0 equivalent, 1 different, 0 failed" in page
+
+
+def test_only_the_scratch_of_dead_workers_is_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from tkbox_nb.batch import SCRATCH_PREFIX, sweep_scratch
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, live, other = (tmp_path / f"{SCRATCH_PREFIX}{dead.pid}-a", tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-b",
+                         tmp_path / f"{SCRATCH_PREFIX}x-c")
+    for d in (gone, live, other):
+        d.mkdir()
+        (d / "original.tkb").write_bytes(b"x")
+    assert sweep_scratch(tmp_path) == [gone]
+    assert not gone.exists() and live.exists() and other.exists()

@@ -4,7 +4,8 @@ it, then audited against its original.
 Why this shape:
 - Each task is one bundle. The client reads the bundle (and the trust config and policy, if given) and sends their
   bytes with the task, and the task returns the new bundle's bytes: workers on other hosts need no shared filesystem,
-  and nothing a worker wrote outlives its task. The task runs in a scratch directory of its own, removed at its end.
+  and nothing a worker wrote outlives its task. The task runs in a scratch directory of its own, removed at its end
+  (a killed worker's is removed by the next task on that host).
 - Dask holds every task until its result is in: a worker that dies (its box and kernel die with it: bwrap runs with
   --die-with-parent) has its task run again on another worker. Each bundle is one future under one key, so its result
   is taken once; the client alone writes the rerun to a path that depends only on the bundle (`rerun_path`), through
@@ -37,6 +38,7 @@ MAX_BUNDLE_BYTES = 256 << 20  # a bundle travels inside its task: bounded, and e
 MAX_TRUST_BYTES = 1 << 20
 MAX_DIFFERENCES = 20  # kept per result (the count is exact): the result stays small
 MAX_TEXT = 300
+SCRATCH_PREFIX = "tkbox-batch-"  # then the worker's pid: a dead worker's directory is swept by the next task
 STATUSES = ("equivalent", "different", "failed")
 
 
@@ -94,7 +96,8 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
     started = time.monotonic()
     result = BatchResult(name, "failed", worker=f"{socket.gethostname()}:{os.getpid()}")
     new = None
-    scratch = Path(tempfile.mkdtemp(prefix="tkbox-batch-"))
+    sweep_scratch()
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
     try:
         original = scratch / "original.tkb"
         original.write_bytes(data)
@@ -126,6 +129,23 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
         shutil.rmtree(scratch, ignore_errors=True)
         result.duration = round(time.monotonic() - started, 3)
     return result.as_dict(), new
+
+
+def sweep_scratch(root: str | Path | None = None) -> list[Path]:
+    """Remove the scratch directories of tasks whose worker process died (a task that ends removes its own);
+    returns them. Only this user's, and only when the pid in the name is not alive."""
+    from .signer import pid_alive
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = d.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        try:
+            mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def _read_capped(path: Path, cap: int, what: str) -> bytes:

@@ -117,7 +117,22 @@ def test_ten_bundles_on_two_workers_each_result_once_one_different(originals, wo
     assert still_running(worker_tmp) == []
 
 
-def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, worker_tmp, tmp_path):
+def children(pid: int, name: str) -> list[int]:
+    """The live child processes of `pid` called `name`."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text()
+            except OSError:
+                continue
+            comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if comm == name and rest[0] != "Z" and int(rest[1]) == pid:
+                found.append(int(p.name))
+    return found
+
+
+def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, signer, worker_tmp, tmp_path):
     from distributed import Client, LocalCluster
     out_dir = tmp_path / "reruns"
     cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
@@ -129,14 +144,15 @@ def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, wor
         arrived.append(r.bundle)
         if killed:
             return
-        for _ in range(100):  # the first result is in: kill a worker while it is running a rerun
-            busy = {w: keys for w, keys in client.processing().items() if keys}
-            if busy:
+        for _ in range(400):  # the first result is in: kill a worker while its box is running a rerun
+            pids = client.run(os.getpid)
+            boxed = {w: pid for w, pid in pids.items() if children(pid, "bwrap")}
+            if boxed:
                 break
             time.sleep(0.05)
-        assert busy, "no worker was running a rerun"
-        worker, keys = next(iter(busy.items()))
-        pid = client.run(os.getpid, workers=[worker])[worker]
+        assert boxed, "no worker was running a box"
+        worker, pid = next(iter(boxed.items()))
+        keys = client.processing()[worker]
         os.kill(pid, signal.SIGKILL)
         killed.update(pid=pid, keys=list(keys), done=done)
 
@@ -153,6 +169,10 @@ def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, wor
     retried = [r for r in results if any(k.endswith(_key_tail(r.bundle)) for k in killed["keys"])]
     assert retried and all(r.worker.rsplit(":", 1)[1] != str(killed["pid"]) for r in retried)
     assert still_running(worker_tmp) == []  # the killed worker's box and kernel died with it
+    assert list(worker_tmp.glob("tkbox-batch-*")) == []  # its scratch directory was swept by a later task
+    # its run was left open mid-rerun; a later box start closed it and wrote its bundle (where orphans go)
+    recovered = [open_run(b) for b in (signer.home / "bundles").glob("*.tkb")]
+    assert any(f"(pid {killed['pid']})" in (run.box.get("end_reason") or "") for run in recovered)
 
 
 def _key_tail(bundle: str) -> str:
