@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 
+from .errors import TkboxError
+
+
+class UsageError(TkboxError):
+    """Options that do not go together."""
+
 
 def _verified(bundle: str, trust: str | None) -> None:
     from .errors import BundleError
@@ -24,6 +30,16 @@ def _cmd_replay(a) -> int:
 
 
 def _cmd_rerun(a) -> int:
+    if a.many:
+        return _cmd_rerun_many(a)
+    for opt in ("scheduler", "workers", "out_dir", "html"):
+        if getattr(a, opt) is not None:
+            raise UsageError(f"--{opt.replace('_', '-')} goes with --many")
+    if a.json:
+        raise UsageError("--json goes with --many")
+    if a.output is None or len(a.bundle) != 1:
+        raise UsageError("give one bundle and -o NEW.tkb (or --many BUNDLES... for a batch)")
+    a.bundle = a.bundle[0]
     from .replay import rerun
     if not a.no_verify:
         _verified(a.bundle, a.trust)
@@ -33,6 +49,27 @@ def _cmd_rerun(a) -> int:
                                                 "run is not in this machine's signer"))
     print(f"compare: tkbox audit {a.bundle} {out}")
     return 0
+
+
+def _cmd_rerun_many(a) -> int:
+    """Each bundle rerun and audited on Dask (batch.py); exit 0 all equivalent, 1 any different, 2 any failed."""
+    import sys
+
+    from . import batch
+    if a.output is not None:
+        raise UsageError("-o names one rerun; with --many each rerun goes to --out-dir")
+    if not a.bundle:
+        raise UsageError("--many needs at least one bundle")
+    say = (lambda r, done, total: print(batch.progress_line(r, done, total), file=sys.stderr, flush=True)) \
+        if a.json else (lambda r, done, total: print(batch.progress_line(r, done, total), flush=True))
+    results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
+                              policy=a.policy, trust=a.trust, backend=a.backend, verify=not a.no_verify,
+                              progress=say)
+    if a.html:
+        from pathlib import Path
+        Path(a.html).write_text(batch.html_report(results), encoding="utf-8")
+    print(batch.as_json(results) if a.json else "\n" + batch.table(results))
+    return batch.exit_code(results)
 
 
 def _cmd_audit(a) -> int:
@@ -52,9 +89,18 @@ def add_commands(sub) -> None:
     r.add_argument("--trust", help="trust config for the verification first (default: this machine's pin)")
     r.add_argument("--no-verify", action="store_true", help="replay without verifying first")
     r.set_defaults(fn=_cmd_replay)
-    rr = sub.add_parser("rerun", help="execute a run's cells again in a fresh box; a new signed run")
-    rr.add_argument("bundle")
-    rr.add_argument("-o", "--output", required=True, help="the new .tkb")
+    rr = sub.add_parser("rerun", help="execute a run's cells again in a fresh box; a new signed run "
+                        "(--many: a batch on Dask, each rerun audited against its original)")
+    rr.add_argument("bundle", nargs="*", help="the bundle (with --many: the bundles)")
+    rr.add_argument("-o", "--output", help="the new .tkb")
+    rr.add_argument("--many", action="store_true",
+                    help="rerun and audit every bundle given on Dask; exit 0 all equivalent, 1 any different, "
+                         "2 any failed")
+    rr.add_argument("--scheduler", help="a Dask scheduler, tcp://HOST:PORT (default: a local cluster)")
+    rr.add_argument("--workers", type=int, help="worker processes of the local cluster (default: CPUs)")
+    rr.add_argument("--out-dir", help="where the reruns go, one path per bundle (default: ./reruns)")
+    rr.add_argument("--html", help="with --many: write a self-contained HTML report here")
+    rr.add_argument("--json", action="store_true", help="with --many: the results as JSON (progress on stderr)")
     rr.add_argument("--policy", help="a policy instead of the run's own")
     rr.add_argument("--backend", default="auto")
     rr.add_argument("--trust")
