@@ -7,6 +7,7 @@ QEMU is not installed or the image cannot be built (no mmdebstrap, no Debian mir
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -211,3 +212,44 @@ def test_the_patch_comes_back_from_the_vm_decided_file_by_file(signer, qemu_imag
     assert (ws / "a.txt").read_text() == "one\ntwo\n" and (ws / "b.txt").read_text() == "new\n"
     assert not (ws / "link").exists()
     assert verify_bundle(tmp_path / "p.tkb").valid
+
+
+RAW_CHAT = r'''
+import json, os, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
+    data=json.dumps({"model": "gpt-4o-mini", "max_tokens": 20, "messages": [{"role": "user", "content": "hi vm"}]}).encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ.get("OPENAI_API_KEY", "")})
+try:
+    body = json.load(urllib.request.urlopen(req, timeout=60))
+    print(json.dumps({"status": 200, "content": body["choices"][0]["message"]["content"],
+                      "key": os.environ.get("OPENAI_API_KEY", "")}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": e.read().decode()[:300]}))
+'''
+
+
+def test_model_calls_leave_the_vm_through_the_model_door(signer, qemu_image, tmp_path, monkeypatch):
+    """The VM's model endpoint carries a call to the host's model door: the key is added on the host, a model off
+    the allow list is refused there, and both are signed. (The test image has no openai package: raw HTTP.)"""
+    from tkbox_nb import open_run
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    from .test_models import OPENAI_KEY, Upstream, models_policy
+    monkeypatch.setenv("TKB_TEST_OPENAI_KEY", OPENAI_KEY)
+    monkeypatch.setenv("TKB_TEST_ANTHROPIC_KEY", "unused")
+    with NamespaceNet(index=22) as net:
+        upstream = Upstream(net)
+        try:
+            with qemu_box(qemu_image, policy=models_policy(net, mode="live"), bundle_path=tmp_path / "m.tkb") as b:
+                out = json.loads(b.run(["python3", "-c", RAW_CHAT]).stdout)
+                refused = json.loads(b.run(["python3", "-c", RAW_CHAT.replace("gpt-4o-mini", "gpt-5-secret")]).stdout)
+        finally:
+            upstream.stop()
+        seen = upstream.requests()
+    assert out["status"] == 200 and out["content"] and OPENAI_KEY not in out["key"]
+    assert refused["status"] == 403 and "models.allow" in refused["body"]
+    assert len(seen) == 1 and seen[0]["authorization"] == f"Bearer {OPENAI_KEY}"
+    assert verify_bundle(tmp_path / "m.tkb").valid
+    calls = [c for c in open_run(tmp_path / "m.tkb").crossings() if c.door == "model"]
+    assert [(c.decision, c.args["rule"]) for c in calls] == [("allow", "models.allow[0]"), ("deny", "models.allow")]
