@@ -277,17 +277,18 @@ class MachineSigner:
                     return {"records": len(records), "final": last["type"] == "run.final"}
             finally:
                 r.close()
-            if time.monotonic() > deadline:
-                raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
-            if ended and not nudged:
-                c = self.client()
+            if ended and not nudged:  # ask for a checkpoint once, before the wait is counted: reading a long run's
+                c = self.client()     # records can itself take longer than the wait
                 try:
                     c.checkpoint_nudge({})
                     nudged = True
+                    deadline = max(deadline, time.monotonic() + wait_final_s)
                 except Exception:
                     pass
                 finally:
                     c.close()
+            elif time.monotonic() > deadline:
+                raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
             time.sleep(0.05)
 
 
