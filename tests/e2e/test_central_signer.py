@@ -230,7 +230,8 @@ class CentralTracekit:
             authorize: {{{authorize}}}
             """)
         (self.root / "migrate.yaml").write_text(base + "storage: {postgres: {dsn_file: migrate.dsn}}\n")
-        self.config.write_text(base + "storage: {postgres: {dsn_file: signer.dsn}}\n")
+        self.base = base.replace(self.listen, "{listen}") + "storage: {postgres: {dsn_file: signer.dsn}}\n"
+        self.config.write_text(self.base.replace("{listen}", self.listen))
         self.tracekit("signer", "migrate", "--config", str(self.root / "migrate.yaml"))
         self.pg.sql(pg_schema.GRANTS.format(schema="public", role="tk_signer")
                     + pg_schema.READ_GRANTS.format(schema="public", role="tk_reader"))
@@ -244,6 +245,7 @@ class CentralTracekit:
         return _run(sys.executable, "-m", "tracekit", *args, cwd=self.root)
 
     def start(self) -> "CentralTracekit":
+        self.config.write_text(self.base.replace("{listen}", self.listen))  # a restart: the port it had
         log = open(self.root / "signer.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tracekit", "signer", "serve", "--config",
                                       str(self.config)], cwd=self.root, stdout=log, stderr=log,
@@ -313,11 +315,13 @@ HOST_SCRIPT = textwrap.dedent('''
         deadline = time.monotonic() + 120
         while not (out / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        t0 = time.monotonic()
         try:
-            box.run(["sh", "-c", "echo after the signer went"])
+            box.run(["sh", "-c", "echo after the signer went > /workspace/after.txt"])
             report["after"] = "ran"
         except (DoorRefused, BoxEnded) as e:
             report["after"] = f"{type(e).__name__}: {e}"
+        report["refused_after_s"] = round(time.monotonic() - t0, 2)
         report["ended"] = box.ended
         try:
             box.execute("print('still here?')")
@@ -410,3 +414,58 @@ def test_boxes_on_two_hosts_sign_into_the_central_signer_and_their_bundles_verif
         # a machine signer's trust is no trust for the central log: another key, another origin
         assert not verify_bundle(bundle, machine_trust).valid
         assert tracekit_verify(bundle, machine_trust).returncode != 0
+
+
+def test_the_central_signer_lost_mid_run_ends_both_boxes_fail_closed_and_recovery_says_why(central):
+    signer, hosts, trust, root = central
+    started = start_hosts(signer, hosts, trust, root, "outage")
+    deadline = time.monotonic() + 180
+    while not all((out / "ready").exists() for _, out, _, _ in started):
+        for p, out, _, _ in started:
+            assert p.poll() is None, (out / "host.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the hosts' boxes did not come up"
+        time.sleep(0.1)
+    signer.kill()
+    try:
+        for _, out, _, _ in started:
+            (out / "go").write_text("1")
+        reports = wait_all(started)
+    finally:
+        signer.start()  # the same address and port: the hosts' policies name it
+    for r in reports:
+        # the door refused: nothing ran after the loss, and the box ended with the reason
+        assert r["after"].startswith("DoorRefused") and "TKB-SIGNER-UNAVAILABLE" in r["after"], r
+        assert r["ended"].startswith("signer lost:") and "Connection refused" in r["ended"], r
+        assert r["cell_after"].startswith("BoxEnded"), r
+        assert "no bundle yet" in r["stop"] and "bundle" not in r, r
+        assert r["refused_after_s"] < 30, r
+    # each host closes its own run once the signer answers again; the reason is the run's signed last word
+    for (_, out, home, policy), r in zip(started, reports):
+        ns = hosts.names[int(r["host"][-1]) - 1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TKBOX_HOME": str(home)}
+        rec = subprocess.run(["ip", "netns", "exec", ns, str(VENV_BIN / "tkbox"), "signer", "recover", "--policy",
+                              str(policy)], env=env, capture_output=True, text=True, timeout=120)
+        assert rec.returncode == 0 and "1 orphaned run(s) closed" in rec.stdout, rec.stdout + rec.stderr
+        bundle = out / "box.tkb"
+        assert f"recovered {bundle}" in rec.stdout
+        report = verify_bundle(bundle, trust)
+        assert report.valid, report.summary()
+        assert tracekit_verify(bundle, trust).returncode == 0
+        from tkbox_nb.run import open_run
+        run = open_run(bundle)
+        assert run.run_id == r["run_id"]
+        assert run.box["end_reason"].startswith("recovered: the run ended early (signer unavailable")
+        assert "Connection refused" in run.box["end_reason"]
+        stop = [c for c in run.crossings() if c.tool == "box.stop"]  # signed, its disclosed args opened by verify
+        assert len(stop) == 1 and stop[0].decision == "allow"
+        assert stop[0].args["reason"].startswith("recovered: the run ended early (signer unavailable")
+        df = run.to_dataframe()
+        assert not any("after the signer went" in str(s) for s in df["summary"]), "a refused command was recorded"
+        assert any("from host" in str(s) or "echo" in str(s) for s in df["summary"])
+        # `tkbox export` writes the closed run's bundle again, from the central store, and it verifies the same
+        again = out / "again.tkb"
+        x = subprocess.run(["ip", "netns", "exec", ns, str(VENV_BIN / "tkbox"), "export", r["run_id"], "-o",
+                            str(again), "--policy", str(policy)], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert x.returncode == 0, x.stdout + x.stderr
+        assert verify_bundle(again, trust).valid
