@@ -213,7 +213,8 @@ class CentralTracekit:
             (self.root / f"{mode}.dsn").write_text(self.pg.dsn(role) + "\n")
             os.chmod(self.root / f"{mode}.dsn", 0o600)
         (self.root / "box-pack.yaml").write_text(BOX_PACK)
-        authorize = ", ".join(f'"token:{h}": [{", ".join(HOST_GRANTS)}]' for h in self.hosts)
+        grants = {**{h: HOST_GRANTS for h in self.hosts}, "nosalt": [g for g in HOST_GRANTS if g != "content_read"]}
+        authorize = ", ".join(f'"token:{h}": [{", ".join(g)}]' for h, g in grants.items())
         base = textwrap.dedent(f"""\
             data_dir: ./data
             policy: ./box-pack.yaml
@@ -235,7 +236,7 @@ class CentralTracekit:
         self.tracekit("signer", "migrate", "--config", str(self.root / "migrate.yaml"))
         self.pg.sql(pg_schema.GRANTS.format(schema="public", role="tk_signer")
                     + pg_schema.READ_GRANTS.format(schema="public", role="tk_reader"))
-        for h in self.hosts:
+        for h in [*self.hosts, "nosalt"]:
             token = self.tracekit("signer", "token", "add", h, "--ttl", "1d", "--config", str(self.config))
             (self.root / f"{h}.token").write_text(token.stdout.strip() + "\n")
             os.chmod(self.root / f"{h}.token", 0o600)
@@ -469,3 +470,67 @@ def test_the_central_signer_lost_mid_run_ends_both_boxes_fail_closed_and_recover
                            timeout=120)
         assert x.returncode == 0, x.stdout + x.stderr
         assert verify_bundle(again, trust).valid
+
+
+def test_only_the_pinned_ca_and_a_valid_token_reach_the_central_signer(central, tmp_path):
+    """A signer certificate that does not chain to the pinned CA, or a token the signer does not know, and the box
+    never starts: nothing is decided, nothing runs."""
+    from tkbox_nb import Box
+    from tkbox_nb.central_signer import CentralSigner
+    from tkbox_nb.errors import SignerError
+    from tkbox_nb.policy import Policy
+
+    signer, hosts, trust, root = central
+    good = Policy.from_toml(signer.host_policy("host1", trust), "central.toml")
+    assert CentralSigner.from_policy(good, tmp_path / "h0").answering()
+
+    make_ca(tmp_path / "other", "another CA")  # a CA the signer's certificate does not chain to
+    system = Path(__import__("ssl").get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
+    bad_token = tmp_path / "bad.token"
+    bad_token.write_text("tk_" + "0" * 40 + "\n")
+    cases = {
+        "another CA": (signer.host_policy("host1", trust).replace(str(signer.root / "tls" / "ca.pem"),
+                                                                  str(tmp_path / "other" / "ca.pem")), "verif"),
+        "the system store": (signer.host_policy("host1", trust).replace(str(signer.root / "tls" / "ca.pem"),
+                                                                        str(system)), "verif"),
+        "an unknown token": (signer.host_policy("host1", trust).replace(str(signer.root / "host1.token"),
+                                                                        str(bad_token)), "unauthenticated"),
+    }
+    for name, (text, why) in cases.items():
+        if name == "the system store" and not system.is_file():
+            continue
+        policy = Policy.from_toml(text, f"{name}.toml")
+        home = tmp_path / name.replace(" ", "-")
+        assert not CentralSigner.from_policy(policy, home).answering(), name
+        with pytest.raises(SignerError) as e:
+            Box(policy=policy, backend="bwrap", home=home).start()
+        assert why in str(e.value).lower(), (name, str(e.value))
+        assert not list((home / "central").glob("*/runs/*")), f"{name}: a run was opened"
+
+
+def test_a_host_token_without_the_content_read_grant_gets_no_bundle_and_says_why(central, tmp_path):
+    """Salts come only from the signer's content vault: a host whose token may not read it cannot write bundles,
+    and says so in one line, instead of writing one with content nobody could open."""
+    from tkbox_nb.central_signer import CentralSigner
+    from tkbox_nb.errors import SignerError
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.recorder import RunRecorder
+
+    signer, hosts, trust, root = central
+    policy = Policy.from_toml(signer.host_policy("host1", trust), "central.toml")
+    for host, expect_ok in (("host1", True), ("nosalt", False)):
+        policy = Policy.from_toml(signer.host_policy(host, trust), f"{host}.toml")
+        rec = RunRecorder(CentralSigner.from_policy(policy, tmp_path / host), policy,
+                          {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+        c = rec.decide("exec", "command", {"argv": ["true"]})
+        assert c.allowed  # deciding needs no vault: the box runs
+        rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"", "stderr": b""})
+        rec.close("test done")
+        out = tmp_path / f"{host}.tkb"
+        if expect_ok:
+            rec.write_bundle(out)
+            assert verify_bundle(out, trust).valid
+        else:
+            with pytest.raises(SignerError, match="gave no salts.*forbidden"):
+                rec.write_bundle(out)
+            assert not out.exists()
