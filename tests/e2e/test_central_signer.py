@@ -410,6 +410,7 @@ def test_boxes_on_two_hosts_sign_into_the_central_signer_and_their_bundles_verif
         report = verify_bundle(bundle, trust)
         assert report.valid, report.summary()
         assert "VERIFIED" in report.integrity
+        assert "(tkbox.central/test)" in report.assurance  # the central log's origin, not this host's
         tk = tracekit_verify(bundle, trust)
         assert tk.returncode == 0, tk.stdout + tk.stderr
         # a machine signer's trust is no trust for the central log: another key, another origin
