@@ -483,7 +483,9 @@ def test_only_the_pinned_ca_and_a_valid_token_reach_the_central_signer(central, 
 
     signer, hosts, trust, root = central
     good = Policy.from_toml(signer.host_policy("host1", trust), "central.toml")
-    assert CentralSigner.from_policy(good, tmp_path / "h0").answering()
+    pinned = CentralSigner.from_policy(good, tmp_path / "h0")
+    assert pinned.answering()  # the test CA is in no system store: only the pinned context reaches the signer
+    assert len(pinned._tls().get_ca_certs()) == 1 and pinned._tls().check_hostname  # that CA and nothing else
 
     make_ca(tmp_path / "other", "another CA")  # a CA the signer's certificate does not chain to
     system = Path(__import__("ssl").get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
