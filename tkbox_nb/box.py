@@ -26,7 +26,7 @@ from .doors.patch import Patch, PatchDoor
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
 from .recorder import Crossing, RunRecorder, recover_orphans
-from .signer import MachineSigner
+from .central_signer import signer_for
 
 
 
@@ -94,7 +94,7 @@ class Box:
         self.workspace = Path(workspace) if workspace else None
         if self.workspace is not None and not self.workspace.is_dir():
             raise TkboxError(f"workspace {self.workspace} is not a directory")
-        self.signer = MachineSigner(home)
+        self.signer = signer_for(self.policy, home)  # the machine signer, or the central one [signer] names
         self.bundle_path: Path | None = Path(bundle_path) if bundle_path else None
         self.box_id = uuid.uuid4().hex
         self.recorder: RunRecorder | None = None

@@ -234,9 +234,6 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
     """Export `run_id` from `signer` and write `out_path` (atomically: a temporary file beside it, then rename).
     `final=False` writes the run so far: the records a checkpoint covers now, and what they disclose."""
     from tracekit.format.canon import canonical, event_hash
-    from tracekit.signer.pipeline import salt_label
-
-    from .recorder import salt_for
 
     out_path = Path(out_path)
     export_tmp = spool / "tracekit-export.tkb"
@@ -251,15 +248,17 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
         call_id = e.get("data", {}).get("tool_use_id")
         if e["type"] in ("policy.decision", "tool.result") and call_id:
             by_call[(e["type"], call_id)] = e
-    salt_key = signer.salt_key()
-    disclosures, wanted, blobs = [], set(), {}
+    disclosures, wanted, blobs, found = [], set(), {}, []
     for entry in loads_jsonl((spool / "disclosures.jsonl").read_bytes(), "spool"):
         blobs.update(entry.pop("blobs", {}))
         kind = "policy.decision" if entry["kind"] == "decision" else "tool.result"
         event = by_call.get((kind, entry.get("call_id")))
         if event is None:  # written ahead of a signer call that never recorded it (refused, lost, or past a snapshot)
             continue
-        salt = salt_for(salt_key, salt_label(event))
+        found.append((entry, kind, event))
+    salts = signer.salts([event for _, _, event in found])  # the machine signer derives them; a central one sends them
+    for entry, kind, event in found:
+        salt = salts[event["run_seq"]]
         item = {"run_seq": event["run_seq"], "type": kind, "salt": salt.hex(), "content": entry["content"]}
         if kind == "policy.decision":
             item["args"] = entry["args"]

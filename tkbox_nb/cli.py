@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .errors import TkboxError
+from .errors import SignerError, TkboxError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,18 +45,27 @@ def _cmd_show(a) -> int:
     return 0
 
 
+def _signer(a):
+    """The machine signer, or the central one the `--policy` file's [signer] section names."""
+    from .central_signer import signer_for
+    from .policy import Policy
+    return signer_for(Policy.load(a.policy) if getattr(a, "policy", None) else Policy.default())
+
+
 def _cmd_trust(a) -> int:
-    from .signer import MachineSigner
     from pathlib import Path
-    signer = MachineSigner().ensure()
+    signer = _signer(a).ensure()
     trust = signer.write_trust(Path(a.output).resolve())  # relative to where the user is, not the signer's directory
     print(f"wrote {a.output}: pins log {trust['logs'][0].split('+')[0]}")
     return 0
 
 
 def _cmd_signer(a) -> int:
-    from .signer import MachineSigner
-    signer = MachineSigner()
+    from .central_signer import CentralSigner
+    signer = _signer(a)
+    central = isinstance(signer, CentralSigner)
+    if a.action in ("start", "stop") and central:
+        raise SignerError(f"the central signer at {signer.url} is its operator's to {a.action}, not a box host's")
     if a.action == "start":
         signer.ensure()
         print(f"signer answering at {signer.socket_path} (pid {signer.pid()})")
@@ -72,8 +81,30 @@ def _cmd_signer(a) -> int:
         print(f"{len(written)} orphaned run(s) closed")
     else:
         up = signer.answering()
-        print(f"signer {'answering' if up else 'not running'} ({signer.dir})")
+        print(f"signer {'answering' if up else 'not running' if not central else 'not answering'} "
+              f"({signer.url if central else signer.dir})")
         return 0 if up else 1
+    return 0
+
+
+def _cmd_export(a) -> int:
+    """The bundle of a closed run whose spool is on this host, again (from the machine signer's store, or the
+    central store through its reader role)."""
+    import re
+    from pathlib import Path
+
+    from .bundle import write_bundle
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", a.run_id):
+        raise TkboxError(f"{a.run_id!r} is not a run id")
+    signer = _signer(a)
+    spool = signer.runs_dir / a.run_id
+    if not (spool / "disclosures.jsonl").is_file():
+        raise TkboxError(f"no run {a.run_id} was boxed on this host for {signer!r} ({spool})")
+    if (spool / "handle.json").exists():
+        raise TkboxError(f"run {a.run_id} is not closed: `tkbox signer recover` closes it and writes its bundle")
+    signer.ensure()
+    out = write_bundle(signer, a.run_id, spool, Path(a.output).resolve())
+    print(f"wrote {out}")
     return 0
 
 
@@ -94,14 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["table", "csv", "json"], default="table")
     s.set_defaults(fn=_cmd_show)
 
+    central = "a box policy whose [signer] section names a central signer (default: the machine signer)"
     t = sub.add_parser("trust", help="write the trust config that pins this machine's signing identity")
     t.add_argument("-o", "--output", required=True)
+    t.add_argument("--policy", help=central + "; its trust file is copied")
     t.set_defaults(fn=_cmd_trust)
 
     g = sub.add_parser("signer", help="the machine signer: start, stop, status")
     g.add_argument("action", choices=["start", "stop", "status", "recover"],
                    help="recover: close the runs of boxes whose process died, and write their bundles")
+    g.add_argument("--policy", help=central)
     g.set_defaults(fn=_cmd_signer)
+
+    x = sub.add_parser("export", help="write the bundle of a closed run boxed on this host again")
+    x.add_argument("run_id")
+    x.add_argument("-o", "--output", required=True)
+    x.add_argument("--policy", help=central)
+    x.set_defaults(fn=_cmd_export)
 
     from . import cli_box, cli_patch, cli_replay
     cli_box.add_commands(sub)

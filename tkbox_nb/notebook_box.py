@@ -120,6 +120,8 @@ class NotebookBox:
         note = ""
         if policy.data.get("box", {}) != old.data.get("box", {}):
             note = "; its [box] section (backend, limits) applies from the next box (%box_restart)"
+        if policy.data.get("signer", {}) != old.data.get("signer", {}):
+            note += "; its [signer] section applies from the next box (%box_restart): a run signs into one signer"
         return f"policy {policy.name} ({policy.hash[:19]}...) in force for every crossing from now{note}"
 
     def status(self) -> str:

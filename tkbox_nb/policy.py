@@ -47,6 +47,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
                "upstream_ca_file": str},
     "patch": {"apply": str, "allow": list, "deny": list, "max_file_bytes": int, "max_total_bytes": int,
               "max_files": int, "binary": bool},
+    "signer": {"url": str, "token_file": str, "ca": str, "trust": str, "store_dsn_file": str},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": {"backend": "auto", "isolation": "namespace", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600, "max_processes": 256,
@@ -56,6 +57,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "egress": {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10, "upstream_ca_file": ""},
     "patch": {"apply": "review", "allow": ["**"], "deny": [], "max_file_bytes": 10 << 20,
               "max_total_bytes": 100 << 20, "max_files": 10_000, "binary": True},
+    "signer": {"url": "", "token_file": "", "ca": "", "trust": "", "store_dsn_file": ""},  # "": the machine signer
 }
 PATCH_APPLY = ("never", "review", "auto")
 SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
@@ -461,7 +463,30 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
         v = out.get("exec", {}).get(key)
         if v is not None and not v > 0:
             raise PolicyError(f"{name}: exec.{key} must be positive")
+    if "signer" in out:
+        _validate_signer(out["signer"], name)
     return out
+
+
+def _validate_signer(signer: dict[str, Any], name: str) -> None:
+    """[signer]: a central Tracekit signer over HTTPS (tkbox_nb/central_signer.py); absent, the machine signer."""
+    from urllib.parse import urlsplit
+    url = signer.get("url", "")
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError:
+        raise PolicyError(f"{name}: signer.url {url!r} is not a URL") from None
+    if u.scheme != "https" or not u.hostname or u.username or u.password or u.path not in ("", "/") or u.query \
+            or u.fragment or port == 0:
+        raise PolicyError(f"{name}: signer.url must be https://HOST[:PORT] (no path, user, query or fragment)")
+    for key in ("token_file", "ca", "store_dsn_file"):
+        if not signer.get(key):
+            raise PolicyError(f"{name}: signer.{key} is required with signer.url")
+    for key in ("token_file", "ca", "store_dsn_file", "trust"):
+        value = signer.get(key)
+        if value and ("\x00" in value or not value.startswith("/")):
+            raise PolicyError(f"{name}: signer.{key} must be an absolute path (the file's path on the box's host)")
 
 
 def _validate_secrets(secrets: Any, name: str) -> dict[str, dict[str, Any]]:

@@ -22,12 +22,15 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner, pid_alive
+
+if TYPE_CHECKING:
+    from .central_signer import CentralSigner
 
 UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
 MAX_ARGS_BYTES = 512 * 1024
@@ -59,7 +62,7 @@ class Crossing:
 class RunRecorder:
     """Opens one run on the machine signer for one box and records its crossings."""
 
-    def __init__(self, signer: MachineSigner, policy: Policy, box: dict[str, Any], agent: str = "tkbox",
+    def __init__(self, signer: "MachineSigner | CentralSigner", policy: Policy, box: dict[str, Any], agent: str = "tkbox",
                  replay_of: str | None = None):
         self.signer = signer
         self.policy = policy

@@ -255,41 +255,59 @@ class MachineSigner:
     def export(self, run_id: str, out_path: str | Path, wait_final_s: float = 15.0, final: bool = True) -> dict:
         """Tracekit's v2 export of `run_id`, once its run.final record is covered by a checkpoint. With
         `final=False`, the run so far (still open), once its last record is covered."""
-        from tracekit.bundle_v2 import export
         from tracekit.signer.service import reader as open_reader
         from tracekit.signer.service import signer_config
 
         cfg = signer_config(str(self.config_path))
         cfg["data_dir"] = str(self.data_dir)
-        deadline = time.monotonic() + wait_final_s
-        nudged = False
-        while True:
-            r = open_reader(cfg)
+        return export_run(lambda: open_reader(cfg), self.client, run_id, out_path, str(self.data_dir / "policies"),
+                          TENANT, wait_final_s, final)
+
+    def salts(self, events: list[dict]) -> dict[int, bytes]:
+        """The salt of each record's commitments (run_seq -> salt), derived here from the signer's salt key."""
+        from tracekit.signer.pipeline import salt_label
+
+        from .recorder import salt_for
+        key = self.salt_key()
+        return {e["run_seq"]: salt_for(key, salt_label(e)) for e in events}
+
+
+def export_run(open_reader, client, run_id: str, out_path: str | Path, policy_dir: str, tenant: str,
+               wait_final_s: float = 15.0, final: bool = True) -> dict:
+    """Tracekit's v2 export of `run_id` from the store `open_reader()` reads, once its run.final record (or with
+    `final=False` its last record) is covered by a checkpoint; `client()` reaches the signer to ask for one.
+    Shared by the machine signer (its file store) and the central one (its Postgres store)."""
+    from tracekit.bundle_v2 import export
+
+    deadline = time.monotonic() + wait_final_s
+    nudged = False
+    while True:
+        r = open_reader()
+        try:
+            records = list(r.iter_run(tenant, run_id))
+            if not records:
+                raise SignerError(f"the signer has no run {run_id}")
+            last = records[-1]["event"]
+            note = r.checkpoint_latest()
+            ended = last["type"] == "run.final" or not final
+            if ended and note and note[0] > last["seq"]:
+                export(r, tenant, run_id, note[1], str(out_path), policy_dir=policy_dir)
+                return {"records": len(records), "final": last["type"] == "run.final"}
+        finally:
+            r.close()
+        if ended and not nudged:  # ask for a checkpoint once, before the wait is counted: reading a long run's
+            nudged = True         # records can itself take longer than the wait
+            deadline = max(deadline, time.monotonic() + wait_final_s)
+            c = client()
             try:
-                records = list(r.iter_run(TENANT, run_id))
-                if not records:
-                    raise SignerError(f"the signer has no run {run_id}")
-                last = records[-1]["event"]
-                note = r.checkpoint_latest()
-                ended = last["type"] == "run.final" or not final
-                if ended and note and note[0] > last["seq"]:
-                    export(r, TENANT, run_id, note[1], str(out_path), policy_dir=str(self.data_dir / "policies"))
-                    return {"records": len(records), "final": last["type"] == "run.final"}
+                c.checkpoint_nudge({})
+            except Exception:
+                pass
             finally:
-                r.close()
-            if ended and not nudged:  # ask for a checkpoint once, before the wait is counted: reading a long run's
-                c = self.client()     # records can itself take longer than the wait
-                try:
-                    c.checkpoint_nudge({})
-                    nudged = True
-                    deadline = max(deadline, time.monotonic() + wait_final_s)
-                except Exception:
-                    pass
-                finally:
-                    c.close()
-            elif time.monotonic() > deadline:
-                raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
-            time.sleep(0.05)
+                c.close()
+        elif time.monotonic() > deadline:
+            raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
+        time.sleep(0.05)
 
 
 def pid_alive(pid: int, reap: bool = False) -> bool:
