@@ -69,7 +69,7 @@ def test_it_is_a_vm_with_its_own_kernel(box):
 
 
 def test_qemu_runs_under_seccomp_and_not_as_root(box):
-    status = Path(f"/proc/{box.running.proc.pid}/status").read_text()
+    status = Path(f"/proc/{box.running.vmm_pid()}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     assert fields["Seccomp"].strip() == "2"  # filter mode
     if os.geteuid() == 0:
@@ -253,3 +253,41 @@ def test_model_calls_leave_the_vm_through_the_model_door(signer, qemu_image, tmp
     assert verify_bundle(tmp_path / "m.tkb").valid
     calls = [c for c in open_run(tmp_path / "m.tkb").crossings() if c.door == "model"]
     assert [(c.decision, c.args["rule"]) for c in calls] == [("allow", "models.allow[0]"), ("deny", "models.allow")]
+
+
+HOLD_A_VM = r'''
+import sys, time
+from pathlib import Path
+from tkbox_nb import Box
+from tkbox_nb.backends.image import Image
+from tkbox_nb.backends.qemu import QemuBackend
+box = Box(backend="bwrap", bundle_path=sys.argv[3])
+box.backend = QemuBackend(image=Image(sys.argv[1], Path(sys.argv[2])))
+box.start()
+print(box.running._workdir, flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_host_process_killed_with_sigkill_leaves_no_vm_running(signer, qemu_image, tmp_path):
+    """QEMU started as root drops to nobody (-runas), which clears the parent-death signal: without its PID
+    namespace reaper, a host process killed with SIGKILL left its VM running."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_VM, qemu_image.digest, str(qemu_image.path),
+                             str(tmp_path / "h.tkb")], stdout=subprocess.PIPE, text=True, start_new_session=False)
+    try:
+        workdir = proc.stdout.readline().strip()
+        assert workdir.startswith("/tmp/tkbox-vm-"), workdir
+        assert any(_cmdline_has(pid, workdir) for pid in os.listdir("/proc") if pid.isdigit())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    import time
+    deadline = time.monotonic() + 10
+    while any(_cmdline_has(pid, workdir) for pid in os.listdir("/proc") if pid.isdigit()):
+        assert time.monotonic() < deadline, "the VM outlived the host process that started it"
+        time.sleep(0.2)
+    import shutil
+    shutil.rmtree(workdir, ignore_errors=True)  # what the killed process could not clean up (its next start would)

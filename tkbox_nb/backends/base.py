@@ -65,7 +65,9 @@ class RunningBox(abc.ABC):
 
     def exit_reason(self) -> str:
         """Why the box ended, in a few words (exit status, signal, a limit)."""
-        rc = self.proc.poll()
+        return self.describe_exit(self.proc.poll())
+
+    def describe_exit(self, rc: int | None) -> str:
         if rc is None:
             return "running"
         if rc < 0:

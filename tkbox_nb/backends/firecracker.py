@@ -31,7 +31,7 @@ from pathlib import Path
 from ..errors import TkboxError
 from .base import Backend, BoxSpec
 from .image import Image, current_image
-from .microvm import VmRunning, accept_door, config_disk, stop_process_group, vmm_limits
+from .microvm import VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
 from .qemu import kvm_usable
 
 DOOR_PORT = 1024          # the guest's vsock port for the door (ports below 1024 are privileged in the guest)
@@ -238,6 +238,7 @@ class FirecrackerBackend(Backend):
         dirs = [workdir]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         proc = api = running = door_path = None
+        wrapped = False
         try:
             cfg_img = config_disk(spec, workdir, self.kernel_ready_s)
             if self.jailer:
@@ -252,7 +253,7 @@ class FirecrackerBackend(Backend):
                 os.chown(root, JAIL_UID, JAIL_GID)  # Firecracker, as nobody, makes its sockets here
                 paths = ("/vmlinux", "/initrd.img", "/root.img", "/config.img", "/v.sock")
                 host_vsock, api_sock = root / "v.sock", root / "api.sock"
-                argv = jailer_argv(find_jailer() or "jailer", self.binary, spec.box_id, base)
+                argv, wrapped = reaped_with_us(jailer_argv(find_jailer() or "jailer", self.binary, spec.box_id, base))
             else:
                 host_vsock, api_sock = workdir / "v.sock", workdir / "api.sock"
                 paths = (str(vmlinux), str(img.initrd), str(img.root), str(cfg_img), str(host_vsock))
@@ -270,7 +271,7 @@ class FirecrackerBackend(Backend):
             for method, path, body in api_requests(spec, *paths):
                 api.call(method, path, body)
             running = VmRunning(proc, accept_door(listener, proc, self.ready_timeout_s, "firecracker"), workdir,
-                                extra_dirs=dirs[1:])
+                                extra_dirs=dirs[1:], wrapped=wrapped)
             return running
         finally:
             listener.close()

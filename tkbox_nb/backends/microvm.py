@@ -50,6 +50,18 @@ def vmm_limits(cpu_time_s: int) -> Callable[[], None]:
     return in_child
 
 
+def reaped_with_us(argv: list[str]) -> tuple[list[str], bool]:
+    """`argv` for a VMM that drops privileges (QEMU's `-runas`, Firecracker's jailer), and whether it was wrapped.
+    Such a VMM loses the parent-death signal at its uid change, so a host process killed with SIGKILL would leave its
+    VM running. It runs instead as the child of a shell that is PID 1 of a PID namespace of its own: the shell keeps
+    the signal (unshare's --kill-child; unshare itself gets ours), and when PID 1 dies the kernel kills everything in
+    the namespace. The shell exits with the VMM's status, or 128 + N when signal N ended it."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return argv, False
+    return [unshare, "--pid", "--fork", "--kill-child", "--", "/bin/sh", "-c", '"$@"; exit $?', "sh", *argv], True
+
+
 def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
     """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
     cfg = workdir / "config"
@@ -89,14 +101,47 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return sorted(out)
+
+
 class VmRunning(RunningBox):
     """A VMM process with one door; its stdout is the guest's serial console."""
 
     CLEAN_EXIT = "the guest powered off"
 
-    def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path, extra_dirs: list[Path] = ()):
+    def __init__(self, proc: subprocess.Popen, door: socket.socket, workdir: Path, extra_dirs: list[Path] = (),
+                 wrapped: bool = False):
         self.proc, self.door, self._workdir, self._extra_dirs = proc, door, workdir, list(extra_dirs)
+        self._wrapped = wrapped  # run by reaped_with_us: 128 + N is signal N
         self._keep_tail(proc.stdout, "tkbox-vm-console")
+
+    def vmm_pid(self) -> int | None:
+        """The VMM's own process: under reaped_with_us, the child of the namespace's shell (None once gone)."""
+        if not self._wrapped:
+            return self.proc.pid
+        pid = self.proc.pid
+        for _ in range(2):  # unshare -> sh -> the VMM
+            kids = _children(pid)
+            if not kids:
+                return None
+            pid = kids[0]
+        return pid
+
+    def exit_reason(self) -> str:
+        rc = self.proc.poll()
+        if self._wrapped and rc is not None and 128 < rc < 128 + 65:
+            return self.describe_exit(-(rc - 128))
+        return super().exit_reason()
 
     def kill(self) -> None:
         stop_process_group(self.proc)

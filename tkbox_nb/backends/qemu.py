@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import TkboxError
 from .base import Backend, BoxSpec
 from .image import DOOR_NAME, Image, current_image
-from .microvm import VmRunning, accept_door, config_disk, stop_process_group, vmm_limits
+from .microvm import VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
 
 QEMU = "qemu-system-x86_64"
 CONNECT_TIMEOUT_S = 15.0
@@ -118,7 +118,10 @@ class QemuBackend(Backend):
             listener.bind(str(door_path))
             listener.listen(1)
             config_img = config_disk(spec, workdir, self.kernel_ready_s)
-            proc = subprocess.Popen(self.argv(spec, door_path, config_img, max(1, spec.cpus)), stdin=subprocess.DEVNULL,
+            argv, wrapped = self.argv(spec, door_path, config_img, max(1, spec.cpus)), False
+            if "-runas" in argv:
+                argv, wrapped = reaped_with_us(argv)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
                                     preexec_fn=vmm_limits(spec.cpu_time_s), start_new_session=True)
         except BaseException:
@@ -127,7 +130,7 @@ class QemuBackend(Backend):
             raise
         running = None
         try:
-            running = VmRunning(proc, accept_door(listener, proc, CONNECT_TIMEOUT_S, "QEMU"), workdir)
+            running = VmRunning(proc, accept_door(listener, proc, CONNECT_TIMEOUT_S, "QEMU"), workdir, wrapped=wrapped)
             return running
         finally:
             listener.close()
