@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .errors import SignerError
-from .signer import BOX_PACK, DECIDE_TIMEOUT_S, TENANT, MachineSigner, default_home, export_run
+from .signer import BOX_PACK, DECIDE_TIMEOUT_S, TENANT, MachineSigner, default_home, export_run, status_answers
 
 SALTS_PER_CALL = 200  # content_get answers at most 1000 items, and one answer line is bounded: stay well under
 PURPOSE = "tkbox-nb bundle export"
@@ -86,16 +86,9 @@ class CentralSigner:
 
     def answering(self, timeout: float = 2.0) -> bool:
         try:
-            c = self.client(timeout=timeout)
+            return status_answers(self.client(timeout=timeout))
         except SignerError:
             return False
-        try:
-            c.status({})
-            return True
-        except Exception:
-            return False
-        finally:
-            c.close()
 
     def ensure(self, timeout: float = DECIDE_TIMEOUT_S) -> "CentralSigner":
         """Check that the signer answers (it is never started from here): a box does not start without it."""

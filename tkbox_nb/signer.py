@@ -150,15 +150,7 @@ class MachineSigner:
     def answering(self, timeout: float = 2.0) -> bool:
         if not self.socket_path.exists():
             return False
-        from tracekit.sdk.client import Client
-        c = Client(signer=str(self.socket_path), timeout=timeout)
-        try:
-            c.status({})
-            return True
-        except Exception:
-            return False
-        finally:
-            c.close()
+        return status_answers(self.client(timeout=timeout))
 
     def pid(self) -> int | None:
         try:
@@ -270,6 +262,17 @@ class MachineSigner:
         from .recorder import salt_for
         key = self.salt_key()
         return {e["run_seq"]: salt_for(key, salt_label(e)) for e in events}
+
+
+def status_answers(client) -> bool:
+    """Whether a signer answers a status call through `client` (closed afterwards, whatever happened)."""
+    try:
+        client.status({})
+        return True
+    except Exception:
+        return False
+    finally:
+        client.close()
 
 
 def export_run(open_reader, client, run_id: str, out_path: str | Path, policy_dir: str, tenant: str,

@@ -98,7 +98,8 @@ def test_javascript_from_the_box_never_reaches_the_frontend(client):
     assert not any("application/javascript" in c.get("data", {}) for _, c in outs)
 
 
-def test_input_and_getpass_go_through_stdin(client):
+def check_input_and_getpass(client: Client) -> None:
+    """A cell reads a line and a password from the frontend: each prompt reaches it as an input_request."""
     prompts = []
 
     def answer(msg):
@@ -109,6 +110,10 @@ def test_input_and_getpass_go_through_stdin(client):
                              stdin=answer)
     assert reply["status"] == "ok" and prompts == [("name? ", False), ("pw? ", True)]
     assert ("stream", {"name": "stdout", "text": "typed hidden\n"}) in outs
+
+
+def test_input_and_getpass_go_through_stdin(client):
+    check_input_and_getpass(client)
 
 
 def test_interrupt_stops_the_cell_and_the_box_survives(client):

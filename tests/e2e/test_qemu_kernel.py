@@ -16,7 +16,7 @@ import pytest
 
 from tkbox_nb.verify import verify_bundle
 
-from .test_kernel import Client, kernel_env, only_bundle  # noqa: F401 -- kernel_env is a fixture used here
+from .test_kernel import Client, check_input_and_getpass, kernel_env, only_bundle  # noqa: F401 -- kernel_env is a fixture used here
 
 pytestmark = pytest.mark.slow
 FIRST_CELL_S = 420  # a VM boot and `import ipykernel` under TCG on a loaded 2-CPU host
@@ -53,16 +53,7 @@ def test_cells_stdin_completion_and_interrupt_in_a_vm(kernel_env, test_image_is_
         assert ("stream", {"name": "stdout", "text": "in tkbox\n"}) in outs
         assert any(t == "execute_result" and "cloud-amd64" in c["data"]["text/plain"] for t, c in outs)
 
-        prompts = []
-
-        def answer(msg):
-            prompts.append((msg["content"]["prompt"], msg["content"]["password"]))
-            client.kc.input("typed" if not msg["content"]["password"] else "hidden")
-
-        reply, outs = client.run("import getpass\na = input('name? ')\nb = getpass.getpass('pw? ')\nprint(a, b)",
-                                 stdin=answer)
-        assert reply["status"] == "ok" and prompts == [("name? ", False), ("pw? ", True)]
-        assert ("stream", {"name": "stdout", "text": "typed hidden\n"}) in outs
+        check_input_and_getpass(client)
 
         client.kc.complete("platform.rel", 12)
         matches = client.kc.get_shell_msg(timeout=60)["content"]["matches"]

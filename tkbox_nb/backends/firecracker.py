@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from ..errors import TkboxError
-from .base import Backend, BoxSpec
+from .base import BoxSpec
 from .image import Image, current_image
-from .microvm import VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
+from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
 from .qemu import kvm_usable
 
 DOOR_PORT = 1024          # the guest's vsock port for the door (ports below 1024 are privileged in the guest)
@@ -158,7 +158,7 @@ def wait_for_socket(path: Path, proc: subprocess.Popen, timeout_s: float) -> Non
         time.sleep(0.01)
 
 
-class FirecrackerBackend(Backend):
+class FirecrackerBackend(ImageBackend):
     name = "firecracker"
     isolation = "vm-kvm"
     ready_timeout_s = 30.0
@@ -168,17 +168,6 @@ class FirecrackerBackend(Backend):
         self._image = image
         self.binary = binary or find_firecracker()
         self.jailer = jailer
-
-    @property
-    def image(self) -> Image:
-        if self._image is None:
-            self._image = current_image()
-            if self._image is None:
-                raise TkboxError("no guest image built for the firecracker backend: run `tkbox image build` first")
-        return self._image
-
-    def image_digest(self) -> str:
-        return f"tkbox-image:{self.image.digest}"
 
     def checks(self) -> list[tuple[str, bool | None, str]]:
         """Each requirement as (what, ok, detail), in the order a user would fix them; None: not checked, because an

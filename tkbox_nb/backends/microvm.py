@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import TkboxError
-from .base import BoxSpec, RunningBox
-from .image import CONFIG_LABEL, make_ext4
+from .base import Backend, BoxSpec, RunningBox
+from .image import CONFIG_LABEL, Image, current_image, make_ext4
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
@@ -99,6 +99,24 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         proc.wait(timeout=5)
+
+
+class ImageBackend(Backend):
+    """A VM backend: it boots a guest image, the one given or else the current one (`tkbox image build`), and the
+    run names that image by its digest."""
+
+    _image: Image | None = None
+
+    @property
+    def image(self) -> Image:
+        if self._image is None:
+            self._image = current_image()
+            if self._image is None:
+                raise TkboxError(f"no guest image built for the {self.name} backend: run `tkbox image build` first")
+        return self._image
+
+    def image_digest(self) -> str:
+        return f"tkbox-image:{self.image.digest}"  # sha256 of the inputs (image.py), first 128 bits
 
 
 def _children(pid: int) -> list[int]:

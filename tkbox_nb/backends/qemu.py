@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 from ..errors import TkboxError
-from .base import Backend, BoxSpec
+from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
-from .microvm import VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
+from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
 
 QEMU = "qemu-system-x86_64"
 CONNECT_TIMEOUT_S = 15.0
@@ -38,7 +38,7 @@ def kvm_usable() -> tuple[bool, str]:
     return True, "/dev/kvm works"
 
 
-class QemuBackend(Backend):
+class QemuBackend(ImageBackend):
     name = "qemu"
     ready_timeout_s = 120.0  # an emulated boot on a loaded host can take tens of seconds
     kernel_ready_s = 300.0   # and `import ipykernel` under TCG from 7 s (idle host) to a minute (loaded)
@@ -49,17 +49,6 @@ class QemuBackend(Backend):
             accel = "kvm" if kvm_usable()[0] else "tcg"
         self.accel = accel
         self.isolation = f"vm-{accel}"
-
-    @property
-    def image(self) -> Image:
-        if self._image is None:
-            self._image = current_image()
-            if self._image is None:
-                raise TkboxError("no guest image built for the qemu backend: run `tkbox image build` first")
-        return self._image
-
-    def image_digest(self) -> str:
-        return f"tkbox-image:{self.image.digest}"  # sha256 of the inputs (image.py), first 128 bits
 
     def available(self) -> tuple[bool, str]:
         exe = shutil.which(QEMU)
