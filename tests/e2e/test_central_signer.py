@@ -65,6 +65,17 @@ def _run(*argv: str, **kw) -> subprocess.CompletedProcess:
 
 
 # -- Postgres --------------------------------------------------------------------------------------------------------
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server's process group (Postgres and the signer shut down cleanly on it), SIGKILL after 20 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
 class Postgres:
     """A throwaway cluster run by the postgres user, reachable only on a Unix socket in `root`/sock."""
 
@@ -106,13 +117,7 @@ class Postgres:
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+            stop_group(self.proc)
 
 
 # -- TLS -------------------------------------------------------------------------------------------------------------
@@ -349,12 +354,7 @@ def central():
                 yield signer, hosts, signer.write_trust(), root
             finally:
                 if signer.proc is not None and signer.proc.poll() is None:
-                    os.killpg(signer.proc.pid, signal.SIGTERM)
-                    try:
-                        signer.proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(signer.proc.pid, signal.SIGKILL)
-                        signer.proc.wait(timeout=5)
+                    stop_group(signer.proc)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -110,14 +110,18 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def find_firecracker() -> str | None:
-    exe = os.environ.get("TKBOX_FIRECRACKER") or shutil.which("firecracker")
+def find_executable(env_var: str, name: str) -> str | None:
+    """The executable $`env_var` names, else `name` on PATH; None unless it is an executable file."""
+    exe = os.environ.get(env_var) or shutil.which(name)
     return exe if exe and os.path.isfile(exe) and os.access(exe, os.X_OK) else None
+
+
+def find_firecracker() -> str | None:
+    return find_executable("TKBOX_FIRECRACKER", "firecracker")
 
 
 def find_jailer() -> str | None:
-    exe = os.environ.get("TKBOX_JAILER") or shutil.which("jailer")
-    return exe if exe and os.path.isfile(exe) and os.access(exe, os.X_OK) else None
+    return find_executable("TKBOX_JAILER", "jailer")
 
 
 def firecracker_version(exe: str) -> tuple[tuple[int, int, int] | None, str]:
