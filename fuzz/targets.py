@@ -31,6 +31,7 @@ from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, 
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
 from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
 from tkbox_nb.doors.intercept import read_request
+from tkbox_nb.guest import vm
 from tkbox_nb.doors.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.doors.secrets import Binding, Scrubber, host_matches, misuses_in, rewrite_request
 from tkbox_nb.errors import BundleError, PolicyError, TkboxError
@@ -914,3 +915,17 @@ def elf_info_target(data: bytes) -> None:
     assert len(loads) == info.load_segments >= 1 and info.mem_size == sum(m for _, m in loads)
     assert info.phys_start == min(a for a, _ in loads) and info.phys_end == max(a + m for a, m in loads)
     assert info.pvh_note == (info.pvh_entry is not None) and (info.pvh_entry or 0) < 1 << 32
+
+
+# -- a warm VM's GO message (tkbox_nb/guest/vm.py) ----------------------------------------------------------------
+@target("go-message", lambda: [vm.encode_go(bytes(range(64)), 1_796_000_000_000_000_000), b"TKBOXGO1" + b"\0" * 72,
+                               b"TKBOXGO1"])
+def go_message(data: bytes) -> None:
+    """parse_go: any bytes give (64 bytes of entropy, a settable time) or ValueError, and what it takes
+    re-encodes to exactly the bytes it was given."""
+    try:
+        entropy, ns = vm.parse_go(data)
+    except ValueError:
+        return
+    assert len(entropy) == vm.GO_ENTROPY and 10 ** 18 < ns < 2 ** 63
+    assert vm.encode_go(entropy, ns) == data

@@ -135,9 +135,10 @@ class Box:
     def start(self) -> "Box":
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
+        boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
-            "image_digest": self.backend.image_digest()}, replay_of=self.replay_of)
+            "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
         if self.bundle_path is not None:
             self.recorder.bundle_hint = self.bundle_path
         self.recorder.open()

@@ -28,6 +28,7 @@ from . import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner, pid_alive
+from .verify import BOX_FIELDS
 
 if TYPE_CHECKING:
     from .central_signer import CentralSigner
@@ -110,8 +111,7 @@ class RunRecorder:
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in
-                                             ("box_id", "backend", "isolation", "image_digest", "tkbox_version")})
+        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS if k in self.box})
         if not start.allowed:
             self.close("the signer refused the box start")
             raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")

@@ -64,7 +64,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata["language_info"] = {"name": "python"}
     nb.metadata["tkbox"] = {"replay_of": run.run_id, "bundle": str(run.path), "box": {
-        k: run.box.get(k) for k in ("box_id", "backend", "isolation", "image_digest", "policy")}}
+        k: run.box.get(k) for k in ("box_id", "backend", "isolation", "image_digest", "boot", "policy")}}
     nb.cells.append(nbformat.v4.new_markdown_cell(
         f"Replay of run `{run.run_id}` ({run.box.get('backend', '?')}, {run.box.get('isolation', '?')}) from "
         f"`{run.path.name}`: cells and outputs as recorded. Verify the bundle (`tkbox verify`) before trusting them."))

@@ -93,6 +93,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def start(self, spec: BoxSpec) -> RunningBox: ...
 
+    def prepare(self, memory_mib: int, cpus: int) -> dict:
+        """Work before a start that the run should name (a VM backend's warm-start state): the box facts it adds."""
+        return {}
+
     def image_digest(self) -> str:
         return "none"
 

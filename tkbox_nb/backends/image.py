@@ -56,7 +56,9 @@ fail() { echo "tkbox init: $*"; reboot -f; }
 for m in %(modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
 ws=64
 door=serial
-for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;; esac; done
+warm=0
+for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;;
+  tkbox.warm=1) warm=1;; esac; done
 if [ $door = vsock ]; then for m in %(vsock_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done; fi
 i=0
 until root=$(findfs LABEL=%(root)s 2>/dev/null) && cfg=$(findfs LABEL=%(cfg)s 2>/dev/null); do
@@ -65,8 +67,10 @@ done
 mount -t ext4 -o ro,noload "$root" /newroot || fail "cannot mount the root"
 mount -t tmpfs -o mode=0755 tmpfs /newroot/run
 mkdir -p /newroot/run/tkbox/config
-mount -t ext4 -o ro,noload,nodev,nosuid "$cfg" /newroot/run/tkbox/config || fail "cannot mount the config disk"
-mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
+if [ $warm = 0 ]; then  # a warm start's agent mounts these after the host's GO (tkbox_guest/vm.py)
+  mount -t ext4 -o ro,noload,nodev,nosuid "$cfg" /newroot/run/tkbox/config || fail "cannot mount the config disk"
+  mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
+fi
 mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
 mount -t tmpfs -o size=16m,mode=0755 tmpfs /newroot/opt/tkbox
 cp -r /agent/tkbox_guest /newroot/opt/tkbox/
@@ -79,7 +83,7 @@ mount --move /sys /newroot/sys
 hostname tkbox
 ip link set lo up || fail "cannot bring up lo"
 cd /newroot
-chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
+chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 TKBOX_CFG_DEV="$cfg" \
   PYTHONPATH=/opt/tkbox PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m tkbox_guest.vm
 echo "tkbox init: agent exited ($?)"
 sync

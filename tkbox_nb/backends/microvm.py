@@ -66,6 +66,7 @@ def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
     """The box's settings as a read-only disk: written here, never mounted here, only read by the guest."""
     cfg = workdir / "config"
     cfg.mkdir()
+    (cfg / "box.json").write_text(json.dumps({"workspace_mib": spec.workspace_mib}))
     env = {**BASE_ENV, "TKBOX_BOX_ID": spec.box_id, "TKBOX_KERNEL_READY_S": str(int(kernel_ready_s) - 30), **spec.env}
     (cfg / "env.json").write_text(json.dumps(env, sort_keys=True))
     if spec.ca_bundle is not None:

@@ -22,6 +22,7 @@ from ..errors import TkboxError
 from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
 from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
+from .warm_start import WarmState, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
 CONNECT_TIMEOUT_S = 15.0
@@ -43,8 +44,11 @@ class QemuBackend(ImageBackend):
     ready_timeout_s = 120.0  # an emulated boot on a loaded host can take tens of seconds
     kernel_ready_s = 300.0   # and `import ipykernel` under TCG from 7 s (idle host) to a minute (loaded)
 
-    def __init__(self, image: Image | None = None, accel: str | None = None):
+    def __init__(self, image: Image | None = None, accel: str | None = None, warm: bool = True):
         self._image = image
+        self.warm, self.warm_error = warm, ""  # start from a saved template (warm_start.py), else boot
+        self._warm: WarmState | None = None
+        self._prepared = False
         if accel is None:
             accel = "kvm" if kvm_usable()[0] else "tcg"
         self.accel = accel
@@ -63,14 +67,15 @@ class QemuBackend(ImageBackend):
         kvm, why = kvm_usable()
         return True, f"{exe}, image {image.digest[:12]}, {'KVM' if self.accel == 'kvm' else 'TCG'} ({why})"
 
-    def argv(self, spec: BoxSpec, door_path: Path, config_img: Path, cpus: int) -> list[str]:
+    def argv(self, spec: BoxSpec, door_path: Path, config_img: Path, cpus: int, warm: bool = False) -> list[str]:
         img = self.image
         accel = "kvm" if self.accel == "kvm" else "tcg"  # (-icount runs one TCG thread)
         # Under TCG on a loaded host the guest's timer calibration can fail and its clock stall; counting
         # instructions (-icount) gives the guest a time that host load cannot skew.
         # With more than one vCPU the delay-loop calibration of the second one never settles under -icount: preset it
         # (the guest sees a 1 GHz TSC there, and Debian's kernel ticks at 250 Hz).
-        cmdline = f"console=ttyS0 quiet panic=-1 tkbox.ws={spec.workspace_mib}"
+        # (a warm start restores the template's kernel and command line: its workspace size comes from box.json)
+        cmdline = "console=ttyS0 quiet panic=-1 " + ("tkbox.warm=1" if warm else f"tkbox.ws={spec.workspace_mib}")
         timing = []
         if self.accel == "tcg":
             timing = ["-icount", "shift=auto,sleep=on"]
@@ -96,35 +101,75 @@ class QemuBackend(ImageBackend):
         sandbox = f"on,obsolete=deny,elevateprivileges={'allow' if root else 'deny'},spawn=deny,resourcecontrol=deny"
         return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
 
-    def start(self, spec: BoxSpec) -> VmRunning:
-        if spec.agent_argv is not None:
-            raise TkboxError("the qemu backend runs only the image's guest agent (agent_argv is for bwrap tests)")
-        self.image  # noqa: B018 -- fail before making anything when there is no image
-        workdir = Path(tempfile.mkdtemp(prefix="tkbox-vm-", dir="/tmp"))  # short: a Unix socket path lives here
+    def prepare(self, memory_mib: int, cpus: int) -> dict:
+        """Find or make the warm-start state for this machine size (warm_start.py); the run's `boot` fact."""
+        self._warm, self._prepared = None, True
+        if self.warm:
+            try:
+                self._warm = warm_state(self, memory_mib, max(1, cpus), self.ready_timeout_s)
+            except (TkboxError, OSError) as e:  # a cold boot still works; the run says which it was
+                self.warm_error = str(e)
+        return {"boot": self._warm.boot_fact if self._warm else "cold"}
+
+    def launch(self, spec: BoxSpec, workdir: Path, warm: bool, extra: list[str] = (), pass_fds: tuple = (),
+               console: Path | None = None) -> tuple[subprocess.Popen, socket.socket, bool]:
+        """Start QEMU for `spec` in `workdir` and take its door connection: (process, door, wrapped)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        door_path = workdir / "door.sock"
+        proc = None
         try:
-            door_path = workdir / "door.sock"
             listener.bind(str(door_path))
             listener.listen(1)
             config_img = config_disk(spec, workdir, self.kernel_ready_s)
-            argv, wrapped = self.argv(spec, door_path, config_img, max(1, spec.cpus)), False
+            if warm:
+                fit_config_disk(config_img)
+            argv, wrapped = self.argv(spec, door_path, config_img, max(1, spec.cpus), warm=warm) + list(extra), False
             if "-runas" in argv:
                 argv, wrapped = reaped_with_us(argv)
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
-                                    preexec_fn=vmm_limits(spec.cpu_time_s), start_new_session=True)
+            out = open(console, "wb") if console is not None else subprocess.PIPE
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        env={"PATH": "/usr/bin:/bin"}, pass_fds=pass_fds,
+                                        preexec_fn=vmm_limits(spec.cpu_time_s), start_new_session=True)
+            finally:
+                if console is not None:
+                    out.close()
+            return proc, accept_door(listener, proc, CONNECT_TIMEOUT_S, "QEMU"), wrapped
         except BaseException:
-            listener.close()
-            shutil.rmtree(workdir, ignore_errors=True)
+            if proc is not None:
+                stop_process_group(proc)
             raise
-        running = None
-        try:
-            running = VmRunning(proc, accept_door(listener, proc, CONNECT_TIMEOUT_S, "QEMU"), workdir, wrapped=wrapped)
-            return running
         finally:
             listener.close()
             with contextlib.suppress(OSError):
                 door_path.unlink()
-            if running is None:
-                stop_process_group(proc)
-                shutil.rmtree(workdir, ignore_errors=True)
+
+    def start(self, spec: BoxSpec) -> VmRunning:
+        if spec.agent_argv is not None:
+            raise TkboxError("the qemu backend runs only the image's guest agent (agent_argv is for bwrap tests)")
+        self.image  # noqa: B018 -- fail before making anything when there is no image
+        if not self._prepared:  # start() without prepare(): a direct use of the backend
+            self.prepare(spec.memory_mib, spec.cpus)
+        warm, self._prepared = self._warm, False
+        workdir = Path(tempfile.mkdtemp(prefix="tkbox-vm-", dir="/tmp"))  # short: a Unix socket path lives here
+        state_fd = None
+        try:
+            if warm is not None:
+                state_fd = os.open(warm.path, os.O_RDONLY)  # inherited by QEMU only (pass_fds)
+            proc, door, wrapped = self.launch(spec, workdir, warm is not None,
+                                              extra=["-incoming", f"fd:{state_fd}"] if warm else [],
+                                              pass_fds=(state_fd,) if warm else ())
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            if state_fd is not None:
+                os.close(state_fd)
+        running = VmRunning(proc, door, workdir, wrapped=wrapped)
+        if warm is not None:
+            try:
+                door.sendall(go_message())
+            except OSError:
+                running.kill()
+                raise TkboxError(f"the warm-started VM closed its door ({running.exit_reason()})") from None
+        return running

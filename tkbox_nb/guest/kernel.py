@@ -54,10 +54,11 @@ class KernelBridge:
         env = dict(os.environ)
         env.pop("TKBOX_DOOR_FD", None)
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", self.conn_path],
-                                     env=env, cwd="/workspace" if os.path.isdir("/workspace") else None,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        cwd = "/workspace" if os.path.isdir("/workspace") else os.getcwd()
+        from . import zygote  # a warm box's first kernel was started in its template (zygote.py)
+        self.proc = zygote.take(env, cwd, self.conn_path) or subprocess.Popen(
+            [sys.executable, "-m", "ipykernel_launcher", "-f", self.conn_path], env=env, cwd=cwd,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.ctx = zmq.Context()
         self.sockets = {}
         for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
