@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import time
 
 from .backends import BACKENDS
 from .errors import DoorRefused
@@ -98,6 +100,17 @@ def _cmd_image(a) -> int:
     size = image.size_bytes() / 2**20
     print(f"image {image.digest} {'built' if built else 'cached (inputs unchanged)'}: {image.path} ({size:.0f} MiB; "
           f"cache {images_dir()}); qemu boxes boot it from now on")
+    if not a.no_warm and shutil.which("qemu-system-x86_64"):
+        from .backends.qemu import QemuBackend
+        from .backends.warm_start import warm_state
+        from .policy import Policy
+        default, backend = Policy.coerce(None), QemuBackend(image)
+        mem, cpus = default.get("box", "memory_mib"), default.get("box", "cpus")
+        t = time.monotonic()
+        state = warm_state(backend, mem, cpus, backend.ready_timeout_s)
+        print(f"warm-start state for {mem} MiB, {cpus} vCPU ({backend.accel}): {state.path} "
+              f"({state.path.stat().st_size / 2**20:.0f} MiB, {time.monotonic() - t:.1f} s); other machine sizes "
+              f"are saved by their first box")
     return 0
 
 
@@ -136,6 +149,8 @@ def add_commands(sub) -> None:
                    help="pip packages installed into the root at build time (NAME[extras] and one version clause)")
     i.add_argument("--kernel", help="the Debian kernel package (default linux-image-cloud-amd64)")
     i.add_argument("--force", action="store_true", help="rebuild even when the inputs did not change")
+    i.add_argument("--no-warm", action="store_true", help="do not boot the image to save its warm-start state "
+                   "(docs/backends.md); the first qemu box of each machine size does it then")
     i.set_defaults(fn=_cmd_image)
     k = sub.add_parser("kernel", help="the Tracekit Box Jupyter kernel")
     k.add_argument("action", choices=["install"])

@@ -88,7 +88,7 @@ def stop(proc):
 def main():
     for name in PREIMPORT:
         __import__(name)
-    if sys.path and sys.path[0] in ("", os.getcwd()):  # as ipykernel_launcher does: not the start directory
+    if sys.path and sys.path[0] in ("", os.getcwd()):  # the template's directory: the box's goes there below
         del sys.path[0]
     os.write(1, READY)
     line = sys.stdin.buffer.readline(REQUEST_MAX)
@@ -98,13 +98,15 @@ def main():
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    sys.path.insert(0, os.getcwd())  # as `python -m ipykernel_launcher` started in `cwd` has it
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.close(null)
     import random
     random.seed()
-    sys.argv = [sys.argv[0], "-f", conn]
+    import importlib.util
+    sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, "-f", conn]  # as the launcher's own
     from ipykernel import kernelapp
     kernelapp.launch_new_instance()
     return 0
