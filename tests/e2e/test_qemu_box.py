@@ -17,6 +17,7 @@ from tkbox_nb import Box, BoxEnded, Policy
 from tkbox_nb.backends.image import build_image
 from tkbox_nb.backends.qemu import QemuBackend
 from tkbox_nb.errors import TkboxError
+from tkbox_nb.run import open_run
 from tkbox_nb.verify import verify_bundle
 
 from .conftest import IMAGE_HOME, TEST_PACKAGES
@@ -291,3 +292,42 @@ def test_a_host_process_killed_with_sigkill_leaves_no_vm_running(signer, qemu_im
         time.sleep(0.2)
     import shutil
     shutil.rmtree(workdir, ignore_errors=True)  # what the killed process could not clean up (its next start would)
+
+
+# Code in the VM runs as root there, so it can take the door from the agent: stop the agent and duplicate its door
+# descriptor (pidfd_getfd: the port cannot be opened twice). What it then writes is the host's hostile input.
+TAKE_THE_DOOR = r"""
+import ctypes, os, signal, struct, sys, time
+sys.path.insert(0, "/opt/tkbox")
+from tkbox_guest import protocol as p
+agent = os.getppid()
+os.kill(agent, signal.SIGSTOP)
+[n] = [n for n in os.listdir("/proc/%d/fd" % agent) if os.readlink("/proc/%d/fd/%s" % (agent, n)).startswith("/dev/vport")]
+fd = ctypes.CDLL(None, use_errno=True).syscall(438, os.pidfd_open(agent), int(n), 0)
+assert fd >= 0, os.strerror(ctypes.get_errno())
+os.write(fd, ATTACK)
+time.sleep(60)
+"""
+VM_ATTACKS = {
+    "garbage": "b'\\xff' * 64",
+    "oversized frame": "struct.pack('>IBI', 100 << 20, 2, 1)",
+    "too many streams": "b''.join(p.encode_json(p.OPEN, i, {}) for i in range(4, 400, 2))",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(VM_ATTACKS))
+def test_code_that_takes_the_door_in_the_vm_ends_its_own_box(signer, qemu_image, tmp_path, attack):
+    """The host's end of a VM's door is the same strict parser as a bubblewrap box's: a guest that speaks nonsense
+    ends its box fail-closed, the reason is signed, and the next box starts."""
+    b = qemu_box(qemu_image, bundle_path=tmp_path / "h.tkb").start()
+    try:
+        with pytest.raises(BoxEnded, match="protocol violation|door stream"):
+            b.run(["python3", "-c", TAKE_THE_DOOR.replace("ATTACK", VM_ATTACKS[attack], 1)], timeout=120)
+        assert not b.running.alive()
+    finally:
+        b.stop()
+    run = open_run(tmp_path / "h.tkb")
+    assert "protocol violation" in run.box["end_reason"] or "door stream" in run.box["end_reason"]
+    assert verify_bundle(tmp_path / "h.tkb").valid
+    with qemu_box(qemu_image, bundle_path=tmp_path / "next.tkb") as again:
+        assert again.run(["echo", "ok"]).stdout == b"ok\n"

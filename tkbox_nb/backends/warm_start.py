@@ -155,6 +155,8 @@ def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, tim
         found = find_state(image, key)
         if found is not None:
             return found
+        for stale in base.glob(".*.part"):  # left by a maker that was killed: none runs while we hold the lock
+            stale.unlink(missing_ok=True)
         spec = BoxSpec(box_id="warm-template", seed=None, memory_mib=memory_mib, cpus=cpus)
         workdir = Path(tempfile.mkdtemp(prefix="tkbox-tpl-", dir="/tmp"))
         tmp = base / f".{key}.{os.getpid()}.part"
