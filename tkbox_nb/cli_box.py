@@ -45,6 +45,8 @@ def _cmd_doctor(a) -> int:
         ok, why = (backend(jailer=True) if name == "firecracker" and jailer else backend()).available()
         ok_any = ok_any or ok
         print(f"{name:12s} {'ok' if ok else 'no':3s} {why}")
+        if name == "qemu" and ok:
+            print(f"{'':16s} {'warm':8s} {_warm_line(backend(), policy)}")
         if name == "firecracker":
             fc = backend(jailer=jailer)
             for what, good, detail in fc.checks():
@@ -66,6 +68,17 @@ def _cmd_doctor(a) -> int:
     print(f"{'signer':12s} {'ok' if signer.answering() else 'off':3s} {signer.dir} "
           f"({'answering' if signer.answering() else 'starts on first use'})")
     return 0 if ok_any else 1
+
+
+def _warm_line(backend, policy) -> str:
+    """Whether this policy's machine size has a saved warm-start state (docs/backends.md) or its first box makes it."""
+    from .backends.warm_start import find_state, state_key
+    mem, cpus = policy.get("box", "memory_mib"), max(1, policy.get("box", "cpus"))
+    state = find_state(backend.image, state_key(backend.image, mem, cpus, backend.accel,
+                                                shutil.which("qemu-system-x86_64")))
+    return (f"ok  saved state for {mem} MiB, {cpus} vCPU: {state.path}" if state else
+            f"-   no saved state for {mem} MiB, {cpus} vCPU yet: the first box boots the template (tkbox image build "
+            f"makes the default one)")
 
 
 def _boot_check(backend) -> tuple[bool, str]:
