@@ -37,6 +37,31 @@ def test_window_credit_is_granted_back_in_batches_and_never_past_what_was_consum
         guest.receive(p.DATA, sid, b"\x03x")
 
 
+def test_a_stream_granted_a_larger_window_gets_its_credit_back_in_larger_batches():
+    """Fewer WINDOW frames on a download: a quarter of the stream's whole window at a time, never past consumed."""
+    host, guest = p.Session(is_host=True), p.Session(is_host=False)
+    sid = guest.open()
+    host.receive(p.OPEN, sid, b"{}")
+    extra = host.grant(sid, 7 * p.INITIAL_WINDOW)
+    assert guest.receive(p.WINDOW, sid, extra[p.HEADER.size:]) == ("window", sid, 7 * p.INITIAL_WINDOW)
+    assert guest.may_send(sid) == 8 * p.INITIAL_WINDOW
+    step, consumed, grants = p.MAX_PAYLOAD - 1, 0, []
+    for _ in range(64):  # 16 MiB through an 8 MiB window: only possible with the credit coming back
+        n = min(step, guest.may_send(sid))
+        assert n > 0
+        guest.sent(sid, n)
+        host.receive(p.DATA, sid, b"\x04" + b"x" * n)
+        consumed += n
+        frame = host.consumed(sid, n)
+        if frame:
+            (credit,) = struct.unpack(">I", frame[p.HEADER.size:])
+            grants.append(credit)
+            guest.receive(p.WINDOW, sid, frame[p.HEADER.size:])
+    assert grants and all(g >= 2 * p.INITIAL_WINDOW for g in grants)
+    assert len(grants) <= consumed // (2 * p.INITIAL_WINDOW)
+    assert host.streams[sid]["recv_left"] == 8 * p.INITIAL_WINDOW - (consumed - sum(grants))
+
+
 @pytest.mark.parametrize("frame,reason", [
     (p.HEADER.pack(0, 9, 1), "unknown frame type"),
     (p.HEADER.pack(p.MAX_PAYLOAD + 1, p.DATA, 1), "over the limit"),
