@@ -116,3 +116,58 @@ def test_fuzz_message_reader_takes_any_bytes_without_crashing(data):
             assert isinstance(obj, dict)
     except p.ProtocolError:
         pass
+
+
+def _read_all(reader, data, sizes):
+    """`data` through a FrameReader in reads of the given sizes (cycled, each cut to the room given), as the
+    agent reads it: the frames copied out before the next read, as every consumer does."""
+    frames, pos, i = [], 0, 0
+    while pos < len(data):
+        room = reader.room()
+        n = min(len(room), sizes[i % len(sizes)], len(data) - pos)
+        room[:n] = data[pos:pos + n]
+        pos, i = pos + n, i + 1
+        frames += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+    return frames
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([p.OPEN, p.DATA, p.WINDOW, p.CLOSE]), st.integers(0, 2 ** 32 - 1),
+                          st.binary(max_size=200)), max_size=12),
+       st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=8))
+def test_frame_reader_gives_exactly_the_frames_sent_whatever_the_reads(frames, sizes):
+    """The agent's in-place reader: any frames in any read sizes, through a buffer of barely one frame (so the
+    unfinished frame is moved to the front again and again), come out whole, in order, unchanged."""
+    data = b"".join(p.encode(t, s, pl) for t, s, pl in frames)
+    reader = p.FrameReader(size=p.HEADER.size + 200, max_payload=200)
+    assert _read_all(reader, data, sizes) == frames
+    assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("header,reason", [
+    (p.HEADER.pack(0, 9, 1), "unknown frame type"),
+    (p.HEADER.pack(p.MAX_PAYLOAD + 1, p.DATA, 1), "over the limit"),
+])
+def test_frame_reader_refuses_a_bad_header_before_any_of_its_payload(header, reason):
+    reader = p.FrameReader()
+    good = p.encode(p.DATA, 2, b"\x04" + b"y" * 1000)
+    with pytest.raises(p.ProtocolError, match=reason):
+        _read_all(reader, good + header, [len(good) + 3, 6])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2048), st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=4))
+def test_fuzz_frame_reader_agrees_with_the_decoder_on_any_bytes(data, sizes):
+    """Any bytes: the reader and the Decoder give the same frames, or both refuse them; the reader never holds
+    more than one unfinished frame."""
+    def through(read):
+        try:
+            return read(), None
+        except p.ProtocolError as e:
+            return None, str(e)
+    reader = p.FrameReader(size=p.HEADER.size + 512, max_payload=512)
+    got, why = through(lambda: _read_all(reader, data, sizes))
+    d = p.Decoder(max_payload=512)
+    want, why_d = through(lambda: [(t, s, bytes(pl)) for t, s, pl in d.feed(data)])
+    assert (got, why) == (want, why_d)
+    assert reader.buffered < p.HEADER.size + 512

@@ -24,7 +24,6 @@ class Door:
         self.sock = sock
         self.session = p.Session(is_host=False)
         self.lock = threading.Condition()
-        self.decoder = p.Decoder()
 
     def send_raw(self, data):
         if data:
@@ -136,12 +135,12 @@ def serve(sock):
 
     def owner(sid):
         return next((f for f in forwarders if f.owns(sid)), None)
-    buffer = bytearray(1 << 20)  # reused: every consumer below copies or uses its bytes before the next recv
+    reader = p.FrameReader()  # one reused buffer: every consumer below copies or uses its bytes before the next read
     while True:
-        n = sock.recv_into(buffer)
+        n = sock.recv_into(reader.room())
         if not n:
             return 0
-        for ftype, sid, payload in door.decoder.feed(memoryview(buffer)[:n]):
+        for ftype, sid, payload in reader.filled(n):
             with door.lock:
                 event = door.session.receive(ftype, sid, payload)
                 door.lock.notify_all()

@@ -132,6 +132,57 @@ class Decoder:
         return len(self._buf)
 
 
+class FrameReader:
+    """Frames parsed in place in one reused buffer: the reader's caller reads into `room()` and hands the count to
+    `filled(n)`, which returns the frames now whole, their payloads memoryviews of the buffer. A frame that arrives
+    in pieces is not copied piece by piece (as Decoder does): the next read goes on after it in the same buffer, and
+    only when the buffer's end is reached is the unfinished frame moved to the front (at most one frame, once per
+    buffer's worth). Every header is checked as soon as it is whole. The frames of one `filled` are valid until the
+    next `room()`, which may overwrite them: a consumer that keeps bytes copies them. Sans-IO."""
+
+    def __init__(self, size=4 * 1024 * 1024, max_payload=MAX_PAYLOAD):
+        if size < HEADER.size + max_payload:
+            raise ValueError("a buffer smaller than one frame")
+        self.max_payload = max_payload
+        self._view = memoryview(bytearray(size))
+        self._start = self._end = 0    # the unparsed bytes: the beginning of one frame, not yet whole
+        self._need = HEADER.size       # bytes the frame at _start takes in all, once its header is known
+
+    def room(self):
+        """The writable view to read into next (never empty)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._view) or self._start + self._need > len(self._view):
+            kept = self._end - self._start
+            self._view[:kept] = self._view[self._start:self._end]
+            self._start, self._end = 0, kept
+        return self._view[self._end:]
+
+    def filled(self, n):
+        """`n` more bytes were written at the start of the last `room()`: the frames now whole."""
+        if not 0 < n <= len(self._view) - self._end:
+            raise ValueError("filled past the room given")
+        self._end += n
+        frames, view, pos, end = [], self._view, self._start, self._end
+        while end - pos >= HEADER.size:
+            length, ftype, stream = HEADER.unpack_from(view, pos)
+            if ftype not in TYPES:
+                raise ProtocolError("unknown frame type %d" % ftype)
+            if length > self.max_payload:
+                raise ProtocolError("frame of %d bytes, over the limit of %d" % (length, self.max_payload))
+            if end - pos < HEADER.size + length:
+                self._start, self._need = pos, HEADER.size + length
+                return frames
+            frames.append((ftype, stream, view[pos + HEADER.size:pos + HEADER.size + length]))
+            pos += HEADER.size + length
+        self._start, self._need = pos, HEADER.size
+        return frames
+
+    @property
+    def buffered(self):
+        return self._end - self._start
+
+
 class Session:
     """The stream state of one side. `receive` checks each frame from the peer against the protocol and the limits
     and returns events: ("open", id, body), ("data", id, channel, bytes), ("window", id, n), ("close", id, body).
