@@ -13,6 +13,7 @@ is limited: a client is read only while the host grants window on its stream, an
 once its bytes are delivered to the client.
 """
 
+import collections
 import selectors
 import socket
 import threading
@@ -28,8 +29,8 @@ EXTRA_WINDOW = 7 * p.INITIAL_WINDOW  # downloads: 8 MiB in flight per connection
 class _Conn:
     def __init__(self, sid, client):
         self.sid, self.client = sid, client
-        self.outbuf = bytearray()      # from the host, not yet delivered to the client
-        self.host_closed = False       # the host sent CLOSE: shut the client once outbuf is delivered
+        self.pending = collections.deque()  # from the host, not yet delivered to the client: one copy per frame
+        self.host_closed = False       # the host sent CLOSE: shut the client once pending is delivered
         self.client_eof = False
 
 
@@ -56,13 +57,14 @@ class Forwarder:
 
     def data(self, sid, data):
         """Bytes from the host: written to the client at once when nothing is queued before them (no thread
-        handoff on the fast path), queued for the selector thread otherwise."""
+        handoff on the fast path), queued for the selector thread otherwise: copied once (the reader's buffer is
+        reused), sent from that copy without another."""
         sent = 0
         with self.lock:
             conn = self.conns.get(sid)
             if conn is None:
                 return
-            if not conn.outbuf:
+            if not conn.pending:
                 try:
                     sent = conn.client.send(data)
                 except BlockingIOError:
@@ -70,7 +72,7 @@ class Forwarder:
                 except OSError:
                     sent = len(data)  # the client is gone: drop it, keep the host's window honest
             if sent < len(data):
-                conn.outbuf += data[sent:]
+                conn.pending.append(memoryview(bytes(data[sent:])))
         if sent:
             with self.door.lock:
                 self.door.send_raw(self.door.session.consumed(sid, sent))
@@ -116,7 +118,7 @@ class Forwarder:
             conns = list(self.conns.values())
         for conn in conns:
             with self.lock:
-                pending, done = bool(conn.outbuf), conn.host_closed and not conn.outbuf
+                pending, done = bool(conn.pending), conn.host_closed and not conn.pending
             if done:
                 self._finish(conn)
                 continue
@@ -183,19 +185,29 @@ class Forwarder:
         self.door.close(conn.sid, {})
 
     def _deliver(self, conn):
-        """Host -> client; credit goes back for what was delivered."""
-        with self.lock:
-            data = bytes(conn.outbuf[:1 << 20])
-        try:
-            sent = conn.client.send(data)
-        except BlockingIOError:
-            return
-        except OSError:
-            sent = len(data)  # the client is gone: drop what it would have read, keep the host's window honest
-        with self.lock:
-            del conn.outbuf[:sent]
-        with self.door.lock:
-            self.door.send_raw(self.door.session.consumed(conn.sid, sent))
+        """Host -> client, as much as the client takes now; credit goes back for what was delivered. The chunk
+        being sent stays first in `pending` until it is all sent, so `data` queues behind it meanwhile."""
+        delivered = 0
+        while True:
+            with self.lock:
+                if not conn.pending:
+                    break
+                chunk = conn.pending[0]
+            try:
+                sent = conn.client.send(chunk)
+            except BlockingIOError:
+                break
+            except OSError:
+                sent = len(chunk)  # the client is gone: drop what it would have read, keep the host's window honest
+            delivered += sent
+            with self.lock:
+                if sent < len(chunk):
+                    conn.pending[0] = chunk[sent:]
+                    break
+                conn.pending.popleft()
+        if delivered:
+            with self.door.lock:
+                self.door.send_raw(self.door.session.consumed(conn.sid, delivered))
 
     def _finish(self, conn):
         with self.lock:
