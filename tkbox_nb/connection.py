@@ -161,8 +161,8 @@ class HostConnection:
         """One DATA frame whose `n` payload bytes wait in `pipe` (doors/spliced.py): the header is written, the
         payload spliced after it, under the lock so that no other frame comes between them."""
         with self.lock:
-            if self.closed or self.violation:
-                raise StreamClosed(self.violation or "the door stream is closed")
+            if self.closed or self.violation or self.session.may_send(sid) < n:
+                raise StreamClosed(self.violation or "the stream is closed")
             self.session.sent(sid, n)
             _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,))))
             pipe.drain(self.sock.fileno(), n)

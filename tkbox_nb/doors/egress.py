@@ -181,8 +181,14 @@ class EgressDoor:
                 counts["bytes_up"] += len(first)
             up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts), daemon=True)
             up.start()
+            pipe = None
             if SplicePipe.usable() and conn.can_splice():
-                self._download_spliced(sid, upstream, counts)
+                try:
+                    pipe = SplicePipe()
+                except OSError:  # out of file descriptors for a pipe: this connection copies instead
+                    pipe = None
+            if pipe is not None:
+                self._download_spliced(sid, upstream, counts, pipe)
             else:
                 buffer = memoryview(bytearray(p.MAX_PAYLOAD - 1))  # reused: each chunk is sent before the next recv
                 while True:
@@ -202,9 +208,9 @@ class EgressDoor:
                 pass
         self._signed_end(crossing, counts, started)
 
-    def _download_spliced(self, sid: int, upstream: socket.socket, counts: dict) -> None:
+    def _download_spliced(self, sid: int, upstream: socket.socket, counts: dict, pipe: SplicePipe) -> None:
         """Upstream -> box with splice (doors/spliced.py): the same DATA frames, no copy through Python."""
-        conn, pipe = self.box.conn, SplicePipe()
+        conn = self.box.conn
         try:
             while True:
                 n = pipe.fill(upstream.fileno(), conn.credit(sid))
