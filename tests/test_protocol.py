@@ -171,3 +171,63 @@ def test_fuzz_frame_reader_agrees_with_the_decoder_on_any_bytes(data, sizes):
     want, why_d = through(lambda: [(t, s, bytes(pl)) for t, s, pl in d.feed(data)])
     assert (got, why) == (want, why_d)
     assert reader.buffered < p.HEADER.size + 512
+
+
+def test_frame_reader_reads_up_to_a_frame_s_first_payload_byte_and_hands_the_rest_over():
+    """The agent's splice path: reads sized by `want` never go past the frame; a DATA frame's header and channel
+    are shown by `peek`, `take` hands its payload to the caller, and the next frame is read as usual."""
+    bulk = b"\x04" + bytes(range(256)) * 400
+    data = p.encode(p.WINDOW, 2, struct.pack(">I", 4096)) + p.encode(p.DATA, 2, bulk) + p.encode(p.CLOSE, 2, b"{}")
+    reader, pos, frames = p.FrameReader(), 0, []
+    while (reader.peek() or (None,))[0] != p.DATA:  # the agent's loop: it takes only DATA frames' payloads
+        room = reader.room()
+        n = min(reader.want(), len(room))
+        assert n > 0
+        room[:n] = data[pos:pos + n]
+        pos += n
+        frames += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+    assert frames == [(p.WINDOW, 2, struct.pack(">I", 4096))]
+    assert reader.peek() == (p.DATA, 2, len(bulk)) and reader.buffered == p.HEADER.size + 1
+    assert reader.take() == (p.DATA, 2, 4, len(bulk) - 1)
+    assert reader.buffered == 0 and reader.peek() is None
+    pos += len(bulk) - 1  # the caller read those itself
+    assert _read_all(reader, data[pos:], [reader.want()]) == [(p.CLOSE, 2, b"{}")]
+    with pytest.raises(ValueError):
+        reader.take()
+
+
+def test_data_taken_past_the_reader_is_checked_against_the_window_as_any_other():
+    guest, host = p.Session(is_host=False), p.Session(is_host=True)
+    sid = host.open()
+    guest.receive(p.OPEN, sid, b"{}")
+    guest.receive_data(sid, p.INITIAL_WINDOW - 10)
+    with pytest.raises(p.ProtocolError, match="past its window"):
+        guest.receive_data(sid, 11)
+    with pytest.raises(p.ProtocolError, match="not open"):
+        guest.receive_data(sid + 2, 1)
+    guest.receive(p.CLOSE, sid, b"")
+    with pytest.raises(p.ProtocolError):
+        guest.receive_data(sid, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([p.OPEN, p.DATA, p.WINDOW, p.CLOSE]), st.integers(0, 2 ** 32 - 1),
+                          st.binary(max_size=300)), max_size=12),
+       st.integers(min_value=0, max_value=300), st.integers(min_value=1, max_value=64))
+def test_reads_sized_by_want_with_payloads_taken_give_every_frame_exactly(frames, threshold, cap):
+    """However the agent splits the work (reads of at most `want`, also cut shorter; DATA payloads over a size
+    taken and read past the reader), each frame comes out once, whole, in order."""
+    data = b"".join(p.encode(t, s, pl) for t, s, pl in frames)
+    reader, pos, got = p.FrameReader(size=p.HEADER.size + 300, max_payload=300), 0, []
+    while pos < len(data):
+        room = reader.room()
+        n = min(reader.want(), len(room), cap, len(data) - pos)
+        room[:n] = data[pos:pos + n]
+        pos += n
+        got += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+        head = reader.peek()
+        if head and head[0] == p.DATA and head[2] > threshold:
+            ftype, sid, first, rest = reader.take()
+            got.append((ftype, sid, bytes([first]) + data[pos:pos + rest]))
+            pos += rest
+    assert got == frames and reader.buffered == 0

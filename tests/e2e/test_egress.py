@@ -282,3 +282,30 @@ def test_parallel_downloads_arrive_whole_through_the_door(signer, net, tmp_path,
     for down, data in zip(sorted(c.result["bytes_down"] for c in rows), sorted(blobs.values(), key=len)):
         assert len(data) < down < len(data) + 1024  # the body and the response's head, no more
     assert verify_bundle(tmp_path / "p.tkb").valid
+
+
+HANG_UP_THEN_DOWNLOAD = """
+import hashlib, sys, urllib.request
+for _ in range(3):  # hang up after the first MiB, three times: the door drops the rest and the box goes on
+    r = urllib.request.urlopen(sys.argv[1], timeout=60)
+    r.read(1 << 20)
+    r.close()
+r = urllib.request.urlopen(sys.argv[1], timeout=60)
+body = r.read()
+print(len(body), hashlib.sha256(body).hexdigest())
+"""
+
+
+def test_a_client_hanging_up_mid_download_leaves_the_door_clean(signer, net, tmp_path):
+    """Bytes already on their way to a client that has gone are dropped (and credited back), none left over to
+    reach the next connection: a full download after three cut short arrives whole, and every one is signed."""
+    import os
+    blob = os.urandom(16 << 20)
+    net.add_file("cut.bin", blob)
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "c.tkb") as b:
+        r = b.run(["python3", "-c", HANG_UP_THEN_DOWNLOAD, "http://web.tkb.test:8080/cut.bin"], timeout=120)
+        assert r.stdout.decode().split() == [str(len(blob)), hashlib.sha256(blob).hexdigest()], r.stderr[-800:]
+        assert b.run(["true"]).exit_code == 0  # the box is still up
+    rows = egress_rows(tmp_path / "c.tkb")
+    assert len(rows) == 4 and all(c.decision == "allow" and c.result is not None for c in rows)
+    assert verify_bundle(tmp_path / "c.tkb").valid

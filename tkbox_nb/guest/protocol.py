@@ -178,6 +178,32 @@ class FrameReader:
         self._start, self._need = pos, HEADER.size
         return frames
 
+    def want(self):
+        """For a caller that may read a frame's payload another way (splice): how much to read next so that no read
+        goes past the current frame; a header and the first payload byte (the channel of a DATA frame) first."""
+        have = self._end - self._start
+        return HEADER.size + 1 - have if have <= HEADER.size else self._need - have
+
+    def peek(self):
+        """(type, stream, payload length) of the unfinished frame when exactly its header and first payload byte
+        are buffered (what `want` reads up to), else None."""
+        if self._end - self._start != HEADER.size + 1 or self._need <= HEADER.size + 1:
+            return None
+        length, ftype, stream = HEADER.unpack_from(self._view, self._start)
+        return ftype, stream, length
+
+    def take(self):
+        """The frame `peek` shows, handed to the caller, who reads its remaining payload bytes from the source
+        itself: (type, stream, first payload byte, bytes still to come). The reader starts afresh after it."""
+        found = self.peek()
+        if found is None:
+            raise ValueError("no frame to take")
+        ftype, stream, length = found
+        first = self._view[self._start + HEADER.size]
+        self._start = self._end = 0
+        self._need = HEADER.size
+        return ftype, stream, first, length - 1
+
     @property
     def buffered(self):
         return self._end - self._start
@@ -230,14 +256,9 @@ class Session:
                 return ("window", sid, 0)  # credit that crossed our close: nothing to do
             raise ProtocolError("%s on stream %d, which is not open" % (TYPES[ftype], sid))
         if ftype == DATA:
-            if st["recv_closed"]:
-                raise ProtocolError("data on stream %d after its close" % sid)
             if not payload:
                 raise ProtocolError("data frame without a channel")
-            n = len(payload) - 1
-            if n > st["recv_left"]:
-                raise ProtocolError("stream %d sent %d bytes past its window" % (sid, n - st["recv_left"]))
-            st["recv_left"] -= n
+            self._data(st, sid, len(payload) - 1)
             return ("data", sid, payload[0], payload[1:])
         if ftype == WINDOW:
             if len(payload) != 4:
@@ -255,6 +276,21 @@ class Session:
             self._forget(sid)
             return ("close", sid, body)
         raise ProtocolError("unknown frame type")
+
+    def receive_data(self, sid, n):
+        """The checks of `receive` for a DATA frame of `n` bytes (after its channel) that the caller reads itself
+        rather than through a reader's buffer (FrameReader.take): a violation raises as it would there."""
+        st = self.streams.get(sid)
+        if st is None:
+            raise ProtocolError("data on stream %d, which is not open" % sid)
+        self._data(st, sid, n)
+
+    def _data(self, st, sid, n):
+        if st["recv_closed"]:
+            raise ProtocolError("data on stream %d after its close" % sid)
+        if n > st["recv_left"]:
+            raise ProtocolError("stream %d sent %d bytes past its window" % (sid, n - st["recv_left"]))
+        st["recv_left"] -= n
 
     def _was_open(self, sid):
         ours = (sid % 2 == 1) if self.is_host else (sid % 2 == 0)
