@@ -10,7 +10,8 @@ clients send their HTTP requests to it as to a server, and the host parses, deci
 
 One thread serves every connection (a selector), so a hundred connections cost no threads in a box whose thread count
 is limited: a client is read only while the host grants window on its stream, and credit goes back to the host only
-once its bytes are delivered to the client.
+once its bytes are delivered to the client. A download's bulk frames are spliced from the door to the client
+(`splice_in`, where os.splice exists): the bytes do not pass through the agent's memory unless the client is behind.
 """
 
 import collections
