@@ -37,6 +37,31 @@ def test_window_credit_is_granted_back_in_batches_and_never_past_what_was_consum
         guest.receive(p.DATA, sid, b"\x03x")
 
 
+def test_a_stream_granted_a_larger_window_gets_its_credit_back_in_larger_batches():
+    """Fewer WINDOW frames on a download: a quarter of the stream's whole window at a time, never past consumed."""
+    host, guest = p.Session(is_host=True), p.Session(is_host=False)
+    sid = guest.open()
+    host.receive(p.OPEN, sid, b"{}")
+    extra = host.grant(sid, 7 * p.INITIAL_WINDOW)
+    assert guest.receive(p.WINDOW, sid, extra[p.HEADER.size:]) == ("window", sid, 7 * p.INITIAL_WINDOW)
+    assert guest.may_send(sid) == 8 * p.INITIAL_WINDOW
+    step, consumed, grants = p.MAX_PAYLOAD - 1, 0, []
+    for _ in range(64):  # 16 MiB through an 8 MiB window: only possible with the credit coming back
+        n = min(step, guest.may_send(sid))
+        assert n > 0
+        guest.sent(sid, n)
+        host.receive(p.DATA, sid, b"\x04" + b"x" * n)
+        consumed += n
+        frame = host.consumed(sid, n)
+        if frame:
+            (credit,) = struct.unpack(">I", frame[p.HEADER.size:])
+            grants.append(credit)
+            guest.receive(p.WINDOW, sid, frame[p.HEADER.size:])
+    assert grants and all(g >= 2 * p.INITIAL_WINDOW for g in grants)
+    assert len(grants) <= consumed // (2 * p.INITIAL_WINDOW)
+    assert host.streams[sid]["recv_left"] == 8 * p.INITIAL_WINDOW - (consumed - sum(grants))
+
+
 @pytest.mark.parametrize("frame,reason", [
     (p.HEADER.pack(0, 9, 1), "unknown frame type"),
     (p.HEADER.pack(p.MAX_PAYLOAD + 1, p.DATA, 1), "over the limit"),
@@ -91,3 +116,118 @@ def test_fuzz_message_reader_takes_any_bytes_without_crashing(data):
             assert isinstance(obj, dict)
     except p.ProtocolError:
         pass
+
+
+def _read_all(reader, data, sizes):
+    """`data` through a FrameReader in reads of the given sizes (cycled, each cut to the room given), as the
+    agent reads it: the frames copied out before the next read, as every consumer does."""
+    frames, pos, i = [], 0, 0
+    while pos < len(data):
+        room = reader.room()
+        n = min(len(room), sizes[i % len(sizes)], len(data) - pos)
+        room[:n] = data[pos:pos + n]
+        pos, i = pos + n, i + 1
+        frames += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+    return frames
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([p.OPEN, p.DATA, p.WINDOW, p.CLOSE]), st.integers(0, 2 ** 32 - 1),
+                          st.binary(max_size=200)), max_size=12),
+       st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=8))
+def test_frame_reader_gives_exactly_the_frames_sent_whatever_the_reads(frames, sizes):
+    """The agent's in-place reader: any frames in any read sizes, through a buffer of barely one frame (so the
+    unfinished frame is moved to the front again and again), come out whole, in order, unchanged."""
+    data = b"".join(p.encode(t, s, pl) for t, s, pl in frames)
+    reader = p.FrameReader(size=p.HEADER.size + 200, max_payload=200)
+    assert _read_all(reader, data, sizes) == frames
+    assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("header,reason", [
+    (p.HEADER.pack(0, 9, 1), "unknown frame type"),
+    (p.HEADER.pack(p.MAX_PAYLOAD + 1, p.DATA, 1), "over the limit"),
+])
+def test_frame_reader_refuses_a_bad_header_before_any_of_its_payload(header, reason):
+    reader = p.FrameReader()
+    good = p.encode(p.DATA, 2, b"\x04" + b"y" * 1000)
+    with pytest.raises(p.ProtocolError, match=reason):
+        _read_all(reader, good + header, [len(good) + 3, 6])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2048), st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=4))
+def test_fuzz_frame_reader_agrees_with_the_decoder_on_any_bytes(data, sizes):
+    """Any bytes: the reader and the Decoder give the same frames, or both refuse them; the reader never holds
+    more than one unfinished frame."""
+    def through(read):
+        try:
+            return read(), None
+        except p.ProtocolError as e:
+            return None, str(e)
+    reader = p.FrameReader(size=p.HEADER.size + 512, max_payload=512)
+    got, why = through(lambda: _read_all(reader, data, sizes))
+    d = p.Decoder(max_payload=512)
+    want, why_d = through(lambda: [(t, s, bytes(pl)) for t, s, pl in d.feed(data)])
+    assert (got, why) == (want, why_d)
+    assert reader.buffered < p.HEADER.size + 512
+
+
+def test_frame_reader_reads_up_to_a_frame_s_first_payload_byte_and_hands_the_rest_over():
+    """The agent's splice path: reads sized by `want` never go past the frame; a DATA frame's header and channel
+    are shown by `peek`, `take` hands its payload to the caller, and the next frame is read as usual."""
+    bulk = b"\x04" + bytes(range(256)) * 400
+    data = p.encode(p.WINDOW, 2, struct.pack(">I", 4096)) + p.encode(p.DATA, 2, bulk) + p.encode(p.CLOSE, 2, b"{}")
+    reader, pos, frames = p.FrameReader(), 0, []
+    while (reader.peek() or (None,))[0] != p.DATA:  # the agent's loop: it takes only DATA frames' payloads
+        room = reader.room()
+        n = min(reader.want(), len(room))
+        assert n > 0
+        room[:n] = data[pos:pos + n]
+        pos += n
+        frames += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+    assert frames == [(p.WINDOW, 2, struct.pack(">I", 4096))]
+    assert reader.peek() == (p.DATA, 2, len(bulk)) and reader.buffered == p.HEADER.size + 1
+    assert reader.take() == (p.DATA, 2, 4, len(bulk) - 1)
+    assert reader.buffered == 0 and reader.peek() is None
+    pos += len(bulk) - 1  # the caller read those itself
+    assert _read_all(reader, data[pos:], [reader.want()]) == [(p.CLOSE, 2, b"{}")]
+    with pytest.raises(ValueError):
+        reader.take()
+
+
+def test_data_taken_past_the_reader_is_checked_against_the_window_as_any_other():
+    guest, host = p.Session(is_host=False), p.Session(is_host=True)
+    sid = host.open()
+    guest.receive(p.OPEN, sid, b"{}")
+    guest.receive_data(sid, p.INITIAL_WINDOW - 10)
+    with pytest.raises(p.ProtocolError, match="past its window"):
+        guest.receive_data(sid, 11)
+    with pytest.raises(p.ProtocolError, match="not open"):
+        guest.receive_data(sid + 2, 1)
+    guest.receive(p.CLOSE, sid, b"")
+    with pytest.raises(p.ProtocolError):
+        guest.receive_data(sid, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([p.OPEN, p.DATA, p.WINDOW, p.CLOSE]), st.integers(0, 2 ** 32 - 1),
+                          st.binary(max_size=300)), max_size=12),
+       st.integers(min_value=0, max_value=300), st.integers(min_value=1, max_value=64))
+def test_reads_sized_by_want_with_payloads_taken_give_every_frame_exactly(frames, threshold, cap):
+    """However the agent splits the work (reads of at most `want`, also cut shorter; DATA payloads over a size
+    taken and read past the reader), each frame comes out once, whole, in order."""
+    data = b"".join(p.encode(t, s, pl) for t, s, pl in frames)
+    reader, pos, got = p.FrameReader(size=p.HEADER.size + 300, max_payload=300), 0, []
+    while pos < len(data):
+        room = reader.room()
+        n = min(reader.want(), len(room), cap, len(data) - pos)
+        room[:n] = data[pos:pos + n]
+        pos += n
+        got += [(t, s, bytes(pl)) for t, s, pl in reader.filled(n)]
+        head = reader.peek()
+        if head and head[0] == p.DATA and head[2] > threshold:
+            ftype, sid, first, rest = reader.take()
+            got.append((ftype, sid, bytes([first]) + data[pos:pos + rest]))
+            pos += rest
+    assert got == frames and reader.buffered == 0

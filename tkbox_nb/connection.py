@@ -131,17 +131,41 @@ class HostConnection:
         view = memoryview(data)
         while len(view):
             with self.lock:
-                while True:
-                    n = min(len(view), self.session.may_send(sid), p.MAX_PAYLOAD - 1)
-                    if n > 0:
-                        break
-                    if self.closed or self.violation or sid not in self.session.streams:
-                        raise StreamClosed("the stream is closed")
-                    if not self.window_changed.wait(window_wait_s):
-                        raise StreamClosed("the box gives no window for this stream")
+                n = min(len(view), self._credit(sid, window_wait_s))
                 self.session.sent(sid, n)
                 _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n]))
             view = view[n:]
+
+    def _credit(self, sid: int, window_wait_s: float) -> int:
+        """Under the lock: the bytes the next DATA frame on `sid` may carry, once the box's window allows any."""
+        while True:
+            n = min(self.session.may_send(sid), p.MAX_PAYLOAD - 1)
+            if n > 0:
+                return n
+            if self.closed or self.violation or sid not in self.session.streams:
+                raise StreamClosed("the stream is closed")
+            if not self.window_changed.wait(window_wait_s):
+                raise StreamClosed("the box gives no window for this stream")
+
+    def credit(self, sid: int, window_wait_s: float = 60.0) -> int:
+        """The bytes the next DATA frame on `sid` may carry (waiting for window as `send_data` does). Only the
+        stream's one sender calls it, so the credit can only grow before its `send_spliced`."""
+        with self.lock:
+            return self._credit(sid, window_wait_s)
+
+    def can_splice(self) -> bool:
+        """Whether `send_spliced` may be used: a blocking door socket (the bubblewrap socketpair)."""
+        return self.sock.gettimeout() is None and self.sock.family == socket.AF_UNIX
+
+    def send_spliced(self, sid: int, channel: int, pipe, n: int) -> None:
+        """One DATA frame whose `n` payload bytes wait in `pipe` (doors/spliced.py): the header is written, the
+        payload spliced after it, under the lock so that no other frame comes between them."""
+        with self.lock:
+            if self.closed or self.violation or self.session.may_send(sid) < n:
+                raise StreamClosed(self.violation or "the stream is closed")
+            self.session.sent(sid, n)
+            _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,))))
+            pipe.drain(self.sock.fileno(), n)
 
     def close(self, sid: int, body: dict | None = None) -> None:
         with self.lock:

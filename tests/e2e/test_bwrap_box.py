@@ -256,6 +256,46 @@ def test_concurrent_commands_share_one_door(box):
     assert time.monotonic() - t < 1.2  # they ran at once
 
 
+BIG_OUTPUT = """
+import random, sys, threading
+seed = int(sys.argv[1])
+def write(stream, n, salt):
+    r = random.Random(seed * 7 + salt)
+    for _ in range(n):
+        stream.write(r.randbytes(65536))
+    stream.flush()
+t = threading.Thread(target=write, args=(sys.stderr.buffer, 24, 1))
+t.start()
+write(sys.stdout.buffer, 96, 0)
+t.join()
+"""
+
+
+def test_large_outputs_of_concurrent_commands_arrive_whole(box):
+    """Guest -> host bulk: 6 MiB of stdout and 1.5 MiB of stderr from each of two commands at once, each frame sent
+    from its parts (header, channel, bytes) without joining them, arrive byte for byte on their own streams."""
+    import random
+
+    def expected(seed, n, salt):
+        r = random.Random(seed * 7 + salt)
+        return b"".join(r.randbytes(65536) for _ in range(n))
+
+    results = {}
+
+    def one(i):
+        results[i] = box.run(["python3", "-c", BIG_OUTPUT, str(i)])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in range(2):
+        assert results[i].exit_code == 0, results[i].stderr[-500:]
+        assert results[i].stdout == expected(i, 96, 0)
+        assert results[i].stderr == expected(i, 24, 1)
+
+
 def test_quickstart_notebook_executes_in_a_box_and_verifies(signer, tmp_path):
     from tkbox_nb.demo import NOTEBOOK, execute_notebook
     executed, bundle = execute_notebook(NOTEBOOK, tmp_path)

@@ -235,3 +235,77 @@ def test_a_name_off_the_allow_list_is_never_looked_up(signer, net, tmp_path):
     [refused] = [c for c in egress_rows(tmp_path / "dns.tkb") if "exfil" in c.args["host"]]
     assert refused.args["addresses"] == [] and refused.args["rule"] == "egress.allow"
     assert verify_bundle(tmp_path / "dns.tkb").valid
+
+
+PARALLEL_DOWNLOADS = """
+import hashlib, sys, threading, time, urllib.request
+out = {}
+def get(name, slow):
+    r = urllib.request.urlopen(sys.argv[1] + name, timeout=60)
+    h, n = hashlib.sha256(), 0
+    while chunk := r.read(1 << 16 if slow else 1 << 20):
+        h.update(chunk)
+        n += len(chunk)
+        if slow:
+            time.sleep(0.002)  # a reader slower than the door: the forwarder queues, the window holds the host back
+    out[name] = (n, h.hexdigest())
+ts = [threading.Thread(target=get, args=(f"blob{i}.bin", i == 0)) for i in range(3)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+for name in sorted(out):
+    print(name, *out[name])
+"""
+
+
+@pytest.mark.parametrize("spliced", [True, False], ids=["spliced", "copied"])
+def test_parallel_downloads_arrive_whole_through_the_door(signer, net, tmp_path, monkeypatch, spliced):
+    """Three downloads at once, one read slowly: each byte arrives once and in order (the host splices each frame's
+    payload after its header, under the lock, so frames of different streams never interleave inside one frame),
+    and each connection's signed end counts exactly its bytes. The same through the copying path, which a host
+    without splice(2), or out of file descriptors for a pipe, takes."""
+    import os
+
+    from tkbox_nb.doors.spliced import SplicePipe
+    if not spliced:
+        monkeypatch.setattr(SplicePipe, "usable", staticmethod(lambda: False))
+    blobs = {f"blob{i}.bin": os.urandom((12 << 20) + 4099 * i) for i in range(3)}
+    for name, data in blobs.items():
+        net.add_file(name, data)
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "p.tkb") as b:
+        assert (SplicePipe.usable() and b.conn.can_splice()) is spliced  # this host takes the path named
+        r = b.run(["python3", "-c", PARALLEL_DOWNLOADS, "http://web.tkb.test:8080/"], timeout=120)
+    got = [line.split() for line in r.stdout.decode().splitlines()]
+    assert got == [[name, str(len(data)), hashlib.sha256(data).hexdigest()] for name, data in sorted(blobs.items())], \
+        r.stderr.decode()[-800:]
+    rows = egress_rows(tmp_path / "p.tkb")
+    assert len(rows) == 3 and all(c.decision == "allow" for c in rows)
+    for down, data in zip(sorted(c.result["bytes_down"] for c in rows), sorted(blobs.values(), key=len)):
+        assert len(data) < down < len(data) + 1024  # the body and the response's head, no more
+    assert verify_bundle(tmp_path / "p.tkb").valid
+
+
+HANG_UP_THEN_DOWNLOAD = """
+import hashlib, sys, urllib.request
+for _ in range(3):  # hang up after the first MiB, three times: the door drops the rest and the box goes on
+    r = urllib.request.urlopen(sys.argv[1], timeout=60)
+    r.read(1 << 20)
+    r.close()
+r = urllib.request.urlopen(sys.argv[1], timeout=60)
+body = r.read()
+print(len(body), hashlib.sha256(body).hexdigest())
+"""
+
+
+def test_a_client_hanging_up_mid_download_leaves_the_door_clean(signer, net, tmp_path):
+    """Bytes already on their way to a client that has gone are dropped (and credited back), none left over to
+    reach the next connection: a full download after three cut short arrives whole, and every one is signed."""
+    import os
+    blob = os.urandom(16 << 20)
+    net.add_file("cut.bin", blob)
+    with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "c.tkb") as b:
+        r = b.run(["python3", "-c", HANG_UP_THEN_DOWNLOAD, "http://web.tkb.test:8080/cut.bin"], timeout=120)
+        assert r.stdout.decode().split() == [str(len(blob)), hashlib.sha256(blob).hexdigest()], r.stderr[-800:]
+        assert b.run(["true"]).exit_code == 0  # the box is still up
+    rows = egress_rows(tmp_path / "c.tkb")
+    assert len(rows) == 4 and all(c.decision == "allow" and c.result is not None for c in rows)
+    assert verify_bundle(tmp_path / "c.tkb").valid

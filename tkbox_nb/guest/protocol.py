@@ -132,6 +132,83 @@ class Decoder:
         return len(self._buf)
 
 
+class FrameReader:
+    """Frames parsed in place in one reused buffer: the reader's caller reads into `room()` and hands the count to
+    `filled(n)`, which returns the frames now whole, their payloads memoryviews of the buffer. A frame that arrives
+    in pieces is not copied piece by piece (as Decoder does): the next read goes on after it in the same buffer, and
+    only when the buffer's end is reached is the unfinished frame moved to the front (at most one frame, once per
+    buffer's worth). Every header is checked as soon as it is whole. The frames of one `filled` are valid until the
+    next `room()`, which may overwrite them: a consumer that keeps bytes copies them. Sans-IO."""
+
+    def __init__(self, size=4 * 1024 * 1024, max_payload=MAX_PAYLOAD):
+        if size < HEADER.size + max_payload:
+            raise ValueError("a buffer smaller than one frame")
+        self.max_payload = max_payload
+        self._view = memoryview(bytearray(size))
+        self._start = self._end = 0    # the unparsed bytes: the beginning of one frame, not yet whole
+        self._need = HEADER.size       # bytes the frame at _start takes in all, once its header is known
+
+    def room(self):
+        """The writable view to read into next (never empty)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._view) or self._start + self._need > len(self._view):
+            kept = self._end - self._start
+            self._view[:kept] = self._view[self._start:self._end]
+            self._start, self._end = 0, kept
+        return self._view[self._end:]
+
+    def filled(self, n):
+        """`n` more bytes were written at the start of the last `room()`: the frames now whole."""
+        if not 0 < n <= len(self._view) - self._end:
+            raise ValueError("filled past the room given")
+        self._end += n
+        frames, view, pos, end = [], self._view, self._start, self._end
+        while end - pos >= HEADER.size:
+            length, ftype, stream = HEADER.unpack_from(view, pos)
+            if ftype not in TYPES:
+                raise ProtocolError("unknown frame type %d" % ftype)
+            if length > self.max_payload:
+                raise ProtocolError("frame of %d bytes, over the limit of %d" % (length, self.max_payload))
+            if end - pos < HEADER.size + length:
+                self._start, self._need = pos, HEADER.size + length
+                return frames
+            frames.append((ftype, stream, view[pos + HEADER.size:pos + HEADER.size + length]))
+            pos += HEADER.size + length
+        self._start, self._need = pos, HEADER.size
+        return frames
+
+    def want(self):
+        """For a caller that may read a frame's payload another way (splice): how much to read next so that no read
+        goes past the current frame; a header and the first payload byte (the channel of a DATA frame) first."""
+        have = self._end - self._start
+        return HEADER.size + 1 - have if have <= HEADER.size else self._need - have
+
+    def peek(self):
+        """(type, stream, payload length) of the unfinished frame when exactly its header and first payload byte
+        are buffered (what `want` reads up to), else None."""
+        if self._end - self._start != HEADER.size + 1 or self._need <= HEADER.size + 1:
+            return None
+        length, ftype, stream = HEADER.unpack_from(self._view, self._start)
+        return ftype, stream, length
+
+    def take(self):
+        """The frame `peek` shows, handed to the caller, who reads its remaining payload bytes from the source
+        itself: (type, stream, first payload byte, bytes still to come). The reader starts afresh after it."""
+        found = self.peek()
+        if found is None:
+            raise ValueError("no frame to take")
+        ftype, stream, length = found
+        first = self._view[self._start + HEADER.size]
+        self._start = self._end = 0
+        self._need = HEADER.size
+        return ftype, stream, first, length - 1
+
+    @property
+    def buffered(self):
+        return self._end - self._start
+
+
 class Session:
     """The stream state of one side. `receive` checks each frame from the peer against the protocol and the limits
     and returns events: ("open", id, body), ("data", id, channel, bytes), ("window", id, n), ("close", id, body).
@@ -141,15 +218,15 @@ class Session:
         self.is_host = is_host
         self.max_streams = max_streams
         self.window = window
-        self.streams = {}   # id -> {"recv_left", "send_left", "owed", "recv_closed", "sent_closed"}
+        self.streams = {}   # id -> {"recv_left", "send_left", "owed", "size", "recv_closed", "sent_closed"}
         self._next = 1 if is_host else 2
         self._peer_max = 0  # the highest stream id the peer opened
 
     def _new(self, sid):
         if len(self.streams) >= self.max_streams:
             raise ProtocolError("more than %d streams open" % self.max_streams)
-        self.streams[sid] = {"recv_left": self.window, "send_left": self.window, "owed": 0, "recv_closed": False,
-                             "sent_closed": False}
+        self.streams[sid] = {"recv_left": self.window, "send_left": self.window, "owed": 0, "size": self.window,
+                             "recv_closed": False, "sent_closed": False}
 
     def open(self):
         """A new stream id of ours (host: odd, guest: even)."""
@@ -179,14 +256,9 @@ class Session:
                 return ("window", sid, 0)  # credit that crossed our close: nothing to do
             raise ProtocolError("%s on stream %d, which is not open" % (TYPES[ftype], sid))
         if ftype == DATA:
-            if st["recv_closed"]:
-                raise ProtocolError("data on stream %d after its close" % sid)
             if not payload:
                 raise ProtocolError("data frame without a channel")
-            n = len(payload) - 1
-            if n > st["recv_left"]:
-                raise ProtocolError("stream %d sent %d bytes past its window" % (sid, n - st["recv_left"]))
-            st["recv_left"] -= n
+            self._data(st, sid, len(payload) - 1)
             return ("data", sid, payload[0], payload[1:])
         if ftype == WINDOW:
             if len(payload) != 4:
@@ -205,19 +277,35 @@ class Session:
             return ("close", sid, body)
         raise ProtocolError("unknown frame type")
 
+    def receive_data(self, sid, n):
+        """The checks of `receive` for a DATA frame of `n` bytes (after its channel) that the caller reads itself
+        rather than through a reader's buffer (FrameReader.take): a violation raises as it would there."""
+        st = self.streams.get(sid)
+        if st is None:
+            raise ProtocolError("data on stream %d, which is not open" % sid)
+        self._data(st, sid, n)
+
+    def _data(self, st, sid, n):
+        if st["recv_closed"]:
+            raise ProtocolError("data on stream %d after its close" % sid)
+        if n > st["recv_left"]:
+            raise ProtocolError("stream %d sent %d bytes past its window" % (sid, n - st["recv_left"]))
+        st["recv_left"] -= n
+
     def _was_open(self, sid):
         ours = (sid % 2 == 1) if self.is_host else (sid % 2 == 0)
         return 0 < sid < self._next if ours else 0 < sid <= self._peer_max
 
     def consumed(self, sid, n):
         """We processed `n` bytes of stream `sid`: the WINDOW frame granting them back, or b"" while the credit
-        owed is under a quarter of the window (one frame per 256 KiB, not one per message; the peer still has
-        three quarters of its window to send on meanwhile)."""
+        owed is under a quarter of the stream's window (the initial one plus what `grant` added): one frame per
+        256 KiB on a plain stream, per 2 MiB on a download's 8 MiB, not one per message; the peer still has three
+        quarters of its window to send on meanwhile, and fewer WINDOW frames mean fewer wake-ups on both sides."""
         st = self.streams.get(sid)
         if st is None or st["recv_closed"] or n <= 0:
             return b""
         st["owed"] += n
-        if st["owed"] < self.window // 4:
+        if st["owed"] < min(st["size"], MAX_WINDOW) // 4:
             return b""
         credit, st["owed"] = st["owed"], 0
         st["recv_left"] += credit
@@ -229,6 +317,7 @@ class Session:
         if st is None or st["recv_closed"] or n <= 0 or st["recv_left"] + n > MAX_WINDOW:
             return b""
         st["recv_left"] += n
+        st["size"] += n
         return encode(WINDOW, sid, struct.pack(">I", n))
 
     def may_send(self, sid):
