@@ -96,8 +96,8 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
     started = time.monotonic()
     result = BatchResult(name, "failed", worker=f"{socket.gethostname()}:{os.getpid()}")
     new = None
-    sweep_scratch()
-    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    from . import scratch as scratch_dirs
+    scratch = scratch_dirs.fresh(SCRATCH_PREFIX)
     try:
         original = scratch / "original.tkb"
         original.write_bytes(data)
@@ -132,20 +132,9 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
 
 
 def sweep_scratch(root: str | Path | None = None) -> list[Path]:
-    """Remove the scratch directories of tasks whose worker process died (a task that ends removes its own);
-    returns them. Only this user's, and only when the pid in the name is not alive."""
-    from .signer import pid_alive
-    removed = []
-    for d in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
-        pid = d.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        try:
-            mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if mine and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    """Remove the scratch directories of tasks whose worker process died (a task that ends removes its own)."""
+    from . import scratch
+    return scratch.sweep(SCRATCH_PREFIX, root)
 
 
 def _read_capped(path: Path, cap: int, what: str) -> bytes:

@@ -6,8 +6,11 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -331,3 +334,31 @@ def test_a_command_leaves_nothing_running_behind_it(box):
     left = box.run([PY, "-c", "import os\nprint(sum(1 for p in os.listdir('/proc') if p.isdigit() and "
                                 "open(f'/proc/{p}/cmdline', 'rb').read() == b'sleep\\x00301\\x00'))"])
     assert left.stdout == b"0\n"
+
+
+KILLED_HOST = """
+import sys, time
+from tkbox_nb import Box
+box = Box(backend="bwrap", bundle_path=sys.argv[1]).start()
+print(box.running._workdir, box.running.cgroup or "", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_host_process_killed_mid_box_leaves_no_scratch_after_the_next_start(signer, tmp_path):
+    """A host process killed with SIGKILL cannot remove its box's /etc copy or pids cgroup; the next box start on
+    the machine removes those of dead processes (tkbox_nb/scratch.py), and never a live box's."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_HOST, str(tmp_path / "killed.tkb")], stdout=subprocess.PIPE,
+                            env={**os.environ, "TKBOX_HOME": str(signer.home)})
+    workdir, _, cgroup = proc.stdout.readline().decode().strip().partition(" ")
+    assert Path(workdir).is_dir(), workdir
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while cgroup and (Path(cgroup) / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)  # bwrap dies with its parent; its processes are gone a moment later
+    with Box(backend="bwrap", bundle_path=tmp_path / "next.tkb") as box:
+        assert box.run(["true"]).exit_code == 0
+        assert box.running._workdir.is_dir()  # a live box's own stays
+        assert not Path(workdir).exists()
+        assert not cgroup or not Path(cgroup).exists()

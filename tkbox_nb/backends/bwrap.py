@@ -20,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+from .. import scratch
 from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
+CGROUP_PREFIX = "tkbox-"  # then the host pid and the box id (scratch.sweep)
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
              "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf")
 PASSWD = "root:x:0:0:root:/tmp:/bin/sh\nbox:x:1000:1000:box:/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
@@ -117,12 +119,9 @@ class BwrapBackend(Backend):
         a += spec.agent_argv or [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
         return a
 
-    def start(self, spec: BoxSpec) -> BwrapRunning:
-        import tempfile
-        host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (host_end, box_end):  # room for several frames in flight: fewer stalls on bulk transfers
-            _grow_buffers(end)
-        workdir = Path(tempfile.mkdtemp(prefix="tkbox-box-"))
+    @staticmethod
+    def _prepare(spec: BoxSpec, workdir: Path) -> tuple[Path, Path | None]:
+        """The box's /etc (copied, with its own passwd, hosts and resolv.conf) and its pids cgroup."""
         etc_dir = workdir / "etc"
         etc_dir.mkdir()
         for name in ETC_FILES:
@@ -142,9 +141,24 @@ class BwrapBackend(Backend):
         (etc_dir / "resolv.conf").write_text("# no name servers in a box: names are resolved on the host\n")
         cgroup = None
         if _pids_cgroup_usable():
-            cgroup = PIDS_CGROUP / f"tkbox-{spec.box_id}"
+            scratch.sweep(CGROUP_PREFIX, PIDS_CGROUP, cgroups=True)  # those of host processes that were killed
+            cgroup = PIDS_CGROUP / f"{CGROUP_PREFIX}{os.getpid()}-{spec.box_id}"
             cgroup.mkdir()
             (cgroup / "pids.max").write_text(f"{spec.max_processes}\n")
+        return etc_dir, cgroup
+
+    def start(self, spec: BoxSpec) -> BwrapRunning:
+        host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (host_end, box_end):  # room for several frames in flight: fewer stalls on bulk transfers
+            _grow_buffers(end)
+        workdir = scratch.fresh("tkbox-box-")
+        try:
+            etc_dir, cgroup = self._prepare(spec, workdir)
+        except BaseException:
+            host_end.close()
+            box_end.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         limits = (spec.memory_mib << 20, spec.cpu_time_s)
 
         def in_child():  # after fork, before exec: join the cgroup, set the limits (inherited by the whole box)

@@ -24,10 +24,10 @@ import re
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
+from .. import scratch
 from ..errors import TkboxError
 from .base import BoxSpec
 from .image import Image, current_image
@@ -227,7 +227,7 @@ class FirecrackerBackend(ImageBackend):
         from .kernel_image import vmlinux_for
         img = self.image
         vmlinux = vmlinux_for(img.path)
-        workdir = Path(tempfile.mkdtemp(prefix="tkbox-fc-", dir="/tmp"))  # short: Unix socket paths live here
+        workdir = scratch.fresh("tkbox-fc-", "/tmp")  # short: Unix socket paths live here
         dirs = [workdir]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         proc = api = running = door_path = None

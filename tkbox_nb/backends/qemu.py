@@ -15,9 +15,9 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 from pathlib import Path
 
+from .. import scratch
 from ..errors import TkboxError
 from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
@@ -151,7 +151,7 @@ class QemuBackend(ImageBackend):
         if not self._prepared:  # start() without prepare(): a direct use of the backend
             self.prepare(spec.memory_mib, spec.cpus)
         warm, self._prepared = self._warm, False
-        workdir = Path(tempfile.mkdtemp(prefix="tkbox-vm-", dir="/tmp"))  # short: a Unix socket path lives here
+        workdir = scratch.fresh("tkbox-vm-", "/tmp")  # short: a Unix socket path lives here
         state_fd = None
         try:
             if warm is not None:

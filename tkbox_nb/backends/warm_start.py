@@ -23,12 +23,12 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import scratch
 from ..errors import TkboxError
 from ..guest.vm import WARM_READY, encode_go, GO_ENTROPY
 from .image import Image
@@ -158,7 +158,7 @@ def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, tim
         for stale in base.glob(".*.part"):  # left by a maker that was killed: none runs while we hold the lock
             stale.unlink(missing_ok=True)
         spec = BoxSpec(box_id="warm-template", seed=None, memory_mib=memory_mib, cpus=cpus)
-        workdir = Path(tempfile.mkdtemp(prefix="tkbox-tpl-", dir="/tmp"))
+        workdir = scratch.fresh("tkbox-tpl-", "/tmp")
         tmp = base / f".{key}.{os.getpid()}.part"
         proc = None
         try:
