@@ -46,7 +46,7 @@ class QemuBackend(ImageBackend):
 
     def __init__(self, image: Image | None = None, accel: str | None = None, warm: bool = True):
         self._image = image
-        self.warm, self.warm_error = warm, ""  # start from a saved template (warm_start.py), else boot
+        self.warm = warm  # start from a saved template (warm_start.py), else boot
         self._warm: WarmState | None = None
         self._prepared = False
         if accel is None:
@@ -108,7 +108,9 @@ class QemuBackend(ImageBackend):
             try:
                 self._warm = warm_state(self, memory_mib, max(1, cpus), self.ready_timeout_s)
             except (TkboxError, OSError) as e:  # a cold boot still works; the run says which it was
-                self.warm_error = str(e)
+                import warnings
+                warnings.warn(f"tkbox: no warm start for this box ({' '.join(str(e).split())[:300]}); booting cold",
+                              stacklevel=2)
         return {"boot": self._warm.boot_fact if self._warm else "cold"}
 
     def launch(self, spec: BoxSpec, workdir: Path, warm: bool, extra: list[str] = (), pass_fds: tuple = (),
