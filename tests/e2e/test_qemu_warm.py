@@ -134,3 +134,34 @@ def _is_template(pid: str) -> bool:
         return b"tkbox-tpl-" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_a_state_that_does_not_restore_is_set_aside_and_made_again(signer, qemu_image, state, tmp_path):
+    """A saved state QEMU cannot load (here its stream header is damaged) fails that one box with QEMU's reason, is
+    set aside, and the next box makes a new state and starts."""
+    from tkbox_nb.backends.image import Image
+    from tkbox_nb.errors import TkboxError
+    copy = tmp_path / "img"
+    (copy / "warm").mkdir(parents=True)
+    for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
+        (copy / f).symlink_to(qemu_image.path / f)
+    image = Image(qemu_image.digest, copy)
+    key = state.path.stem
+    bad = copy / "warm" / f"{key}.vmstate"
+    with open(state.path, "rb") as src, open(bad, "wb") as dst:
+        dst.write(b"\0" * 8)  # no QEVM magic: QEMU refuses the stream
+        src.seek(8)
+        dst.write(src.read())
+    os.chmod(bad, 0o600)
+    (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
+    assert find_state(image, key) is not None
+    box = Box(backend="bwrap", bundle_path=tmp_path / "bad.tkb")
+    box.backend = QemuBackend(image=image)
+    with pytest.raises(TkboxError, match="saved state is set aside.*(migration|magic|load)"):
+        box.start()
+    box.stop()
+    assert find_state(image, key) is None and (copy / "warm" / f"{key}.vmstate.bad").exists()
+    with _box(image, tmp_path, "again") as again:
+        assert again.run(["echo", "ok"]).stdout == b"ok\n"
+    assert find_state(image, key) is not None
+    assert _boot_fact(tmp_path / "again.tkb") == find_state(image, key).boot_fact

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from .. import scratch
@@ -22,7 +23,7 @@ from ..errors import TkboxError
 from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
 from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
-from .warm_start import WarmState, fit_config_disk, go_message, warm_state
+from .warm_start import WarmState, discard_state, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
 CONNECT_TIMEOUT_S = 15.0
@@ -169,9 +170,29 @@ class QemuBackend(ImageBackend):
                 os.close(state_fd)
         running = VmRunning(proc, door, workdir, wrapped=wrapped)
         if warm is not None:
-            try:
-                door.sendall(go_message())
-            except OSError:
-                running.kill()
-                raise TkboxError(f"the warm-started VM closed its door ({running.exit_reason()})") from None
+            self._go(running, warm)
         return running
+
+    def _go(self, running: VmRunning, warm: WarmState) -> None:
+        """Send the GO and wait (without reading it) for the guest's first byte. A restore that fails ends QEMU
+        before that byte: its state is set aside (the next box makes a new one) and this box fails, since its run
+        already names that state."""
+        door = running.door
+        try:
+            door.sendall(go_message())
+            door.settimeout(self.ready_timeout_s)
+            first = door.recv(1, socket.MSG_PEEK)
+        except socket.timeout:
+            first = None  # a slow guest: the box's own wait for the hello decides
+        except OSError:
+            first = b""
+        finally:
+            with contextlib.suppress(OSError):
+                door.settimeout(None)
+        if first == b"":
+            time.sleep(0.2)  # the console's last lines (QEMU's reason) are drained on a thread
+            reason = running.log_tail() or running.exit_reason()
+            running.kill()
+            discard_state(warm)
+            raise TkboxError(f"the warm-started VM ended before its agent spoke; its saved state is set aside (the "
+                             f"next box makes a new one): {' '.join(reason.split())[-300:]}")

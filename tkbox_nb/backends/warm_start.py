@@ -82,6 +82,14 @@ def console_tail(workdir: Path) -> str:
     return "no console output"
 
 
+def discard_state(state: WarmState) -> None:
+    """Set a state that failed to restore aside (`.bad`, kept for a look), so that the next box makes a new one."""
+    with contextlib.suppress(OSError):
+        os.rename(state.path.with_suffix(".json"), state.path.with_suffix(".json.bad"))
+    with contextlib.suppress(OSError):
+        os.rename(state.path, state.path.with_suffix(".vmstate.bad"))
+
+
 def go_message() -> bytes:
     """The host's first bytes on a warm box's door: fresh entropy for the guest's kernel, and the time."""
     return encode_go(os.urandom(GO_ENTROPY), time.time_ns())
