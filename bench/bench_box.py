@@ -28,14 +28,19 @@ def _kernel(n: int) -> tuple[float, list[float]]:
     return _round_trips("python3", n)
 
 
-def _box(home: Path, n: int, backend: str = "bwrap", warm: bool = True) -> tuple[float, float, list[float]]:
-    """(start to first command, start to first cell, cell round trips) of one box."""
-    t = time.perf_counter()
-    box = Box(backend="bwrap" if backend == "qemu" else backend, home=home, bundle_path=home / "bench-box.tkb")
+def _make_box(home: Path, backend: str, warm: bool, name: str) -> Box:
+    """A box on `backend`; a qemu one warm-started or, for the reference, booted cold."""
+    box = Box(backend="bwrap" if backend == "qemu" else backend, home=home, bundle_path=home / f"{name}.tkb")
     if backend == "qemu":
         from tkbox_nb.backends.qemu import QemuBackend
         box.backend = QemuBackend(warm=warm)
-    with box:
+    return box
+
+
+def _box(home: Path, n: int, backend: str = "bwrap", warm: bool = True) -> tuple[float, float, list[float]]:
+    """(start to first command, start to first cell, cell round trips) of one box."""
+    t = time.perf_counter()
+    with _make_box(home, backend, warm, "bench-box") as box:
         box.run(["true"])
         start = time.perf_counter() - t
         box.execute("1+1")
@@ -50,11 +55,8 @@ def _box(home: Path, n: int, backend: str = "bwrap", warm: bool = True) -> tuple
 
 def _first_cell(home: Path, warm: bool) -> float:
     """Start to the first cell's result, with no command before it: what a notebook on a qemu box waits."""
-    from tkbox_nb.backends.qemu import QemuBackend
     t = time.perf_counter()
-    box = Box(backend="bwrap", home=home, bundle_path=home / "bench-cell.tkb")
-    box.backend = QemuBackend(warm=warm)
-    with box:
+    with _make_box(home, "qemu", warm, "bench-cell") as box:
         box.execute("1+1")
         return time.perf_counter() - t
 

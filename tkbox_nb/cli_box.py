@@ -72,10 +72,9 @@ def _cmd_doctor(a) -> int:
 
 def _warm_line(backend, policy) -> str:
     """Whether this policy's machine size has a saved warm-start state (docs/backends.md) or its first box makes it."""
-    from .backends.warm_start import find_state, state_key
+    from .backends.warm_start import saved_state
     mem, cpus = policy.get("box", "memory_mib"), max(1, policy.get("box", "cpus"))
-    state = find_state(backend.image, state_key(backend.image, mem, cpus, backend.accel,
-                                                shutil.which("qemu-system-x86_64")))
+    state = saved_state(backend, mem, cpus)
     return (f"ok  saved state for {mem} MiB, {cpus} vCPU: {state.path}" if state else
             f"-   no saved state for {mem} MiB, {cpus} vCPU yet: the first box boots the template (tkbox image build "
             f"makes the default one)")

@@ -8,11 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from tkbox_nb import Box
 from tkbox_nb.backends.image import build_image, find_image
+from tkbox_nb.backends.qemu import QemuBackend
 from tkbox_nb.errors import TkboxError
 
 TEST_PACKAGES = ["python3", "python3-ipykernel"]
 IMAGE_HOME = Path(os.environ.get("TKBOX_TEST_IMAGE_HOME", "/var/tmp/tkbox-test-images"))
+
+
+def qemu_box(image, warm: bool = True, **kw) -> Box:
+    """A QEMU box on `image` (the test image, not the user's default one): made as a bwrap box, then its backend
+    swapped before it starts."""
+    box = Box(backend="bwrap", **kw)
+    box.backend = QemuBackend(image=image, warm=warm)
+    return box
 
 
 @pytest.fixture(scope="session")

@@ -15,20 +15,13 @@ import pytest
 
 from tkbox_nb import Box, BoxEnded, Policy
 from tkbox_nb.backends.image import build_image
-from tkbox_nb.backends.qemu import QemuBackend
 from tkbox_nb.errors import TkboxError
 from tkbox_nb.run import open_run
 from tkbox_nb.verify import verify_bundle
 
-from .conftest import IMAGE_HOME, TEST_PACKAGES
+from .conftest import IMAGE_HOME, TEST_PACKAGES, qemu_box
 
 pytestmark = pytest.mark.slow
-
-def qemu_box(image, **kw) -> Box:
-    box = Box(backend="bwrap", **kw)  # then swapped: the test image, not the user's default one
-    box.backend = QemuBackend(image=image)
-    return box
-
 
 @pytest.fixture(scope="module")
 def box(signer, qemu_image, tmp_path_factory):

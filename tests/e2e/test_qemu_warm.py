@@ -17,6 +17,8 @@ from tkbox_nb.backends.qemu import QemuBackend
 from tkbox_nb.backends.warm_start import WarmState, find_state, state_key, warm_state
 from tkbox_nb.verify import verify_bundle
 
+from .conftest import qemu_box
+
 pytestmark = pytest.mark.slow
 
 PROBE = r"""
@@ -34,9 +36,7 @@ print(json.dumps({"path": sys.path, "cwd": os.getcwd(), "env": sorted(os.environ
 
 
 def _box(image, tmp_path: Path, name: str, warm: bool = True, **kw) -> Box:
-    box = Box(backend="bwrap", bundle_path=tmp_path / f"{name}.tkb", **kw)  # then swapped, as in test_qemu_box
-    box.backend = QemuBackend(image=image, warm=warm)
-    return box
+    return qemu_box(image, warm, bundle_path=tmp_path / f"{name}.tkb", **kw)
 
 
 def _cell_json(box: Box, code: str) -> dict:
@@ -155,8 +155,7 @@ def test_a_state_that_does_not_restore_is_set_aside_and_made_again(signer, qemu_
     os.chmod(bad, 0o600)
     (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
     assert find_state(image, key) is not None
-    box = Box(backend="bwrap", bundle_path=tmp_path / "bad.tkb")
-    box.backend = QemuBackend(image=image)
+    box = _box(image, tmp_path, "bad")
     with pytest.raises(TkboxError, match="saved state is set aside.*(migration|magic|load)"):
         box.start()
     box.stop()

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 from .. import scratch
 from ..errors import TkboxError
 from ..guest.vm import WARM_READY, encode_go, GO_ENTROPY
+from .base import BoxSpec
 from .image import Image
+from .microvm import stop_process_group
 
 if TYPE_CHECKING:
     from .qemu import QemuBackend
@@ -154,7 +156,6 @@ class Qmp:
 def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, timeout_s: float) -> WarmState:
     """Boot the template, wait for its WARM_READY, migrate its state into the key's file (written whole, then named),
     and stop it. Serialized by a lock: a second caller waits and finds the first one's state."""
-    from .base import BoxSpec
     image = backend.image
     base = image.path / "warm"
     base.mkdir(mode=0o700, exist_ok=True)
@@ -217,16 +218,24 @@ def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, tim
             return WarmState(base / f"{key}.vmstate", h.hexdigest())
         finally:
             if proc is not None:
-                from .microvm import stop_process_group
                 stop_process_group(proc)
             tmp.unlink(missing_ok=True)
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def warm_state(backend: "QemuBackend", memory_mib: int, cpus: int, timeout_s: float) -> WarmState:
-    """The saved state for this machine, made now when there is none."""
+def _key(backend: "QemuBackend", memory_mib: int, cpus: int) -> str:
     exe = shutil.which("qemu-system-x86_64")
     if exe is None:
         raise TkboxError("qemu-system-x86_64 is not installed")
-    key = state_key(backend.image, memory_mib, cpus, backend.accel, exe)
+    return state_key(backend.image, memory_mib, cpus, backend.accel, exe)
+
+
+def saved_state(backend: "QemuBackend", memory_mib: int, cpus: int) -> WarmState | None:
+    """The saved state for this machine, if there is one (`tkbox doctor` asks)."""
+    return find_state(backend.image, _key(backend, memory_mib, cpus))
+
+
+def warm_state(backend: "QemuBackend", memory_mib: int, cpus: int, timeout_s: float) -> WarmState:
+    """The saved state for this machine, made now when there is none."""
+    key = _key(backend, memory_mib, cpus)
     return find_state(backend.image, key) or make_state(backend, memory_mib, cpus, key, timeout_s)
