@@ -72,6 +72,12 @@ HOSTS = [b"example.org", b"Example.ORG.", b"b\xc3\xbccher.example", b"xn--bcher-
          b"2130706433", b"0177.0.0.1", b"[::1]", b"[::ffff:169.254.169.254]", b"[fe80::1%25eth0]", b"1.2.3.256",
          b"a..b", b"metadata.google.internal", b"\xef\xbd\x85xample.org", b"_srv.example.org", b"x" * 260]
 
+# spellings of bound hosts a box may write in a CONNECT: each must get the leaf of the one address (or name) dialled
+BOUND_HOST_SPELLINGS = [b"198.18.7.2", b"198.18.7.2.", b"3323070210", b"0xc6.0x12.7.2", b"0306.022.07.02", b"198.18.1794",
+                        b"[198.18.7.2]", b"[2001:db8::1]", b"[2001:DB8:0:0:0:0:0:1]", b"[2001:db8::1%25eth0]",
+                        b"[::ffff:198.18.7.2]", b"[64:ff9b::c612:702]", b"api.example.org", b"API.Example.org.",
+                        b"_srv.example.org", b"a-b.c" + b".d" * 120]
+
 POLICIES = [
     b"[box]\nbackend = \"auto\"\n\n[exec]\ncells = true\ncommands = [\"*\"]\ndeny_commands = []\ntimeout_s = 600\n",
     b"[exec]\ncells = false\ncommands = [\"python3\", \"ls\", \"py*\"]\ndeny_commands = [\"rm\", \"curl\"]\n"

@@ -16,18 +16,22 @@ import hashlib
 import io
 import ipaddress
 import json
+import ssl
 import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
 import h11
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from tkbox_nb import protocol as p
 from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
 from tkbox_nb.box_messages import JAVASCRIPT_MIME, check_box_message
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
+from tkbox_nb.doors.box_ca import BoxCA
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
 from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
 from tkbox_nb.doors.intercept import read_request
@@ -504,6 +508,78 @@ def intercept_request(data: bytes) -> None:
     if body:
         to_up.send(h11.Data(data=body))
     to_up.send(h11.EndOfMessage())
+
+
+def tls_accepts(server: ssl.SSLContext, ca_pem: bytes, hostname: str) -> bool:
+    """Whether a client that trusts only `ca_pem` and checks `hostname` as Python's ssl does (an address against
+    IP address SANs, a name against DNS names) completes a handshake with `server`, over memory BIOs."""
+    client = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    c = client.wrap_bio(bios[0], bios[1], server_hostname=hostname)
+    s = server.wrap_bio(bios[2], bios[3], server_side=True)
+    done = [False, False]
+    for _ in range(8):
+        for i, end in enumerate((c, s)):
+            if not done[i]:
+                try:
+                    end.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError:
+                    assert i == 0
+                    return False
+        bios[2].write(bios[1].read())
+        bios[0].write(bios[3].read())
+        if all(done):
+            return True
+    raise AssertionError("the handshake neither completed nor failed")
+
+
+def _other_host(kind: str, value: Any) -> str:
+    """A host the leaf must not be good for: the next address, or another name."""
+    if kind == "ip":
+        return str(type(value)(int(value) ^ 1))
+    return "x" + value if len(value) < MAX_NAME and not value.startswith(("-", "x")) else "other.example"
+
+
+@target("box-ca-leaf", lambda: list(seeds.HOSTS) + list(seeds.BOUND_HOST_SPELLINGS))
+def box_ca_leaf(data: bytes) -> None:
+    """Any host the egress door lets through (a CONNECT through ProxyRequestParser, `stated_facts` and a policy that
+    allows every host and range) gets from the box's CA a leaf whose one SAN names it (an IP address SAN for an
+    address, in whatever spelling the box wrote it; a DNS name SAN for a name), with no common name, that a client
+    checking that host accepts, also in the standard spelling of an address the box wrote; and that the same client
+    refuses for another host."""
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        req = ProxyRequestParser().feed(f"CONNECT {text}:443 HTTP/1.1\r\nHost: x\r\n\r\n".encode(
+            "utf-8", "surrogateescape"))
+    except ProxyRequestError:
+        return
+    if req is None:
+        return
+    facts, _ = stated_facts(req, WIDE, lambda name, port: ["93.184.215.14"])
+    if not WIDE.decide(dict(facts, door="egress", kind="connect")).allowed:
+        return
+    ca = BoxCA("fuzz-box-ca-leaf")
+    host = facts["host"]  # what the door hands the secrets door (crossing.args["host"])
+    kind, value = check_host(host)
+    assert check_host(req.host) == (kind, value) and host == str(value)
+    _, leaf = ca.leaf(req.host)
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert list(sans) == [x509.IPAddress(value) if kind == "ip" else x509.DNSName(value)], (req.host, list(sans))
+    assert not leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    server = ca.server_context(req.host)
+    assert tls_accepts(server, ca.pem(), host), host
+    standard = req.host[1:-1] if req.host.startswith("[") else req.host
+    try:
+        spelled = ipaddress.ip_address(standard.split("%", 1)[0])
+    except ValueError:
+        spelled = None
+    if spelled is not None:  # the box's client wrote the address in a form OpenSSL reads too: the same address
+        assert spelled == value and tls_accepts(server, ca.pem(), standard.split("%", 1)[0]), req.host
+    assert not tls_accepts(server, ca.pem(), _other_host(kind, value)), host
+    assert not tls_accepts(server, ca.pem(), "ip.example" if kind == "ip" else "198.18.7.2"), host
 
 
 # -- bundles -----------------------------------------------------------------------------------------------------

@@ -2,7 +2,12 @@
 
 One CA per box, made when the box starts, valid for a day. Its key stays in this process's memory and is never
 written anywhere, so it never enters the box; its certificate is trusted inside the box (the box's CA bundle is the
-system's plus this one). Leaf certificates are made on demand, one per bound host name, and cached for the box's life.
+system's plus this one). Leaf certificates are made on demand, one per bound host, and cached for the box's life.
+
+A leaf names its host the way a client checks it (RFC 6125): a name as a DNS name SAN, an IP literal as an IP address
+SAN and never as a DNS name or a common name, since Python's ssl and curl check an address only against IP address
+SANs. The host is read by `hostnames.check_host`, so every spelling the egress door accepts (`[2001:db8::1%25eth0]`,
+`0xc6.18.7.2`) gets the leaf of the one address the door dialled.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .hostnames import check_host
 
 SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
@@ -50,19 +57,31 @@ class BoxCA:
         system = SYSTEM_BUNDLE.read_bytes() if SYSTEM_BUNDLE.exists() else b""
         return system.rstrip(b"\n") + b"\n" + self.pem()
 
-    def server_context(self, host: str) -> ssl.SSLContext:
-        """A TLS server context presenting a certificate for `host`, signed by this CA."""
-        if host in self._contexts:
-            return self._contexts[host]
+    def leaf(self, host: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        """A new key and a certificate for `host` (a name or an IP literal the door accepts), signed by this CA;
+        HostError for anything else."""
+        kind, value = check_host(host)
+        san = x509.IPAddress(value) if kind == "ip" else x509.DNSName(value)
+        # no common name: a client that fell back to it would take an address for a DNS name, and a name over 64
+        # characters does not fit in one
+        subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "tkbox-nb")])
         now = datetime.datetime.now(datetime.timezone.utc)
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(_name(host)).issuer_name(self.cert.subject)
+        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+                .add_extension(x509.SubjectAlternativeName([san]), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                 .sign(self._key, hashes.SHA256()))
+        return key, cert
+
+    def server_context(self, host: str) -> ssl.SSLContext:
+        """A TLS server context presenting a leaf for `host`, cached by the address or name it stands for."""
+        canonical = str(check_host(host)[1])
+        if canonical in self._contexts:
+            return self._contexts[canonical]
+        key, cert = self.leaf(canonical)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.set_alpn_protocols(["http/1.1"])
         # ssl loads a chain only from files: a private temporary file, removed at once
@@ -72,5 +91,5 @@ class BoxCA:
             f.write(cert.public_bytes(serialization.Encoding.PEM))
             f.flush()
             ctx.load_cert_chain(f.name)
-        self._contexts[host] = ctx
+        self._contexts[canonical] = ctx
         return ctx

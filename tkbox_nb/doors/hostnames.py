@@ -9,6 +9,7 @@ library accepts (addresses.parse_ip_literal) and judged as addresses.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import unicodedata
 
@@ -24,6 +25,39 @@ class HostError(ValueError):
     """A host the door will not resolve or dial; the message says why."""
 
 
+def literal_address(raw: str) -> Address | None:
+    """The address `raw` spells if it is an IP literal in any spelling the door accepts (the C library's forms, IPv6
+    in brackets with or without a zone id, a trailing dot), else None; HostError for an almost-address (1.2.3.256)
+    or brackets around something that is not an address. check_host and host pattern matching both use it, so a
+    pattern and a host written differently are compared as the one address the door dials."""
+    try:
+        address = parse_ip_literal(raw)
+        if address is None and raw.endswith(".") and not raw.startswith("["):
+            # a name is resolved without its trailing dot, where "0x7f." is the C library's 0.0.0.127
+            address = parse_ip_literal(raw[:-1])
+    except ValueError as e:
+        raise HostError(str(e)) from None
+    if address is None and raw.startswith("["):
+        raise HostError(f"{raw[:80]!r} is not an IPv6 address")
+    return address
+
+
+def host_pattern_matches(host: str, pattern: str) -> bool:
+    """Whether a host the door stated (a lower-case name, or an address's text) matches one host pattern of a policy
+    (a secret's `hosts`, the host part of an `egress.allow` entry). An IP-literal pattern, in any spelling, names one
+    address and matches that address only: compared as text, `[2001:db8::1]` would be a glob character class and
+    `2001:DB8:0::1` would never equal the door's `2001:db8::1`. Any other pattern is a glob (`*`, `?`) over the name,
+    or over an address's usual text (`198.18.7.*`), case-insensitively."""
+    try:
+        want = literal_address(pattern)
+        have = literal_address(host)
+    except HostError:
+        return False
+    if want is not None:
+        return have == want
+    return fnmatch.fnmatchcase(str(have) if have is not None else host.lower(), pattern.lower())
+
+
 def check_host(raw: str) -> tuple[str, Address | str]:
     """("ip", address) or ("name", ascii lower-case name), or HostError."""
     if not isinstance(raw, str) or not raw:
@@ -32,22 +66,10 @@ def check_host(raw: str) -> tuple[str, Address | str]:
         raise HostError(f"a host of {len(raw)} characters")
     if any(ord(c) < 0x21 or ord(c) == 0x7F for c in raw) or "%" in raw and not raw.startswith("["):
         raise HostError(f"{raw[:80]!r} holds control characters, spaces or percent escapes")
-    try:
-        address = parse_ip_literal(raw)
-    except ValueError as e:  # an almost-address, such as 1.2.3.256
-        raise HostError(str(e)) from None
+    address = literal_address(raw)
     if address is not None:
         return "ip", address
-    if raw.startswith("["):
-        raise HostError(f"{raw[:80]!r} is not an IPv6 address")
     name = raw[:-1] if raw.endswith(".") else raw
-    if name != raw:  # the name is resolved without its trailing dot, where "0x7f." is the C library's 0.0.0.127
-        try:
-            address = parse_ip_literal(name)
-        except ValueError as e:
-            raise HostError(str(e)) from None
-        if address is not None:
-            return "ip", address
     if not name.isascii():
         if unicodedata.normalize("NFKC", name) != name:
             raise HostError(f"{raw[:80]!r} is in a form resolvers rewrite (fullwidth or other compatibility "
