@@ -1,4 +1,6 @@
-"""Bound hosts given as IP literals: the per-box CA's leaf names an address as an IP address SAN. The TLS checks are real handshakes (Python's ssl, OpenSSL) over memory BIOs."""
+"""Bound hosts given as IP literals: the per-box CA's leaf names an address as an IP address SAN, a binding's host
+patterns match an address in any spelling the egress door accepts, and the policy refuses a pattern that spells
+no address. The TLS checks are real handshakes (Python's ssl, OpenSSL) over memory BIOs."""
 
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ from cryptography import x509
 
 from fuzz.targets import box_ca_leaf, tls_accepts
 from tkbox_nb.doors.box_ca import BoxCA
+from tkbox_nb.doors.hostnames import host_pattern_matches
+from tkbox_nb.doors.secrets import Binding, rewrite_request
+from tkbox_nb.errors import PolicyError
+from tkbox_nb.policy import Policy
 
 
 @pytest.mark.parametrize("spelling,address", [
@@ -45,8 +51,60 @@ def test_a_name_longer_than_a_common_name_still_gets_a_leaf():
     assert tls_accepts(ca.server_context(name), ca.pem(), name)
 
 
+@pytest.mark.parametrize("pattern,host,matches", [
+    ("198.18.7.2", "198.18.7.2", True), ("0xc6.18.7.2", "198.18.7.2", True), ("[198.18.7.2]", "198.18.7.2", True),
+    ("[2001:DB8::1]", "2001:db8::1", True), ("2001:db8:0::1", "2001:db8::1", True),
+    ("[2001:db8::1%eth0]", "2001:db8::1", True), ("198.18.7.*", "198.18.7.2", True),
+    ("198.18.7.2", "198.18.7.3", False), ("198.18.7.2", "::ffff:c612:702", False),
+    ("[2001:db8::1]", "2001:db8::10", False), ("[2001:db8::1]", "1", False), ("198.18.7.2", "api.example.org", False),
+    ("*.example.org", "198.18.7.2", False), ("API.example.org", "api.example.org", True),
+    ("*.example.org", "x.example.org", True)])
+def test_host_patterns_match_an_ip_literal_as_the_address_it_spells(pattern, host, matches):
+    """Compared as text, `[2001:db8::1]` was a glob character class and `2001:db8:0::1` never the door's
+    `2001:db8::1`."""
+    assert host_pattern_matches(host, pattern) is matches
+
+
+def test_the_value_is_swapped_for_a_bound_address_in_any_spelling_and_only_there():
+    b = Binding("TOKEN", ["[2001:DB8::1]", "0xc6.18.7.2"], "Authorization", "Bearer {value}", "env:T",
+                value="the-value")
+    headers = [(b"Authorization", b.placeholder.encode())]
+    for host in ("198.18.7.2", "2001:db8::1"):
+        rw = rewrite_request(host, b"/", headers, [b], tls=True)
+        assert rw.headers == [(b"Authorization", b"Bearer the-value")] and rw.swaps == [("TOKEN", "Authorization")]
+    for host in ("198.18.7.3", "::ffff:c612:702", "2001:db8::2"):
+        rw = rewrite_request(host, b"/", headers, [b], tls=True)
+        assert rw.headers == headers and not rw.swaps and rw.misuses
+
+
+def test_the_policy_decides_a_swap_to_an_address_as_the_door_does():
+    policy = Policy.from_toml('[secrets.T]\nhosts = ["[2001:DB8::1]"]\nheader = "Authorization"\nsource = "env:T"\n')
+    facts = {"door": "secrets", "kind": "swap", "name": "T", "binding_hosts": ["[2001:DB8::1]"],
+             "binding_header": "Authorization", "header": "Authorization", "tls": True}
+    assert policy.decide(dict(facts, host="2001:db8::1")).allowed
+    assert not policy.decide(dict(facts, host="2001:db8::2")).allowed
+
+
+@pytest.mark.parametrize("bad,why", [("1.2.3.256", "looks like an IP address"), ("[api.example.org]", "not an IPv6"),
+                                     ("0x1ffffffff", "looks like an IP address")])
+def test_a_bound_host_that_spells_no_address_is_one_policy_error(bad, why):
+    with pytest.raises(PolicyError, match=rf"secrets\.T\.hosts entry .*{why}") as e:
+        Policy.from_toml(f'[secrets.T]\nhosts = ["{bad}"]\nheader = "Authorization"\nsource = "env:T"\n')
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("host", [b"198.18.7.2", b"[2001:db8::1%25eth0]", b"0xc6.0x12.7.2", b"[::ffff:198.18.7.2]",
                                   b"api.example.org"])
 def test_the_fuzz_target_holds_for_every_kind_of_bound_host(host):
     """The property the box-ca-leaf target checks under hypothesis and atheris, on the spellings of the issue."""
     box_ca_leaf(host)
+
+
+def test_a_notebook_secret_bound_to_a_host_that_spells_no_address_is_one_error():
+    """%box_secret checks its --host values as the policy checks hosts, before asking for the value."""
+    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.notebook_box import HostMagics
+    asked = []
+    with pytest.raises(TkboxError, match=r"^%box_secret: --host '1\.2\.3\.256': .*looks like an IP address"):
+        HostMagics(None, asked.append).run("box_secret", "T --host api.example.org --host 1.2.3.256")
+    assert not asked

@@ -207,6 +207,12 @@ class HostMagics:
             raise TkboxError(f"%box_secret: {e}") from None
         if "{value}" not in a.format:
             raise TkboxError("%box_secret: --format must contain {value}")
+        from .doors.hostnames import HostError, literal_address
+        for host in a.host:
+            try:  # an IP literal is matched as the address it spells (docs/policy.md), so it must spell one
+                literal_address(host)
+            except HostError as e:
+                raise TkboxError(f"%box_secret: --host {host[:80]!r}: {e}") from None
         if a.env:
             value, source = os.environ.get(a.env), f"env:{a.env}"
             if not value:

@@ -510,6 +510,12 @@ def _validate_secrets(secrets: Any, name: str) -> dict[str, dict[str, Any]]:
                 raise PolicyError(f"{where}: {key} is required")
         if not body["hosts"] or not all(isinstance(h, str) and h and "/" not in h for h in body["hosts"]):
             raise PolicyError(f"{where}.hosts must be a non-empty list of host names")
+        from .doors.hostnames import HostError, literal_address
+        for h in body["hosts"]:
+            try:  # an IP literal is matched as the address it spells, so one that spells none is a mistake
+                literal_address(h)
+            except HostError as e:
+                raise PolicyError(f"{where}.hosts entry {h[:80]!r}: {e}") from None
         if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", body["header"]):
             raise PolicyError(f"{where}.header must be one header name")
         if "{value}" not in body.get("format", "{value}"):

@@ -11,7 +11,6 @@ sees them. The functions here are pure; no value is ever put in a record, a log 
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import secrets as _random
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PolicyError
+from .hostnames import host_pattern_matches
 
 PLACEHOLDER_PREFIX = "tkbox-ph-"
 MAX_VALUE = 16 * 1024
@@ -68,8 +68,9 @@ def read_value(name: str, source: str) -> str:
 
 
 def host_matches(host: str, patterns: list[str]) -> bool:
-    """Whether a (lower-case) host matches any of a binding's host patterns. Used by the door and the policy."""
-    return any(fnmatch.fnmatchcase(host, p.lower()) for p in patterns)
+    """Whether a host the door stated matches any of a binding's host patterns (an IP literal in any spelling is
+    the one address it names: hostnames.host_pattern_matches). Used by the door and the policy."""
+    return any(host_pattern_matches(host, p) for p in patterns)
 
 
 def bound_for(host: str, bindings: list[Binding]) -> list[Binding]:
