@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import re
 import zipfile
 
 import pytest
@@ -15,6 +17,7 @@ from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.testnet import NamespaceNet, available
 from tkbox_nb.verify import verify_bundle
+from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(not available()[0], reason=available()[1])]
@@ -22,8 +25,9 @@ pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=Bwrap
 VALUE = "sk-live-" + "7f3a9c" * 6
 
 
-def _test_ca(tmp):
-    """A CA and a certificate for api.tkb.test, made here: the upstream the door must verify."""
+def _test_ca(tmp, address: str | None = None):
+    """A CA and a certificate for api.tkb.test, web.tkb.test and the test host's `address` if given, made here: the
+    upstream the door must verify."""
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tkbox test upstream CA")])
@@ -34,8 +38,9 @@ def _test_ca(tmp):
     leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("api.tkb.test"), x509.DNSName("web.tkb.test")]),
-                           critical=False).sign(ca_key, hashes.SHA256()))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("api.tkb.test"), x509.DNSName("web.tkb.test")] + (
+                [x509.IPAddress(ipaddress.ip_address(address))] if address else [])), critical=False)
+            .sign(ca_key, hashes.SHA256()))
     chain = tmp / "server.pem"
     chain.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                         serialization.NoEncryption()) + leaf.public_bytes(serialization.Encoding.PEM))
@@ -47,8 +52,9 @@ def _test_ca(tmp):
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls")
-    chain, ca_file = _test_ca(tmp)
-    with NamespaceNet(index=11, tls_chain=str(chain)) as n:
+    n = NamespaceNet(index=11, tls_chain=str(tmp / "server.pem"))
+    chain, ca_file = _test_ca(tmp, n.web)
+    with n:
         n.upstream_ca = ca_file
         yield n
 
@@ -172,3 +178,50 @@ def test_misuse_can_be_refused_by_the_binding(signer, net, tmp_path, monkeypatch
                      ".encode())\ntry:\n    urllib.request.urlopen(req, timeout=20)\n"
                      "except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())"]).stdout.decode()
     assert out.startswith("403") and "secrets.misuse" in out, out
+
+
+@pytest.mark.parametrize("kind", ["ip", "name"])
+def test_a_secret_bound_to_an_ip_literal_or_a_name_reaches_only_its_header(kind, signer, net, tmp_path, monkeypatch):
+    """A binding to 198.18.11.2 (the leaf must carry an IP address SAN, or every client refuses it) and to a name the
+    test's own DNS server resolves: urllib and curl send the placeholder in the bound header and in another; the
+    upstream gets the value in the bound header only, the box gets the echo scrubbed, the bundle holds no byte of the
+    value, each swap's signed host is the address or name dialled, and `tkbox verify` passes."""
+    host = net.web if kind == "ip" else "api.tkb.test"
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    policy = Policy.from_toml(f"""
+[egress]
+allow = ["{host}:8443"]
+allow_cidrs = ["198.18.0.0/15"]
+nameservers = ["{net.web}"]
+upstream_ca_file = "{net.upstream_ca}"
+
+[secrets.API_KEY]
+hosts = ["{host}"]
+header = "Authorization"
+format = "Bearer {{value}}"
+source = "env:TKB_TEST_API_KEY"
+""")
+    bundle = tmp_path / "bound.tkb"
+    url = f"https://{host}:8443/echo"
+    with Box(backend="bwrap", policy=policy, bundle_path=bundle) as b:
+        outs = [_stdout(b.run(["python3", "-c", "import os, urllib.request\nph = os.environ['API_KEY']\n"
+                               f"req = urllib.request.Request({url!r}, data=b'hi', "
+                               "headers={'Authorization': 'Bearer ' + ph, 'X-Other': ph})\n"
+                               "print(urllib.request.urlopen(req, timeout=20).read().decode())"])),
+                _stdout(b.run(["sh", "-c", 'curl -sS -X POST --data hi -H "Authorization: Bearer $API_KEY" '
+                                           f'-H "X-Other: $API_KEY" {url}']))]
+    stars = "*" * len(VALUE)
+    for out in outs:
+        assert f"Authorization: Bearer {stars}\n" in out and out.count(stars) == 1, out  # the value, scrubbed
+        assert re.search(r"(?im)^x-other: tkbox-ph-[0-9a-f]{32}$", out), out  # the other header: the placeholder
+        assert VALUE not in out
+    with zipfile.ZipFile(bundle) as z:
+        for name in z.namelist():
+            assert VALUE.encode() not in z.read(name), name
+    verified = run_cli("verify", str(bundle))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    crossings = open_run(bundle).crossings()
+    swaps = [c for c in crossings if c.door == "secrets" and c.args["kind"] == "swap"]
+    assert [(c.args["host"], c.decision) for c in swaps] == [(host, "allow")] * 2
+    misuses = [c.args["where"] for c in crossings if c.door == "secrets" and c.args["kind"] == "misuse"]
+    assert sorted(misuses) == ["header X-Other"] * 2, misuses
