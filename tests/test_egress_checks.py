@@ -133,3 +133,14 @@ def test_fuzz_host_check(text):
     except HostError:
         return
     assert kind in ("ip", "name")
+
+
+@pytest.mark.parametrize("entry,host", [("[2001:db8::1]:443", "2001:db8::1"), ("[2001:DB8:0::1]:443", "2001:db8::1"),
+                                        ("0xc6.18.7.2:443", "198.18.7.2"), ("198.18.7.2.:*", "198.18.7.2")])
+def test_an_allow_entry_that_is_an_ip_literal_allows_the_address_it_spells(entry, host):
+    """As text, `[2001:db8::1]` was a glob character class and never matched the door's `2001:db8::1`."""
+    policy = Policy.from_toml(f'[egress]\nallow = ["{entry}"]\nallow_cidrs = ["2001:db8::/32", "198.18.0.0/15"]\n')
+    facts = {"door": "egress", "kind": "connect", "port": 443, "address": host, "addresses": [host]}
+    assert policy.decide(dict(facts, host=host)).rule == "egress.allow[0]"
+    other = str(ipaddress.ip_address(host) + 1)
+    assert policy.decide(dict(facts, host=other, address=other, addresses=[other])).rule == "egress.allow"

@@ -236,10 +236,12 @@ class Policy:
         return Verdict("allow", f"egress.allow[{allowed_by}]")
 
     def egress_allow_index(self, host: str, port: int) -> int | None:
-        """The first `[egress] allow` entry that matches host:port (the door resolves only such names)."""
+        """The first `[egress] allow` entry that matches host:port (the door resolves only such names). An IP literal
+        entry, in any spelling (`[2001:db8::1]:443`), matches the address it spells (hostnames.host_pattern_matches)."""
+        from .doors.hostnames import host_pattern_matches
         for i, pattern in enumerate(self.get("egress", "allow")):
             want_host, _, want_port = pattern.rpartition(":")
-            if fnmatch.fnmatchcase(host, want_host.lower()) and want_port in ("*", str(port)):
+            if want_port in ("*", str(port)) and host_pattern_matches(host, want_host):
                 return i
         return None
 
