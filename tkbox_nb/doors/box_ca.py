@@ -7,7 +7,8 @@ system's plus this one). Leaf certificates are made on demand, one per bound hos
 A leaf names its host the way a client checks it (RFC 6125): a name as a DNS name SAN, an IP literal as an IP address
 SAN and never as a DNS name or a common name, since Python's ssl and curl check an address only against IP address
 SANs. The host is read by `hostnames.check_host`, so every spelling the egress door accepts (`[2001:db8::1%25eth0]`,
-`0xc6.18.7.2`) gets the leaf of the one address the door dialled.
+`0xc6.18.7.2`) gets the leaf of the one address the door dialled. Both certificates carry key identifiers: Python
+3.13's clients verify strictly (VERIFY_X509_STRICT) and refuse a leaf without an authority key identifier.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class BoxCA:
                      .not_valid_before(now - datetime.timedelta(minutes=5))
                      .not_valid_after(now + datetime.timedelta(days=1))
                      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                     .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
                      .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                                   content_commitment=False, key_encipherment=False,
                                                   data_encipherment=False, key_agreement=False,
@@ -73,6 +75,9 @@ class BoxCA:
                 .add_extension(x509.SubjectAlternativeName([san]), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
+                               critical=False)
                 .sign(self._key, hashes.SHA256()))
         return key, cert
 
