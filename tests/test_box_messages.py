@@ -39,8 +39,32 @@ def test_javascript_and_payloads_are_removed_and_named():
             {"source": "set_next_input", "text": "%%box_policy\n[exec]\ncells = true", "replace": False},
             {"source": "ask_exit", "keepkernel": False},
             {"source": "page", "data": {"text/plain": "help", "text/html": "<script>x</script>"}, "start": 0}]}))
-    assert reply.content["payload"] == [{"source": "page", "data": {"text/plain": "help"}, "start": 0}]
-    assert "execute_reply.payload:set_next_input" in reply.dropped and "execute_reply.payload:ask_exit" in reply.dropped
+    assert reply.content["payload"] == [{"source": "ask_exit", "keepkernel": False},
+                                        {"source": "page", "data": {"text/plain": "help"}, "start": 0}]
+    assert reply.dropped == ["execute_reply.payload:set_next_input naming a host magic",
+                             "execute_reply.payload:page rich data"]
+
+
+@pytest.mark.parametrize("text", ["%box_restart", "x = 1\n  %%box --new\nprint(2)", "%box_secret T --host h"])
+def test_a_next_input_naming_a_host_magic_is_dropped(text):
+    reply = check_box_message(message("shell", "execute_reply", {
+        "status": "ok", "payload": [{"source": "set_next_input", "text": text, "replace": True}]}))
+    assert reply.content["payload"] == [] and reply.dropped == ["execute_reply.payload:set_next_input naming a host magic"]
+
+
+def test_next_input_and_exit_keep_their_meaning():
+    reply = check_box_message(message("shell", "execute_reply", {"status": "ok", "payload": [
+        {"source": "set_next_input", "text": "df.head()  # 100% box", "replace": True},
+        {"source": "ask_exit", "keepkernel": True}, {"source": "edit_magic", "filename": "/etc/x"}]}))
+    assert reply.content["payload"] == [{"source": "set_next_input", "text": "df.head()  # 100% box", "replace": True},
+                                        {"source": "ask_exit", "keepkernel": True}]
+    assert reply.dropped == ["execute_reply.payload:edit_magic"]
+
+
+@pytest.mark.parametrize("payload", [{"source": "set_next_input", "text": 7}, {"source": "ask_exit", "keepkernel": "y"}])
+def test_a_payload_of_the_wrong_shape_is_dropped(payload):
+    reply = check_box_message(message("shell", "execute_reply", {"status": "ok", "payload": [payload]}))
+    assert reply.content["payload"] == [] and len(reply.dropped) == 1
 
 
 def test_a_type_a_kernel_does_not_send_on_a_channel_is_dropped_whole():

@@ -8,9 +8,9 @@ a `ProtocolError` that ends the box.
 What is removed, and why (docs/threat-model.md, I14):
 - JavaScript outputs (`application/javascript` and kin) would run in the notebook's origin, where they could type
   host-side magics (a looser `%%box_policy`) into the kernel: dropped.
-- `execute_reply` payloads act on the frontend: `set_next_input` puts a new cell in front of the user (say, a
-  `%%box_policy` that loosens the policy), `ask_exit` and `edit_magic` act on the session. Dropped; `page` (the
-  `obj?` help pager) passes with its text/plain only.
+- `execute_reply` payloads act on the frontend: each keeps its plain-ipykernel meaning except where it could act on
+  the host's side (`_payload`): a `set_next_input` whose text names a host-side magic (say, a `%%box_policy` that
+  loosens the policy) is dropped, `page` keeps its text/plain only, unknown sources are dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ JAVASCRIPT_MIME = frozenset({"application/javascript", "text/javascript", "appli
 MESSAGE_KEYS = frozenset({"channel", "header", "parent_header", "metadata", "content", "buffers"})
 HEADER_STR_LIMIT = 256
 MAX_BUFFERS = 64
+MAX_PAYLOADS = 16
+MAX_NEXT_INPUT = 1 << 20
 
 
 @dataclass
@@ -187,19 +189,13 @@ def _check_content(m: BoxMessage) -> None:
         if "execution_count" in c and c["execution_count"] is not None and not _is_int(c["execution_count"]):
             raise _fail("execute_reply.execution_count")
         payloads = c.get("payload", [])
-        if not isinstance(payloads, list):
+        if not isinstance(payloads, list) or len(payloads) > MAX_PAYLOADS:
             raise _fail("execute_reply.payload")
         kept = []
         for item in payloads:
-            source = item.get("source") if isinstance(item, dict) else None
-            if source == "page" and isinstance(item.get("data"), dict) and \
-                    isinstance(item["data"].get("text/plain"), str):
-                kept.append({"source": "page", "data": {"text/plain": item["data"]["text/plain"]},
-                             "start": item.get("start", 0) if _is_int(item.get("start", 0)) else 0})
-                if set(item["data"]) - {"text/plain"}:
-                    m.dropped.append("execute_reply.payload:page rich data")
-            else:
-                m.dropped.append(f"execute_reply.payload:{str(source)[:40]}")
+            checked = _payload(item, m.dropped)
+            if checked is not None:
+                kept.append(checked)
         c["payload"] = kept
     elif t == "input_request":
         _str(c.get("prompt"), "input_request.prompt", 4096)
@@ -212,6 +208,37 @@ def _check_content(m: BoxMessage) -> None:
         if c.get("status") == "ok" and not (isinstance(c.get("matches"), list)
                                             and all(isinstance(x, str) for x in c["matches"])):
             raise _fail("complete_reply.matches")
+
+
+def _payload(item: Any, dropped: list[str]) -> dict[str, Any] | None:
+    """One `execute_reply` payload as the frontend may see it, or None (named in `dropped`). Each keeps the meaning a
+    plain ipykernel gives it, except where it could act on the host's side of the notebook:
+    - `page` (the `obj?` pager): its text/plain only; rich data could carry markup into the page.
+    - `set_next_input`: passes, unless its text names a host-side magic (`%box...`, `%%box...`): a box must not put
+      a cell in front of the user that, run, would loosen its own policy or bind a secret.
+    - `ask_exit`: passes (the box's own `exit`); the frontend asks the user, and a restart is a new box and run.
+    Any other source (`edit_magic`, unknown ones) is dropped."""
+    source = item.get("source") if isinstance(item, dict) else None
+    if source == "page" and isinstance(item.get("data"), dict) and isinstance(item["data"].get("text/plain"), str):
+        if set(item["data"]) - {"text/plain"}:
+            dropped.append("execute_reply.payload:page rich data")
+        return {"source": "page", "data": {"text/plain": item["data"]["text/plain"]},
+                "start": item.get("start", 0) if _is_int(item.get("start", 0)) else 0}
+    if source == "set_next_input" and isinstance(item.get("text"), str) and len(item["text"]) <= MAX_NEXT_INPUT \
+            and isinstance(item.get("replace", False), bool):
+        if names_host_magic(item["text"]):
+            dropped.append("execute_reply.payload:set_next_input naming a host magic")
+            return None
+        return {"source": "set_next_input", "text": item["text"], "replace": item.get("replace", False)}
+    if source == "ask_exit" and isinstance(item.get("keepkernel", False), bool):
+        return {"source": "ask_exit", "keepkernel": item.get("keepkernel", False)}
+    dropped.append(f"execute_reply.payload:{str(source)[:40]}")
+    return None
+
+
+def names_host_magic(text: str) -> bool:
+    """Whether any line of `text` starts a host-side magic (the kernel's `%box_*`, the extension's `%%box`)."""
+    return any(line.lstrip().startswith(("%box", "%%box")) for line in text.splitlines())
 
 
 def _is_int(v: Any) -> bool:

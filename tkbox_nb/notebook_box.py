@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,12 +61,22 @@ class NotebookBox:
         self.replay_of: str | None = None  # a rerun names the run it replays
         self.model_replay = None  # a rerun's model calls: Recordings of the original run (doors/model_replay.py)
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
+        self._early: EarlyBox | None = None
+        self._release: threading.Event | None = None  # set once the box taken from an EarlyBox has stopped
 
     # -- the box -------------------------------------------------------------------------------------------------
     @property
     def live(self) -> bool:
         return self.box is not None and not self.box.ended and self.box.recorder is not None \
             and not self.box.recorder.closed
+
+    def start_early(self) -> None:
+        """Start a box, and its kernel, in the background now, so that the first cell need not wait for them (the
+        Tracekit Box kernel calls this as it starts). The first cell that needs a box takes it if the notebook
+        still asks for what it was started with (the same policy, no secret bound since); else it is stopped unused
+        and a box is started for the cell, as without an early start."""
+        if self.box is None and self._early is None:
+            self._early = EarlyBox(self._new_box(None), self.policy.hash)
 
     def ensure_box(self) -> Box:
         """The running box, started now if there is none (or the last one ended)."""
@@ -77,21 +88,41 @@ class NotebookBox:
         if self.bundle_dir is not None:
             self.bundle_dir.mkdir(parents=True, exist_ok=True)
             bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
-        box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
-                  home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
-        box.start()
+        early, self._early = self._early, None
+        box = early.take(self.policy.hash, bool(self.secrets) or self.replay_of is not None) if early else None
+        if box is not None:
+            self._release = early.released
+            box.bundle_path = bundle
+            if bundle is not None:
+                box.recorder.hint_bundle(bundle)
+        else:
+            box = self._new_box(bundle)
+            box.start()
         self.box = box
         pending, self._pending = self._pending, []
         for facts, content in pending:
             self._record(facts, content)
         return box
 
+    def _new_box(self, bundle: Path | None) -> Box:
+        return Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
+                   home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
+
     def stop(self, reason: str = "box stopped") -> Path | None:
-        """Stop the box (if any) and write its bundle; returns the bundle's path."""
+        """Stop the box (if any) and write its bundle; returns the bundle's path. An early box never taken is
+        stopped too (its bundle goes to the signer's home, not the notebook's bundle folder)."""
+        early, self._early = self._early, None
+        if early is not None:
+            early.discard(reason)
         box, self.box = self.box, None
         if box is None:
             return None
-        path = box.stop(reason)
+        release, self._release = self._release, None
+        try:
+            path = box.stop(reason)
+        finally:
+            if release is not None:
+                release.set()
         if path is not None:
             self.bundles.append(path)
         return path
@@ -142,6 +173,55 @@ class NotebookBox:
         if self.bundles:
             lines.append(f"bundles  {', '.join(str(p) for p in self.bundles)}")
         return "\n".join(lines)
+
+
+class EarlyBox:
+    """A box being started in the background, with its kernel: held until a cell takes it or it is discarded."""
+
+    def __init__(self, box: Box, policy_hash: str):
+        self.box, self.policy_hash = box, policy_hash
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.released = threading.Event()
+        threading.Thread(target=self._start, daemon=True, name="tkbox-early-box").start()
+
+    def _start(self) -> None:
+        try:
+            self.box.start()
+            self.box.kernel()
+        except BaseException as e:  # said on the first cell, which then fails closed
+            self.error = e
+        finally:
+            self.done.set()
+        # the box's processes die with the thread that started them (bwrap --die-with-parent, PR_SET_PDEATHSIG
+        # follows the forking thread): this one lives until the box is stopped
+        self.released.wait()
+
+    def take(self, policy_hash: str, bound_since: bool) -> Box | None:
+        """The started box, or None when the notebook now asks for another one (it is then stopped unused). A box
+        that failed to start raises its reason here, on the cell that needed it."""
+        self.done.wait()
+        if self.error is not None:
+            self._stop("its start failed")
+            raise self.error if isinstance(self.error, TkboxError) else TkboxError(
+                f"the box did not start: {type(self.error).__name__}: {self.error}")
+        if policy_hash != self.policy_hash or bound_since:
+            self._stop("not used: the notebook's policy or secrets changed before its first cell")
+            return None
+        return self.box
+
+    def discard(self, reason: str) -> None:
+        """Stop it unused (after its start has ended): its run is closed and bundled, never left open."""
+        self.done.wait()
+        self._stop(f"not used: {reason}")
+
+    def _stop(self, reason: str) -> None:
+        try:
+            self.box.stop(reason)
+        except TkboxError:
+            pass
+        finally:
+            self.released.set()
 
 
 class _ArgParser(argparse.ArgumentParser):

@@ -272,3 +272,34 @@ def test_a_killed_kernel_s_run_is_recovered_by_the_next_box(kernel_env, tmp_path
     assert run.sealed and run.box["end_reason"].startswith("recovered")
     cells = [x for x in run.crossings() if x.door == "exec"]
     assert run.content(cells[0].args["code"]) == b"a = 1"
+
+
+def test_the_box_starts_with_the_kernel_and_the_first_cell_takes_it(kernel_env):
+    import datetime
+    c = Client()
+    time.sleep(3)  # the frontend idles: the box and its kernel start meanwhile
+    before = datetime.datetime.now(datetime.timezone.utc)
+    reply, outs = c.run("print('first')")
+    assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "first\n"}) in outs
+    c.stop()
+    run = open_run(only_bundle(kernel_env))  # the early box is the notebook's box: one run, in the bundle folder
+    assert verify_bundle(run.path).valid
+    crossings = run.crossings()
+    assert crossings[0].door == "box"
+    assert datetime.datetime.fromisoformat(crossings[0].time.replace("Z", "+00:00")) < before
+
+
+def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, tmp_path, monkeypatch):
+    policy = tmp_path / "fc.toml"
+    policy.write_text('[box]\nbackend = "firecracker"\n')
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    c = Client()
+    try:
+        reply, outs = c.run("print('never')")
+        assert reply["status"] == "error" and "guest image" in reply["evalue"]
+        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+        reply, _ = c.run("%%box_policy\n[exec]\ncells = true\n")  # a policy the machine can run: the next box starts
+        reply, outs = c.run("print('now')")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
+    finally:
+        c.stop()

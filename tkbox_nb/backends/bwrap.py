@@ -99,7 +99,11 @@ class BwrapBackend(Backend):
                 a += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 a += ["--ro-bind", str(host), f"/{top}"]
-        a += ["--ro-bind", str(etc_dir), "/etc", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        a += ["--ro-bind", str(etc_dir), "/etc"]
+        for name in ETC_FILES:
+            if (Path("/etc") / name).is_dir() and (etc_dir / name).is_dir():
+                a += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+        a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         # after /tmp's tmpfs, so an interpreter that lives under /tmp (a CI checkout's venv) is not hidden by it
         for prefix in sorted({sys.base_prefix, sys.prefix}):
             if not prefix.startswith("/usr/"):
@@ -128,8 +132,8 @@ class BwrapBackend(Backend):
             src = Path("/etc") / name
             dst = etc_dir / name
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():
-                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            if src.is_dir():  # a mount point only: the host's folder is bound over it read-only (argv), since
+                dst.mkdir(parents=True, exist_ok=True)  # copying its hundreds of links cost most of a box's start
             elif src.exists():
                 shutil.copy2(src, dst, follow_symlinks=True)
         if spec.ca_bundle is not None:

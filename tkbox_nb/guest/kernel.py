@@ -124,10 +124,26 @@ class KernelBridge:
         signature, parts, buffers = msg_list[0], msg_list[1:5], msg_list[5:]
         if not hmac.compare_digest(signature, self.session.sign(parts)):
             return
+        if self.own and self._is_own(channel, parts):
+            return
         data = b"".join((b'{"channel":"', channel.encode(), b'","header":', parts[0], b',"parent_header":', parts[1],
                          b',"metadata":', parts[2], b',"content":', parts[3], b',"buffers":[',
                          b",".join(b'"' + base64.b64encode(bytes(b)) + b'"' for b in buffers), b"]}"))
         self.door.send_data(self.sid, p.CH_MSG, p.MSG_HEADER.pack(len(data)) + data)
+
+    def _is_own(self, channel, parts):
+        """A late answer to one of the bridge's readiness probes (sent every 50 ms until the kernel answered): it
+        stays here, so the frontend never sees a status for a request it did not make. A probe is forgotten once its
+        idle status has come."""
+        try:
+            parent = json.loads(parts[1].decode("utf-8")).get("msg_id")
+        except (ValueError, AttributeError):
+            return False
+        if parent not in self.own:
+            return False
+        if channel == "iopub" and b'"idle"' in parts[3]:
+            self.own.discard(parent)
+        return True
 
     def _probe(self):
         msg = self.session.msg("kernel_info_request", {})
@@ -181,6 +197,8 @@ class KernelBridge:
                         continue
                     parent = msg["parent_header"].get("msg_id")
                     if parent in self.own:
+                        if name == "iopub" and msg["content"].get("execution_state") == "idle":
+                            self.own.discard(parent)
                         if msg["header"]["msg_type"] == "kernel_info_reply":
                             info = msg["content"]
                         elif name == "iopub":
