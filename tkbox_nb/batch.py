@@ -116,7 +116,9 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
         result.differences = len(report.differences)
         result.details = [{"what": d.what, "a": _clip(d.a), "b": _clip(d.b)}
                           for d in report.differences[:MAX_DIFFERENCES]]
-        if report.equivalent:
+        if report.status == "incomparable":  # nothing to compare is not a pass
+            result.reason = "nothing to compare: no cell, command or other crossing in either run"
+        elif report.equivalent:
             result.status = "equivalent"
         else:
             first = report.differences[0]

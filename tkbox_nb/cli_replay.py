@@ -73,6 +73,9 @@ def _cmd_rerun_many(a) -> int:
         raise UsageError("-o names one rerun; with --many each rerun goes to --out-dir")
     if not a.bundle:
         raise UsageError("--many needs at least one bundle")
+    if a.workspace is not None or a.env:
+        raise UsageError("--workspace and --env go with one rerun (-o), not --many: a batch's workers start each "
+                         "rerun from an empty workspace and send no host environment")
     say = (lambda r, done, total: print(batch.progress_line(r, done, total), file=sys.stderr, flush=True)) \
         if a.json else (lambda r, done, total: print(batch.progress_line(r, done, total), flush=True))
     results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
