@@ -18,6 +18,7 @@ from conftest import run_cli
 from tkbox_nb import Box, open_run
 from tkbox_nb.audit import EXIT_INCOMPARABLE, audit
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -72,7 +73,7 @@ def test_the_original_holds_commands_and_a_cell_with_what_they_did(runs):
     assert [c.args.get("env_names") for c in cmds] == [["CODE", "ERR", "NOTE", "OUT"], ["PATCH"]]
     assert "hello" not in json.dumps([c.args for c in cmds])  # names, never values
     assert cmds[1].args["cwd"] == "/workspace" and cmds[1].args["timeout_s"] == 60 and cmds[1].args["stdin"]
-    assert run.box["workspace_digest"].startswith("sha256:")
+    assert run.box["workspace_digest"].startswith("sha256:") and verify_bundle(runs["original"]).valid
     assert [c.door for c in run.crossings() if c.door in ("exec", "patch")] == ["exec", "exec", "exec", "patch",
                                                                               "patch", "patch"]
 
