@@ -41,7 +41,8 @@ from tkbox_nb.doors.secrets import Binding, Scrubber, host_matches, misuses_in, 
 from tkbox_nb.errors import BundleError, PolicyError, TkboxError
 from tkbox_nb.guest.agent import command_request
 from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
-from tkbox_nb.replay import _facts, _sanitize, parse_sanitizers, to_notebook
+from tkbox_nb.audit import _facts, _sanitize, parse_sanitizers
+from tkbox_nb.replay import to_notebook
 from tkbox_nb.run import Run
 from tkbox_nb.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
 

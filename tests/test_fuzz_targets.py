@@ -92,7 +92,7 @@ def test_verify_reports_a_disclosure_whose_arguments_are_not_an_object():
 @pytest.mark.parametrize("line", ["x\t\\1", "x\t\\g<name>", "x\t\\c", "(\tX"])
 def test_a_sanitizer_file_with_a_bad_pattern_or_replacement_is_one_error(line, tmp_path):
     from tkbox_nb.errors import TkboxError
-    from tkbox_nb.replay import parse_sanitizers
+    from tkbox_nb.audit import parse_sanitizers
     with pytest.raises(TkboxError, match="x|\\("):
         parse_sanitizers(line + "\n")
 

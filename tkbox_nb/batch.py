@@ -91,7 +91,8 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
     """The task: verify the bundle `data` (named `name` in messages), rerun it in a fresh box, audit the rerun
     against it. Returns (a BatchResult as a dict, the new bundle's bytes or None). Never raises for a bad bundle."""
     from .policy import Policy
-    from .replay import audit, rerun
+    from .audit import audit
+    from .replay import rerun
     from .verify import verify_bundle
     started = time.monotonic()
     result = BatchResult(name, "failed", worker=f"{socket.gethostname()}:{os.getpid()}")
@@ -110,12 +111,14 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
             if not report.valid:
                 raise TkboxError(f"does not verify ({report.summary()})")
         pol = Policy.from_toml(policy[0], policy[1]) if policy else None
-        out, _ = rerun(original, scratch / "rerun.tkb", policy=pol, backend=backend)
+        out = rerun(original, scratch / "rerun.tkb", policy=pol, backend=backend).path
         report = audit(original, out)
         result.differences = len(report.differences)
         result.details = [{"what": d.what, "a": _clip(d.a), "b": _clip(d.b)}
                           for d in report.differences[:MAX_DIFFERENCES]]
-        if report.equivalent:
+        if report.status == "incomparable":  # nothing to compare is not a pass
+            result.reason = "nothing to compare: no cell, command or other crossing in either run"
+        elif report.equivalent:
             result.status = "equivalent"
         else:
             first = report.differences[0]

@@ -27,6 +27,7 @@ from .errors import DoorRefused, TkboxError
 from .policy import Policy
 from .recorder import Crossing, RunRecorder, recover_orphans
 from .central_signer import signer_for
+from .tree_digest import tree_digest
 
 
 
@@ -136,6 +137,8 @@ class Box:
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
+        if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
+            boot = dict(boot, workspace_digest=tree_digest(self.workspace))
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
             "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
@@ -278,17 +281,30 @@ class Box:
                               crossing.rule_ids)
         return crossing
 
-    def run(self, argv: list[str], stdin: bytes | None = None, timeout: float | None = None) -> CommandResult:
-        """Run `argv` in the box (after a signed allow) and return its exit status and output."""
+    def run(self, argv: list[str], stdin: bytes | None = None, timeout: float | None = None,
+            cwd: str | None = None, env: dict[str, str] | None = None) -> CommandResult:
+        """Run `argv` in the box (after a signed allow) and return its exit status and output. `cwd` (default
+        /workspace) and `timeout` are recorded; of `env`, only the names are (never the values)."""
         self._check_alive()
         if not (isinstance(argv, (list, tuple)) and argv and all(isinstance(a, str) for a in argv)):
             raise TkboxError("argv must be a non-empty list of strings")
-        crossing = self._decide("command", {"argv": list(argv)}, {"stdin": stdin} if stdin else {})
+        if cwd is not None and not (isinstance(cwd, str) and cwd.startswith("/") and "\0" not in cwd):
+            raise TkboxError("cwd must be an absolute path in the box")
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v
+                for k, v in env.items())):
+            raise TkboxError("env must map variable names to strings")
+        facts: dict[str, Any] = {"argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
+                                 **({"env_names": sorted(env)} if env else {})}
+        if timeout is not None:  # an integral float as an int: the record's canonical JSON has one form for it
+            facts["timeout_s"] = int(timeout) if float(timeout).is_integer() else float(timeout)
+        crossing = self._decide("command", facts, {"stdin": stdin} if stdin else {})
         timeout = timeout if timeout is not None else self.policy.get("exec", "timeout_s")
         limit = self.policy.get("exec", "max_output_bytes")
         out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
-        body = self._exchange({"kind": "command", "argv": list(argv)}, timeout,
-                              lambda ch, data: _append(out, ch, data, limit), stdin)
+        request = {"kind": "command", "argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
+                   **({"env": dict(env)} if env else {})}
+        body = self._exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
         code = body.get("exit_code")
         if not isinstance(code, int) or isinstance(code, bool):
             self._end("the box answered a command without an integer exit status")

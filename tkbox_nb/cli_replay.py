@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from .errors import TkboxError
 
@@ -29,6 +31,14 @@ def _cmd_replay(a) -> int:
     return 0
 
 
+def _env_values(names: list[str] | None) -> dict[str, str]:
+    """The values of the environment variables the run's commands set, read from this process's environment."""
+    missing = [n for n in names or [] if n not in os.environ]
+    if missing:
+        raise UsageError(f"--env {missing[0]}: not set in this environment (export it first)")
+    return {n: os.environ[n] for n in names or []}
+
+
 def _cmd_rerun(a) -> int:
     if a.many:
         return _cmd_rerun_many(a)
@@ -43,11 +53,14 @@ def _cmd_rerun(a) -> int:
     from .replay import rerun
     if not a.no_verify:
         _verified(a.bundle, a.trust)
-    out, named = rerun(a.bundle, a.output, policy=a.policy, backend=a.backend)
-    print(f"wrote {out}: a new signed run, " + (f"replay_of {named}" if named else
-                                                "naming the original in its box manifest (rerun_of): the original "
-                                                "run is not in this machine's signer"))
-    print(f"compare: tkbox audit {a.bundle} {out}")
+    done = rerun(a.bundle, a.output, policy=a.policy, backend=a.backend, workspace=a.workspace,
+                 env=_env_values(a.env))
+    for note in done.notes:
+        print(f"tkbox rerun: {note}", file=sys.stderr)
+    print(f"wrote {done.path}: a new signed run, " + (f"replay_of {done.named}" if done.named else
+                                                      "naming the original in its box manifest (rerun_of): the "
+                                                      "original run is not in this machine's signer"))
+    print(f"compare: tkbox audit {a.bundle} {done.path}")
     return 0
 
 
@@ -60,6 +73,9 @@ def _cmd_rerun_many(a) -> int:
         raise UsageError("-o names one rerun; with --many each rerun goes to --out-dir")
     if not a.bundle:
         raise UsageError("--many needs at least one bundle")
+    if a.workspace is not None or a.env:
+        raise UsageError("--workspace and --env go with one rerun (-o), not --many: a batch's workers start each "
+                         "rerun from an empty workspace and send no host environment")
     say = (lambda r, done, total: print(batch.progress_line(r, done, total), file=sys.stderr, flush=True)) \
         if a.json else (lambda r, done, total: print(batch.progress_line(r, done, total), flush=True))
     results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
@@ -73,13 +89,13 @@ def _cmd_rerun_many(a) -> int:
 
 
 def _cmd_audit(a) -> int:
-    from .replay import audit
+    from .audit import audit
     report = audit(a.a, a.b, a.sanitizer)
     if a.html:
         from pathlib import Path
         Path(a.html).write_text(report.html(), encoding="utf-8")
     print(json.dumps(report.as_dict(), indent=1) if a.json else report.table())
-    return 0 if report.equivalent else 1
+    return report.exit_code
 
 
 def add_commands(sub) -> None:
@@ -89,7 +105,7 @@ def add_commands(sub) -> None:
     r.add_argument("--trust", help="trust config for the verification first (default: this machine's pin)")
     r.add_argument("--no-verify", action="store_true", help="replay without verifying first")
     r.set_defaults(fn=_cmd_replay)
-    rr = sub.add_parser("rerun", help="execute a run's cells again in a fresh box; a new signed run "
+    rr = sub.add_parser("rerun", help="execute a run's cells and commands again in a fresh box; a new signed run "
                         "(--many: a batch on Dask, each rerun audited against its original)")
     rr.add_argument("bundle", nargs="*", help="the bundle (with --many: the bundles)")
     rr.add_argument("-o", "--output", help="the new .tkb")
@@ -102,11 +118,16 @@ def add_commands(sub) -> None:
     rr.add_argument("--html", help="with --many: write a self-contained HTML report here")
     rr.add_argument("--json", action="store_true", help="with --many: the results as JSON (progress on stderr)")
     rr.add_argument("--policy", help="a policy instead of the run's own")
+    rr.add_argument("--workspace", help="the directory the original started from, copied into the box as /workspace "
+                    "(a different one is said, and the audit reports it)")
+    rr.add_argument("--env", action="append", metavar="NAME", help="an environment variable the run's commands "
+                    "set, its value read from this environment (a bundle holds the names only)")
     rr.add_argument("--backend", default="auto")
     rr.add_argument("--trust")
     rr.add_argument("--no-verify", action="store_true")
     rr.set_defaults(fn=_cmd_rerun)
-    au = sub.add_parser("audit", help="compare two runs: code, outputs (sanitized), egress, secrets, magics")
+    au = sub.add_parser("audit", help="compare two runs door by door: cells, commands, egress, secrets, magics, "
+                        "model calls, the patch; exit 0 equivalent, 1 different, 3 nothing to compare")
     au.add_argument("a")
     au.add_argument("b")
     au.add_argument("--json", action="store_true")

@@ -22,7 +22,8 @@ from .policy import Policy, policy_hash
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot")  # boot: a VM's cold or warm
+BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
+              "workspace_digest")  # the starting workspace (tree_digest.py), when the box was given one
 
 
 def opens(salt: bytes, digest: str, commitment: Any) -> bool:

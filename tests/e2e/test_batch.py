@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import VENV_BIN, short_tmp, tamper_content
 
-from tkbox_nb import open_run
+from tkbox_nb import Box, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.batch import BatchResult, rerun_path, run_batch
 from tkbox_nb.notebook_box import HostMagics, NotebookBox
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapB
 
 N = 10
 ALTERED = 6  # the run whose cell read a file of its workspace: its rerun starts without it
+COMMANDS = 3  # an agent's run: commands and a cell interleaved, through the Box API
 READS_DATA = "import os\nprint('data:', open('data.txt').read() if os.path.exists('data.txt') else 'none')"
 
 
@@ -46,6 +47,13 @@ def originals(signer, tmp_path_factory):
     (ws / "data.txt").write_text("version 1")
     runs = []
     for i in range(N):
+        if i == COMMANDS:
+            with Box(policy="[exec]\ncells = true\n", bundle_path=d / f"run{i:02d}.tkb") as box:
+                box.run(["python3", "-c", f"print({i} * {i})"])
+                box.execute(f"print('n squared', {i * i})")
+                box.run(["sh", "-c", "echo done >&2; exit 2"])
+            runs.append(d / f"run{i:02d}.tkb")
+            continue
         cells = [f"n = {i}", "print('n squared', n * n)"]
         if i == ALTERED:
             cells.append(READS_DATA)
@@ -83,9 +91,14 @@ def check_results(results: list[BatchResult], originals: list[Path], out_dir: Pa
     statuses = [r.status for r in results]
     assert statuses == ["different" if i == ALTERED else "equivalent" for i in range(N)], \
         [(r.bundle, r.status, r.reason) for r in results]
+    kinds = [(c.args["kind"], (c.result or {}).get("exit_code")) for c in open_run(results[COMMANDS].new_bundle)
+             .crossings() if c.door == "exec"]
+    assert kinds == [("command", 0), ("cell", None), ("command", 2)]  # the command run was rerun, in its order
     bad = results[ALTERED]
-    assert bad.differences == 1 and bad.details[0]["what"] == "cell outputs #3"
-    assert "version 1" in bad.details[0]["a"] and "none" in bad.details[0]["b"]
+    # the rerun started from no workspace, said first, and the cell that read it is the one that differs
+    assert [d["what"] for d in bad.details] == ["workspace", "cell outputs #3"] and bad.differences == 2
+    assert bad.details[0]["a"].startswith("sha256:") and bad.details[0]["b"].startswith("none")
+    assert "version 1" in bad.details[1]["a"] and "none" in bad.details[1]["b"]
     written = sorted(out_dir.iterdir())
     assert written == sorted(rerun_path(p, out_dir) for p in originals)  # one file per bundle, no temporary left
     for r, p in zip(results, originals):
@@ -195,6 +208,7 @@ def test_bad_input_is_a_failed_row_or_one_line(originals, worker_tmp, tmp_path):
                        (["--scheduler", "tcp://127.0.0.1"], "give tcp://HOST:PORT"),
                        (["--scheduler", "tcp://127.0.0.1:9", "--workers", "2"], "--workers sets the size"),
                        (["-o", "x.tkb"], "with --many each rerun goes to --out-dir"),
+                       (["--env", "HOME"], "go with one rerun (-o), not --many"),
                        (["--policy", str(tmp_path / "nopolicy.toml")], "cannot read the policy")):
         r = subprocess.run([str(VENV_BIN / "tkbox"), "rerun", "--many", str(originals[0]), *args],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -250,7 +250,7 @@ def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer
 
 
 def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
-    from tkbox_nb.replay import audit
+    from tkbox_nb.audit import audit
     bundles = []
     for i, text in enumerate(["same", "same", "other"]):
         ws = tmp_path / f"ws{i}"
@@ -261,4 +261,5 @@ def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
     assert audit(bundles[0], bundles[1]).equivalent
     different = audit(bundles[0], bundles[2])
     assert not different.equivalent
-    assert [d["what"] for d in different.as_dict()["differences"]] == ["patch #2"]  # out.txt (keep.txt is #1)
+    # the command that wrote it (commands are compared too) and out.txt (keep.txt is patch #1)
+    assert [d["what"] for d in different.as_dict()["differences"]] == ["command argv #1", "patch #2"]

@@ -1,0 +1,174 @@
+"""The audit as a reproducibility check of agent runs: a battery of real bwrap runs, each differing from one original in
+exactly one thing, each found by `tkbox audit` with the right kind at the right seq; two runs with nothing to compare
+are not called equivalent.
+
+The knob that makes one thing differ without touching the rest is the value of an environment variable a command sets:
+the bundle records its name only, so argv, env names and the rest stay equal while the command's exit status, output,
+or what a later cell reads from /tmp change."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from tkbox_nb import Box, open_run
+from tkbox_nb.audit import EXIT_INCOMPARABLE, audit
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+
+POLICY = "[exec]\ncells = true\n"
+SCRIPT = 'seq 1 200; printf "%s\\n" "$OUT"; printf "%s\\n" "$ERR" >&2; printf "%s" "$NOTE" > /tmp/note; exit "$CODE"'
+CELL = "print(open('/tmp/note').read(), 6 * 7)"
+BASE = {"OUT": "hello", "ERR": "warn", "NOTE": "six", "CODE": "0", "PATCH": "v1"}
+
+
+def record(out: Path, ws: Path, env=BASE, script=SCRIPT, cell=CELL, policy=POLICY) -> Path:
+    """A command, a cell, a command: what an agent run holds, through the Box API (as an agent drives it)."""
+    with Box(policy=policy, backend="bwrap", workspace=ws, bundle_path=out) as box:
+        box.run(["sh", "-c", script], env={k: env[k] for k in ("OUT", "ERR", "NOTE", "CODE")})
+        box.execute(cell)
+        box.run(["sh", "-c", 'cat > in.txt; printf "%s\\n" "$PATCH" > out.txt'], stdin=b"given on stdin\n",
+                cwd="/workspace", env={"PATCH": env["PATCH"]}, timeout=60)
+    return out
+
+
+# each variant: (name, how it is recorded, the kind audit must name, which exec crossing (index) or None for the box)
+VARIANTS = [
+    ("argv", dict(script=SCRIPT.replace("exit ", "exit  ")), "command argv", 0),
+    ("exit", dict(env={**BASE, "CODE": "3"}), "command exit status", 0),
+    ("stdout", dict(env={**BASE, "OUT": "hellp"}), "command stdout", 0),
+    ("stderr", dict(env={**BASE, "ERR": "worn"}), "command stderr", 0),
+    ("cell-code", dict(cell=CELL.replace("6 * 7", "7 * 6")), "cell code", 1),
+    ("cell-output", dict(env={**BASE, "NOTE": "sax"}), "cell outputs", 1),
+    ("patch", dict(env={**BASE, "PATCH": "v2"}), "patch", None),
+    ("policy", dict(policy=POLICY + "timeout_s = 601\n"), "starting policy", None),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(signer, tmp_path_factory):
+    d = tmp_path_factory.mktemp("battery")
+    ws = d / "ws"
+    ws.mkdir()
+    (ws / "data.txt").write_text("the starting workspace\n")
+    out = {"original": record(d / "original.tkb", ws)}
+    for name, kw, _, _ in VARIANTS:
+        out[name] = record(d / f"{name}.tkb", ws, **kw)
+    return out
+
+
+def exec_seqs(path: Path) -> list[int]:
+    return [c.seq for c in open_run(path).crossings() if c.door == "exec"]
+
+
+def test_the_original_holds_commands_and_a_cell_with_what_they_did(runs):
+    run = open_run(runs["original"])
+    cmds = [c for c in run.crossings() if c.door == "exec" and c.args["kind"] == "command"]
+    assert [c.args.get("env_names") for c in cmds] == [["CODE", "ERR", "NOTE", "OUT"], ["PATCH"]]
+    assert "hello" not in json.dumps([c.args for c in cmds])  # names, never values
+    assert cmds[1].args["cwd"] == "/workspace" and cmds[1].args["timeout_s"] == 60 and cmds[1].args["stdin"]
+    assert run.box["workspace_digest"].startswith("sha256:") and verify_bundle(runs["original"]).valid
+    assert [c.door for c in run.crossings() if c.door in ("exec", "patch")] == ["exec", "exec", "exec", "patch",
+                                                                              "patch", "patch"]
+
+
+@pytest.mark.parametrize("name,kind,index", [(n, k, i) for n, _, k, i in VARIANTS], ids=[v[0] for v in VARIANTS])
+def test_each_single_difference_is_found_with_its_kind_and_seq(runs, name, kind, index):
+    report = audit(runs["original"], runs[name])
+    assert [d.kind for d in report.differences] == [kind], [(d.what, d.a[:80], d.b[:80]) for d in report.differences]
+    d = report.differences[0]
+    if index is not None:
+        assert (d.seq_a, d.seq_b) == (exec_seqs(runs["original"])[index], exec_seqs(runs[name])[index])
+    elif kind == "patch":  # out.txt, the patch's second file by path (in.txt is the first)
+        seqs = [c.seq for r in (runs["original"], runs[name]) for c in open_run(r).crossings()
+                if c.door == "patch" and c.args.get("path") == "out.txt"]
+        assert d.what == "patch #2" and [d.seq_a, d.seq_b] == seqs
+    else:  # the box's own start record
+        assert d.seq_a == d.seq_b == 1 and d.a != d.b
+    assert report.coverage["exec commands"] == (2, 2) and report.coverage["exec cells"] == (1, 1)
+
+
+def test_a_large_output_is_shown_by_digest_with_a_short_diff(runs, tmp_path):
+    r = run_cli("audit", str(runs["original"]), str(runs["stdout"]), "--json")
+    assert r.returncode == 1, r.stderr
+    [d] = json.loads(r.stdout)["differences"]
+    assert d["what"] == "command stdout #1" and d["a"].startswith("sha256:") and d["a"] != d["b"]
+    assert "-hello" in d["diff"] and "+hellp" in d["diff"] and len(d["diff"].splitlines()) < 12
+    r = run_cli("audit", str(runs["original"]), str(runs["exit"]))
+    assert r.returncode == 1 and r.stdout.startswith("DIFFERENT: 1 difference")
+    assert "command exit status #1 (seq 3 in A, 3 in B)" in r.stdout and "exit 0" in r.stdout and "exit 3" in r.stdout
+
+
+def test_an_equivalent_says_what_it_covers(runs):
+    r = run_cli("audit", str(runs["original"]), str(runs["original"]))
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
+    assert "exec cells 1/1, exec commands 2/2" in r.stdout and "patch files 2/2" in r.stdout
+
+
+def test_two_runs_with_nothing_to_compare_are_not_equivalent(signer, tmp_path):
+    empty = []
+    for i in range(2):
+        with Box(backend="bwrap", bundle_path=tmp_path / f"empty{i}.tkb") as box:
+            pass
+        empty.append(box.bundle_path)
+    r = run_cli("audit", str(empty[0]), str(empty[1]))
+    assert r.returncode == EXIT_INCOMPARABLE == 3, r.stdout + r.stderr
+    assert r.stdout.startswith("INCOMPARABLE") and "exec commands 0/0" in r.stdout
+    r = run_cli("audit", str(empty[0]), str(empty[1]), "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["status"] == "incomparable"
+
+
+def test_bad_input_is_one_line(runs, tmp_path):
+    (tmp_path / "junk.tkb").write_bytes(b"not a zip")
+    r = run_cli("audit", str(runs["original"]), str(tmp_path / "junk.tkb"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_honest_rerun_of_the_original_is_equivalent_and_a_changed_workspace_is_said(runs, tmp_path):
+    ws = runs["original"].parent / "ws"
+    env = {k: BASE[k] for k in BASE}
+    args = [a for k in BASE for a in ("--env", k)]
+    r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "again.tkb"), "--workspace", str(ws), *args,
+                env=env)
+    assert r.returncode == 0 and "tkbox rerun:" not in r.stderr, r.stderr
+    again = open_run(tmp_path / "again.tkb")
+    assert open_run(runs["original"]).run_id in (again.box.get("replay_of"), again.box.get("rerun_of"))
+    r = run_cli("audit", str(runs["original"]), str(tmp_path / "again.tkb"))
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
+    # the same rerun from another workspace: said at once, and audited as such (and nothing else differs)
+    other = tmp_path / "other-ws"
+    shutil.copytree(ws, other)
+    (other / "data.txt").write_text("another starting workspace\n")
+    r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "moved.tkb"), "--workspace", str(other), *args,
+                env=env)
+    assert r.returncode == 0 and "the original started from workspace sha256:" in r.stderr, r.stderr
+    assert [d.kind for d in audit(runs["original"], tmp_path / "moved.tkb").differences] == ["workspace"]
+
+
+def test_a_rerun_needs_the_values_of_the_environment_the_commands_set(runs, tmp_path):
+    r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "x.tkb"))
+    assert r.returncode == 2 and "CODE, ERR, NOTE, OUT, PATCH" in r.stderr and "--env NAME" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.tkb").exists()
+    r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "x.tkb"), "--env", "TKB_SURELY_UNSET_26")
+    assert r.returncode == 2 and "TKB_SURELY_UNSET_26" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tkbox_run_bundles_rerun_equivalent_and_differ_where_the_commands_do(signer, tmp_path):
+    """The issue's own steps: two one-command runs of `tkbox run`, audited, and one rerun."""
+    for name, n in (("a", 10), ("b", 11)):
+        r = run_cli("run", "--backend", "bwrap", "-o", str(tmp_path / f"{name}.tkb"), "--", "python3", "-c",
+                    f"print(sum(range({n})))")
+        assert r.returncode == 0 and r.stdout == str(sum(range(n))) + "\n", r.stderr
+    r = run_cli("audit", str(tmp_path / "a.tkb"), str(tmp_path / "b.tkb"), "--json")
+    assert r.returncode == 1
+    assert [d["kind"] for d in json.loads(r.stdout)["differences"]] == ["command argv", "command stdout"]
+    r = run_cli("rerun", str(tmp_path / "a.tkb"), "-o", str(tmp_path / "again.tkb"), "--backend", "bwrap")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("audit", str(tmp_path / "a.tkb"), str(tmp_path / "again.tkb"))
+    assert r.returncode == 0 and "exec commands 1/1" in r.stdout, r.stdout

@@ -1,0 +1,302 @@
+"""Two runs compared (`tkbox audit`), door by door, after sanitizing volatile values.
+
+What is compared, each in run order and each difference naming the crossing's record number (seq) in both runs:
+- the box: the policy it started with (by hash) and the workspace it started from (by digest, when it had one);
+- the exec door, cells and commands interleaved as they were decided: a cell's code and its outputs; a command's
+  argv, working directory, the names of the environment it set (never values), its stdin (by digest), timeout, exit
+  status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs; by digest with
+  a short diff when large);
+- egress destinations and decisions, secrets used (names only), host magics, model calls (request and response by
+  digest), and the patch (each file's last decision and content digest, by path).
+
+The verdict is `equivalent`, `different`, or `incomparable` when neither run has any crossing of these doors (only
+the box's own start and stop): such a pair is not called equivalent (exit 3, see EXIT_*).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import html
+import json
+import re
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import TkboxError
+from .replay import _outputs
+from .run import Crossing, Run, open_run
+
+EXIT_EQUIVALENT, EXIT_DIFFERENT, EXIT_INCOMPARABLE = 0, 1, 3
+LARGE = 400  # a sanitized stdout, stderr or outputs longer than this is shown by digest with a short diff
+DIFF_LINES = 12
+# volatile values, replaced before outputs are compared (nbval-style); a sanitizer file adds (regex, replacement)
+SANITIZERS: list[tuple[str, str]] = [
+    (r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:?\d{2})?\b", "<TIMESTAMP>"),
+    (r"\b0x[0-9a-fA-F]{6,16}\b", "<ADDRESS>"),
+    (r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", "<UUID>"),
+    (r"\b[0-9a-f]{32}\b", "<ID>"),
+    (r"tkbox-ph-[0-9a-f]{32}", "<PLACEHOLDER>"),
+]
+# the doors compared, as (label, what one crossing of it is called): the coverage line counts these
+DOORS = ("exec cells", "exec commands", "egress", "secrets", "host magics", "model calls", "patch files")
+
+
+@dataclass
+class Difference:
+    what: str  # the field and its position in its door, e.g. "command stdout #2"
+    a: str
+    b: str
+    kind: str = ""  # the field alone, e.g. "command stdout"
+    seq_a: int | None = None  # the crossing's decision record in each run (None: the run has no such crossing)
+    seq_b: int | None = None
+    diff: str = ""  # a short unified diff, for large texts
+
+
+@dataclass
+class Audit:
+    a: str
+    b: str
+    differences: list[Difference] = field(default_factory=list)
+    coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if self.differences:
+            return "different"
+        return "equivalent" if any(na or nb for na, nb in self.coverage.values()) else "incomparable"
+
+    @property
+    def equivalent(self) -> bool:
+        return self.status == "equivalent"
+
+    @property
+    def exit_code(self) -> int:
+        return {"equivalent": EXIT_EQUIVALENT, "different": EXIT_DIFFERENT}.get(self.status, EXIT_INCOMPARABLE)
+
+    def covered(self) -> str:
+        doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
+        return f"compared (crossings in A/B): {doors}; the starting policy and workspace"
+
+    def as_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "status": self.status, "equivalent": self.equivalent,
+                "coverage": {d: {"a": na, "b": nb} for d, (na, nb) in self.coverage.items()},
+                "differences": [asdict(d) for d in self.differences]}
+
+    def table(self) -> str:
+        if self.status == "incomparable":
+            return (f"INCOMPARABLE: {self.a} and {self.b} have no cell, command, egress, secret, host magic, model "
+                    f"call or patch file to compare (only the box's own start and stop): not called equivalent\n"
+                    f"  {self.covered()}")
+        if self.equivalent:
+            return f"EQUIVALENT: {self.a} and {self.b}\n  {self.covered()}"
+        lines = [f"DIFFERENT: {len(self.differences)} difference(s) between {self.a} and {self.b}",
+                 f"  {self.covered()}"]
+        for d in self.differences:
+            show = (lambda t: json.dumps(t[:200])) if d.kind in ("command stdout", "command stderr") else \
+                (lambda t: t[:200])  # output as a quoted string: a newline or trailing space is seen
+            lines.append(f"  {d.what} (seq {_seq(d.seq_a)} in A, {_seq(d.seq_b)} in B)\n    A: {show(d.a)}\n"
+                         f"    B: {show(d.b)}")
+            if d.diff:
+                lines.append("    " + d.diff.replace("\n", "\n    "))
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        rows = "".join(f"<tr><td>{html.escape(d.what)}</td><td>{_seq(d.seq_a)}</td><td>{_seq(d.seq_b)}</td>"
+                       f"<td><pre>{html.escape(d.a)}</pre></td><td><pre>{html.escape(d.b)}</pre></td>"
+                       f"<td><pre>{html.escape(d.diff)}</pre></td></tr>" for d in self.differences)
+        verdict = self.status if not self.differences else f"{len(self.differences)} difference(s)"
+        return (f"<!doctype html><meta charset='utf-8'><title>tkbox audit</title><style>body{{font-family:sans-serif}}"
+                f"td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}table{{border-collapse:collapse}}"
+                f"</style><h1>tkbox audit: {html.escape(verdict)}</h1><p>A: {html.escape(self.a)}<br>"
+                f"B: {html.escape(self.b)}</p><p>{html.escape(self.covered())}</p><table><tr><th>what</th>"
+                f"<th>seq A</th><th>seq B</th><th>A</th><th>B</th><th>diff</th></tr>{rows}</table>")
+
+
+def _seq(seq: int | None) -> str:
+    return "-" if seq is None else str(seq)
+
+
+def parse_sanitizers(text: str) -> list[tuple[str, str]]:
+    """(regex, replacement) pairs from a sanitizer file: one `REGEX<TAB>REPLACEMENT` a line, `#` comments. Pure."""
+    extra = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            pattern, _, repl = line.partition("\t")
+            repl = repl or "<SANITIZED>"
+            try:
+                re.compile(pattern).sub(repl, "")  # the replacement's escapes and group references are read here
+            except (re.error, IndexError) as e:
+                raise TkboxError(f"{line[:80]!r}: {e}") from None
+            extra.append((pattern, repl))
+    return extra
+
+
+def _sanitize(text: str, extra: list[tuple[str, str]]) -> str:
+    for pattern, repl in SANITIZERS + extra:
+        text = re.sub(pattern, repl, text)
+    return text
+
+
+@dataclass
+class Item:
+    """One compared crossing: its seq and its fields in order, label -> (compared value, shown value)."""
+
+    seq: int | None
+    kind: str  # cell | command | egress | ...
+    fields: dict[str, tuple[str, str]]
+
+
+def _field(value: str, large: bool = False) -> tuple[str, str]:
+    if not large or len(value) <= LARGE:
+        return value, value
+    return value, f"sha256:{hashlib.sha256(value.encode('utf-8', 'replace')).hexdigest()[:16]} ({len(value)} chars)"
+
+
+def _text(run: Run, digest: Any) -> str:
+    return (run.content(digest) or b"").decode("utf-8", "replace") if isinstance(digest, str) else ""
+
+
+def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]]) -> Item | None:
+    a, r = c.args or {}, c.result or {}
+    if a.get("kind") == "cell":
+        outs = _outputs(run, r.get("outputs"))
+        return Item(c.seq, "cell", {
+            "cell code": _field(f"{c.decision}: " + _text(run, a.get("code"))),
+            "cell outputs": _field(_sanitize(json.dumps([_output_text(o) for o in outs]), extra), large=True)})
+    if a.get("kind") != "command":
+        return None
+    argv = a.get("argv") if isinstance(a.get("argv"), list) else []
+    env = a.get("env_names") if isinstance(a.get("env_names"), list) else []
+    if c.decision != "allow":
+        status = "refused"
+    elif c.result is None:  # allowed but never ended: the box ended under it (a timeout, a kill, a lost door)
+        status = "no result: the box ended (" + _sanitize(str(run.box.get("end_reason", "")), extra)[:300] + ")"
+    else:
+        code = r.get("exit_code")
+        status = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit {code}"
+    stdin = a.get("stdin")
+    return Item(c.seq, "command", {
+        "command argv": _field(f"{c.decision}: {shlex.join(str(x) for x in argv)}"),
+        "command cwd": _field(str(a.get("cwd") or "/workspace (default)")),
+        "command environment names": _field(", ".join(str(x) for x in env) or "(none set)"),
+        "command stdin": _field(f"{stdin} ({a.get('stdin_size')} bytes)" if stdin else "(none)"),
+        "command timeout": _field(f"{a['timeout_s']} s" if "timeout_s" in a else "(the policy's)"),
+        "command exit status": _field(status),
+        "command stdout": _field(_sanitize(_text(run, r.get("stdout")), extra), large=True),
+        "command stderr": _field(_sanitize(_text(run, r.get("stderr")), extra), large=True)})
+
+
+def _one(seq: int, kind: str, value: str) -> Item:
+    return Item(seq, kind, {kind: _field(value)})
+
+
+def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
+    """What audit compares, per section, each a list of items in run order."""
+    out: dict[str, list[Item]] = {k: [] for k in ("box", "exec", "egress", "secrets (names only)", "host magics",
+                                                  "model calls", "patch")}
+    last_patch: dict[str, Item] = {}
+    start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
+    pol = run.box.get("policy") if isinstance(run.box.get("policy"), dict) else {}
+    seq0 = start.seq if start else None
+    out["box"] = [Item(seq0, "box", {
+        "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
+        "workspace": _field(str(((start.args if start else None) or {}).get("workspace_digest")
+                                or "none (the box started with an empty workspace)"))})]
+    for c in run.crossings():
+        a = c.args or {}
+        if c.door == "exec":
+            item = _exec_item(run, c, extra)
+            if item is not None:
+                out["exec"].append(item)
+        elif c.door == "egress":
+            out["egress"].append(_one(c.seq, "egress", f"{a.get('method', '')} {a.get('host')}:{a.get('port')} "
+                                                       f"{c.decision} ({a.get('rule')})"))
+        elif c.door == "secrets":
+            out["secrets (names only)"].append(_one(c.seq, "secrets (names only)",
+                                                    f"{a.get('kind')} {a.get('name')} {a.get('host', '')}".strip()))
+        elif c.door == "host":
+            out["host magics"].append(_one(c.seq, "host magics", f"%{a.get('magic')} {a.get('line', '')}".strip()))
+        elif c.door == "model":  # the call and what came back, by digest (not the mode: a rerun replays)
+            r = c.result or {}
+            out["model calls"].append(_one(c.seq, "model calls", (
+                f"{a.get('provider')}:{a.get('model')} {a.get('endpoint')} {c.decision} ({a.get('rule')}) request "
+                f"{str(a.get('request', ''))[7:19]} response "
+                f"{str(r.get('response') or r.get('response_digest') or '')[7:19]}")))
+        elif c.door == "patch" and a.get("kind") == "file":  # the last decision per path, order-free
+            last_patch[str(a.get("path"))] = _one(c.seq, "patch", f"{a.get('op')} {a.get('path')} {c.decision} "
+                                                                   f"({a.get('rule')}) {str(a.get('content', ''))[7:19]}")
+    out["patch"] = [last_patch[p] for p in sorted(last_patch)]
+    return out
+
+
+def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """The compared values only, per field label (for the fuzz target: reading any bundle never raises)."""
+    flat: dict[str, list[str]] = {}
+    for items in facts(run, extra).values():
+        for item in items:
+            for label, (value, _) in item.fields.items():
+                flat.setdefault(label, []).append(value)
+    return flat
+
+
+def coverage(f: dict[str, list[Item]]) -> dict[str, int]:
+    exec_kinds = [i.kind for i in f["exec"]]
+    return dict(zip(DOORS, (exec_kinds.count("cell"), exec_kinds.count("command"), len(f["egress"]),
+                            len(f["secrets (names only)"]), len(f["host magics"]), len(f["model calls"]),
+                            len(f["patch"]))))
+
+
+def _output_text(o: dict) -> Any:
+    """What audit compares of one recorded output (read leniently: the bundle's content is not checked for form)."""
+    t = o.get("output_type")
+    if t == "stream":
+        return [str(o.get("name")), str(o.get("text"))]
+    if t == "error":
+        return ["error", str(o.get("ename")), str(o.get("evalue"))]
+    data = o.get("data") if isinstance(o.get("data"), dict) else {}
+    return [t, str(data.get("text/plain", "")), sorted(data)]
+
+
+def _short_diff(a: str, b: str) -> str:
+    lines = list(difflib.unified_diff(a.splitlines(), b.splitlines(), "A", "B", n=1, lineterm=""))
+    cut = [line[:160] for line in lines[:DIFF_LINES]]
+    return "\n".join(cut + ([f"... ({len(lines) - DIFF_LINES} more diff lines)"] if len(lines) > DIFF_LINES else []))
+
+
+def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Difference]:
+    """The differences of two runs' facts, section by section, item by item in order. Pure."""
+    diffs = []
+    for section in fa:
+        xa, xb = fa[section], fb[section]
+        pos = (lambda i: "") if section == "box" else (lambda i: f" #{i + 1}")
+        for i in range(max(len(xa), len(xb))):
+            ia = xa[i] if i < len(xa) else None
+            ib = xb[i] if i < len(xb) else None
+            sa, sb = (ia.seq if ia else None), (ib.seq if ib else None)
+            if ia is None or ib is None or ia.kind != ib.kind:  # one run has no crossing here, or another kind
+                label = section
+                shown = [(f"{it.kind}: " if section == "exec" else "") + next(iter(it.fields.values()))[1]
+                         if it else "(none)" for it in (ia, ib)]
+                diffs.append(Difference(f"{label}{pos(i)}", shown[0], shown[1], label, sa, sb))
+                continue
+            for label, (va, shown_a) in ia.fields.items():
+                vb, shown_b = ib.fields[label]
+                if va != vb:
+                    diff = _short_diff(va, vb) if (shown_a != va or shown_b != vb) else ""
+                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff))
+    return diffs
+
+
+def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None) -> Audit:
+    extra: list[tuple[str, str]] = []
+    if sanitizer_file:
+        try:
+            extra = parse_sanitizers(Path(sanitizer_file).read_text())
+        except (OSError, UnicodeDecodeError, TkboxError) as e:
+            raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
+    fa, fb = facts(open_run(a), extra), facts(open_run(b), extra)
+    ca, cb = coverage(fa), coverage(fb)
+    return Audit(str(a), str(b), compare(fa, fb), {d: (ca[d], cb[d]) for d in DOORS})
