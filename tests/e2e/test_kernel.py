@@ -303,3 +303,50 @@ def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, t
         assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
     finally:
         c.stop()
+
+
+def _iopub_until_idle(c: Client, msg_id: str, timeout: float = 60) -> list[dict]:
+    msgs = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = c.kc.get_iopub_msg(timeout=timeout)
+        if m["parent_header"].get("msg_id") != msg_id:
+            continue
+        if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+            return msgs
+        msgs.append(m)
+    raise AssertionError("no idle")
+
+
+def test_box_view_is_the_live_widget_view_and_its_comms_stay_on_the_host(client, kernel_env):
+    client.run("x = 1")
+    msg_id = client.kc.execute("%box_view")
+    msgs = _iopub_until_idle(client, msg_id)
+    opened = {m["content"]["comm_id"]: m["content"]["data"]["state"] for m in msgs if m["msg_type"] == "comm_open"}
+    shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"]
+    assert len(shown) == 1 and "text/html" in shown[0]
+    assert shown[0]["application/vnd.jupyter.widget-view+json"]["model_id"] in opened
+    verify = next(cid for cid, st in opened.items() if st.get("_model_name") == "ButtonModel"
+                  and st.get("description") == "Verify")
+    # the frontend clicks Verify: handled on the host, the verdict comes back as widget updates
+    click = client.kc.session.msg("comm_msg", {"comm_id": verify, "data": {"method": "custom",
+                                                                           "content": {"event": "click"}}})
+    client.kc.shell_channel.send(click)
+    verdict, deadline = None, time.monotonic() + 60
+    while verdict is None and time.monotonic() < deadline:
+        m = client.kc.get_iopub_msg(timeout=60)
+        value = m["content"].get("data", {}).get("state", {}).get("value") if m["msg_type"] == "comm_msg" else None
+        if isinstance(value, str) and "tkbox-verdict" in value:
+            verdict = value
+    assert verdict is not None and "VALID" in verdict
+    # a frontend message naming a comm neither side holds is refused and signed; the box cannot reach a host comm
+    stray = client.kc.session.msg("comm_msg", {"comm_id": "f" * 32, "data": {}})
+    client.kc.shell_channel.send(stray)
+    reply, outs = client.run(f"from comm import create_comm\nc = create_comm(comm_id={verify!r}, target_name='x')")
+    assert reply["status"] == "error"
+    assert any("host comm" in x.get("text", "") for _, x in outs)
+    client.stop()
+    run = open_run(only_bundle(kernel_env))
+    faults = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "comm_fault"]
+    assert [(f.decision, f.args["fault"]) for f in faults] == [("deny", "a comm the box does not hold")]
+    assert "host comm" in run.crossings()[-1].args.get("reason", "") or "host comm" in str(run.crossings()[-1].args)

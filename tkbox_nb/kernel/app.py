@@ -39,6 +39,7 @@ from .. import __version__
 from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
+from .host_comms import HostComms
 
 PROTOCOL_VERSION = "5.3"
 FORWARDED = {"complete_request", "inspect_request", "is_complete_request", "history_request", "comm_info_request"}
@@ -80,6 +81,10 @@ class TkboxKernel:
         self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
         self.kernel = None
+        self._iopub_lock = threading.Lock()  # host widgets publish from other threads (the view's Verify)
+        self._comm_parent: dict | None = None  # the frontend message a host comm's messages answer
+        self.box_comms: set[str] = set()  # comm ids the box's kernel holds (opened by it, or by the frontend for it)
+        self.host_comms = HostComms(self._publish_host_comm)
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -102,9 +107,17 @@ class TkboxKernel:
         sock.send(b"")
 
     def send(self, channel: str, msg_type: str, content: dict, parent: dict | None, idents=None,
-             metadata: dict | None = None) -> None:
+             metadata: dict | None = None, buffers: list | None = None) -> None:
+        if channel == "iopub":
+            with self._iopub_lock:
+                self.session.send(self.sockets[channel], msg_type, content, parent=parent, metadata=metadata,
+                                  buffers=buffers)
+            return
         self.session.send(self.sockets[channel], msg_type, content, parent=parent, ident=idents,
                           metadata=metadata)
+
+    def _publish_host_comm(self, msg_type: str, content: dict, metadata: dict, buffers: list) -> None:
+        self.send("iopub", msg_type, content, self._comm_parent, metadata=metadata, buffers=buffers)
 
     def publish_status(self, state: str, parent: dict | None) -> None:
         self.send("iopub", "status", {"execution_state": state}, parent)
@@ -203,12 +216,9 @@ class TkboxKernel:
             try:
                 for name, line, body in magics:
                     text = self.magics.run(name, line, body)
-                    if isinstance(text, Path):  # %box_view: this host kernel has no widgets; the static view
+                    if isinstance(text, Path):  # %box_view: the run view, live widgets of the host process
                         if not silent:
-                            from ..run import open_run
-                            self.send("iopub", "display_data", {"data": {
-                                "text/html": open_run(text)._repr_html_(), "text/plain": f"<run {text}>"},
-                                "metadata": {}}, header)
+                            self._show_view(text, header)
                         continue
                     if text and not silent:
                         self.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
@@ -242,14 +252,37 @@ class TkboxKernel:
             kernel.listeners.append(self._on_box_message)
             self.kernel = kernel
 
+    def _show_view(self, bundle: Path, header: dict) -> None:
+        from ..widgets import view
+        self._comm_parent = header
+        widget = view(bundle)
+        data = widget._repr_mimebundle_()
+        self.send("iopub", "display_data", {"data": data, "metadata": {}}, header)
+
     def _comm(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        """A comm message from the frontend: to a host comm (handled here), to a comm the box holds (decided by the
+        exec door, then forwarded), a comm_open (for the box), or else refused and signed as a fault."""
+        t, content = msg["header"]["msg_type"], msg["content"]
+        comm_id = content.get("comm_id")
+        if self.host_comms.owns(comm_id) and t != "comm_open":
+            self._comm_parent = msg["header"]
+            self.host_comms.handle(msg)
+            return
         if not self.nb.live or self.kernel is None or self.kernel.ended:
             return  # no box: the comm's other end is gone, as with a dead kernel
-        data = json.dumps(msg["content"], sort_keys=True, default=str).encode("utf-8")
-        comm_id = str(msg["content"].get("comm_id", ""))[:128]
-        crossing = self.nb.box.recorder.decide("exec", "comm", {"msg_type": msg["header"]["msg_type"],
-                                                                "comm_id": comm_id}, {"data": data})
+        comm_id = str(comm_id or "")[:128]
+        if (t == "comm_open" and self.host_comms.owns(comm_id)) or (t != "comm_open" and comm_id not in self.box_comms):
+            why = "a host comm's id" if self.host_comms.owns(comm_id) else "a comm the box does not hold"
+            self.nb.box.recorder.decide("exec", "comm_fault", {"msg_type": t, "comm_id": comm_id, "fault": why})
+            self._log(f"refused {t} naming {why} ({comm_id[:40]})")
+            return
+        data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
+        crossing = self.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:
+            if t == "comm_open":
+                self.box_comms.add(comm_id)
+            elif t == "comm_close":
+                self.box_comms.discard(comm_id)
             self.kernel.send(channel, msg, msg.get("buffers") or [])
 
     def _answer_without_box(self, channel: str, idents: list[bytes], msg: dict) -> None:
@@ -260,7 +293,7 @@ class TkboxKernel:
             "inspect_request": {"status": "ok", "found": False, "data": {}, "metadata": {}},
             "is_complete_request": {"status": "unknown"},
             "history_request": {"status": "ok", "history": []},
-            "comm_info_request": {"status": "ok", "comms": {}},
+            "comm_info_request": {"status": "ok", "comms": self.host_comms.info()},
         }
         self.send(channel, t.replace("_request", "_reply"), replies[t], header, idents)
 
@@ -278,8 +311,14 @@ class TkboxKernel:
             if msg.msg_type == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
                 self.execution_count = max(self.execution_count, msg.content["execution_count"])
             if msg.channel == "iopub":
-                self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
+                if msg.msg_type in COMMS and not self._box_comm(msg):
+                    continue
+                with self._iopub_lock:
+                    self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
                 continue
+            if msg.msg_type == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
+                wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
+                                            if not self.host_comms.owns(k)} | self.host_comms.info()
             parent = msg.parent_id
             if msg.channel == "stdin":
                 target = self.requests.get(parent)
@@ -289,6 +328,20 @@ class TkboxKernel:
             target = self.requests.pop(parent, None) if parent else None
             if target is not None:
                 self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
+
+    def _box_comm(self, msg) -> bool:
+        """A comm message from the box: its comm joins (or leaves) the box's; one naming a host comm is a protocol
+        violation, and ends the box (signed as its last word)."""
+        comm_id = msg.content.get("comm_id")
+        if self.host_comms.owns(comm_id):
+            if self.nb.box is not None:
+                self.nb.box._end(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
+            return False
+        if msg.msg_type == "comm_open":
+            self.box_comms.add(comm_id)
+        elif msg.msg_type == "comm_close":
+            self.box_comms.discard(comm_id)
+        return True
 
     def _box_kernel_ended(self) -> None:
         """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
@@ -303,6 +356,7 @@ class TkboxKernel:
             else:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})
         self.kernel = None
+        self.box_comms.clear()
         if self.nb.box is not None and self.nb.box.ended:
             try:
                 self.nb.stop(reason)
