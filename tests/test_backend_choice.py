@@ -6,8 +6,8 @@ import pytest
 
 from tkbox_nb import Policy
 from tkbox_nb.backends import image
-from tkbox_nb.backends.base import choose_backend, get_backend
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.backends.registry import choose_backend, get_backend
 from tkbox_nb.errors import PolicyError, TkboxError
 
 from conftest import run_cli

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -229,6 +230,16 @@ def parse(files: dict[str, bytes]) -> BundleContents:
     return out
 
 
+def opens(salt: bytes, digest: str, commitment: Any) -> bool:
+    """Whether `commitment` (hmac-sha256:HEX) is HMAC-SHA256(salt, digest): the record committed to this content.
+    Here, beside the format it checks, because writing a bundle checks it too (verify.py imports bundle.py, never the
+    other way round)."""
+    if not isinstance(commitment, str) or not commitment.startswith("hmac-sha256:"):
+        return False
+    mine = "hmac-sha256:" + hmac.new(salt, digest.encode(), "sha256").hexdigest()
+    return hmac.compare_digest(mine, commitment)
+
+
 # -- writing ---------------------------------------------------------------------------------------------------------
 def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: bool = True) -> Path:
     """Export `run_id` from `signer` and write `out_path` (atomically: a temporary file beside it, then rename).
@@ -268,7 +279,6 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
             item["result"] = entry["result"]
             digest = "sha256:" + hashlib.sha256(canonical({"result": entry["result"]})).hexdigest()
             commitment = event["data"].get("output", {}).get("hash")
-        from .verify import opens
         if not opens(salt, digest, commitment):
             raise SignerError(f"record {event['run_seq']}: the spooled content does not open its commitment")
         disclosures.append(item)

@@ -34,14 +34,14 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_doctor(a) -> int:
-    from .backends.base import _candidates, choose_backend
+    from .backends.registry import candidates, choose_backend
     from .policy import Policy
     from .signer import MachineSigner
     ok_any = False
     policy = Policy.coerce(a.policy)
     jailer = bool(policy.get("box", "jailer"))
     for name in BACKENDS:
-        backend = _candidates()[name]
+        backend = candidates()[name]
         ok, why = (backend(jailer=True) if name == "firecracker" and jailer else backend()).available()
         ok_any = ok_any or ok
         print(f"{name:12s} {'ok' if ok else 'no':3s} {why}")

@@ -9,14 +9,13 @@ disclosed box policy, and that the box manifest says what the records say. The f
 from __future__ import annotations
 
 import hashlib
-import hmac
 import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bundle import BOX_FORMAT, BundleContents, parse, read_bundle_bytes, read_entries
+from .bundle import BOX_FORMAT, BundleContents, opens, parse, read_bundle_bytes, read_entries
 from .errors import BundleError, PolicyError
 from .policy import Policy, policy_hash
 
@@ -24,14 +23,6 @@ EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
               "workspace_digest")  # the starting workspace (tree_digest.py), when the box was given one
-
-
-def opens(salt: bytes, digest: str, commitment: Any) -> bool:
-    """Whether `commitment` (hmac-sha256:HEX) is HMAC-SHA256(salt, digest): the record committed to this content."""
-    if not isinstance(commitment, str) or not commitment.startswith("hmac-sha256:"):
-        return False
-    mine = "hmac-sha256:" + hmac.new(salt, digest.encode(), "sha256").hexdigest()
-    return hmac.compare_digest(mine, commitment)
 
 
 @dataclass

@@ -1,3 +1,9 @@
-"""Box backends: one module per backend behind the interface in base.py."""
+"""Box backends: one module per backend behind the interface in base.py, chosen by name or `auto` in registry.py.
 
-from .base import Backend, BoxSpec, get_backend, BACKENDS  # noqa: F401
+The order inside this package, from the bottom: base (the interface), image and kernel_image (the guest image),
+microvm (what the VM backends share, with `kvm_usable`), warm_start (QEMU's saved states), the backends (bwrap,
+qemu, firecracker; none imports another), then registry (which knows them all).
+"""
+
+from .base import Backend, BoxSpec  # noqa: F401
+from .registry import BACKENDS, choose_backend, get_backend  # noqa: F401

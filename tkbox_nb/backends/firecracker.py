@@ -31,8 +31,8 @@ from .. import scratch
 from ..errors import TkboxError
 from .base import BoxSpec
 from .image import Image, current_image
-from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
-from .qemu import kvm_usable
+from .microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us, stop_process_group,
+                      vmm_limits)
 
 DOOR_PORT = 1024          # the guest's vsock port for the door (ports below 1024 are privileged in the guest)
 GUEST_CID = 3             # the lowest CID a guest may have; each VM has its own vsock device, so they never clash

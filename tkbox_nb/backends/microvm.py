@@ -1,5 +1,6 @@
-"""What the two micro-VM backends (QEMU, Firecracker) share: the box's config disk, the VMM process's limits, and the
-running VM (its console tail, its end, its cleanup).
+"""What the two micro-VM backends (QEMU, Firecracker) share: whether KVM works here, the box's config disk, the VMM
+process's limits, and the running VM (its console tail, its end, its cleanup). It sits below both backends (and the
+registry that chooses between them) so that no backend imports another.
 
 A VMM process runs the guest's code on its vCPUs, so it gets the box's limits: the box's CPU time is its CPU time, it
 never dumps core (a core is guest memory), and it dies with this process (PR_SET_PDEATHSIG), so a host kernel killed
@@ -26,6 +27,17 @@ from .image import CONFIG_LABEL, Image, current_image, make_ext4
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
+
+
+def kvm_usable() -> tuple[bool, str]:
+    """Whether KVM can boot a stock kernel here (nested PVM cannot: it boots only PVM-enabled guests)."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not readable and writable by this user"
+    if Path("/sys/module/kvm_pvm").exists():
+        return False, "/dev/kvm is nested PVM (kvm_pvm), which does not boot stock kernels"
+    return True, "/dev/kvm works"
 
 
 def _prctl():

@@ -22,22 +22,12 @@ from .. import scratch
 from ..errors import TkboxError
 from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
-from .microvm import ImageBackend, VmRunning, accept_door, config_disk, reaped_with_us, stop_process_group, vmm_limits
+from .microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
+                      stop_process_group, vmm_limits)
 from .warm_start import WarmState, discard_state, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
 CONNECT_TIMEOUT_S = 15.0
-
-
-def kvm_usable() -> tuple[bool, str]:
-    """Whether KVM can boot a stock kernel here (nested PVM cannot: it boots only PVM-enabled guests)."""
-    if not os.path.exists("/dev/kvm"):
-        return False, "no /dev/kvm"
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False, "/dev/kvm is not readable and writable by this user"
-    if Path("/sys/module/kvm_pvm").exists():
-        return False, "/dev/kvm is nested PVM (kvm_pvm), which does not boot stock kernels"
-    return True, "/dev/kvm works"
 
 
 class QemuBackend(ImageBackend):

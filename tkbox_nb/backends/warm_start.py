@@ -26,7 +26,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import scratch
 from ..errors import TkboxError
@@ -35,8 +35,17 @@ from .base import BoxSpec
 from .image import Image
 from .microvm import stop_process_group
 
-if TYPE_CHECKING:
-    from .qemu import QemuBackend
+
+class TemplateVm(Protocol):
+    """What a warm start needs of its backend (QemuBackend has it): the image, the acceleration, and a way to launch
+    a VM with a door. Named here, not imported from qemu.py, so warm_start sits below the backend that uses it."""
+
+    image: Image
+    accel: str
+
+    def launch(self, spec: BoxSpec, workdir: Path, warm: bool, extra: list[str] = (), pass_fds: tuple = (),
+               console: Path | None = None) -> tuple[Any, socket.socket, bool]: ...
+
 
 FORMAT = 1
 CONFIG_DISK_BYTES = 64 << 30  # a warm guest found its config disk this size in the template: every box's is (sparse)
@@ -153,7 +162,7 @@ class Qmp:
             self.sock.close()
 
 
-def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, timeout_s: float) -> WarmState:
+def make_state(backend: TemplateVm, memory_mib: int, cpus: int, key: str, timeout_s: float) -> WarmState:
     """Boot the template, wait for its WARM_READY, migrate its state into the key's file (written whole, then named),
     and stop it. Serialized by a lock: a second caller waits and finds the first one's state."""
     image = backend.image
@@ -223,19 +232,19 @@ def make_state(backend: "QemuBackend", memory_mib: int, cpus: int, key: str, tim
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _key(backend: "QemuBackend", memory_mib: int, cpus: int) -> str:
+def _key(backend: TemplateVm, memory_mib: int, cpus: int) -> str:
     exe = shutil.which("qemu-system-x86_64")
     if exe is None:
         raise TkboxError("qemu-system-x86_64 is not installed")
     return state_key(backend.image, memory_mib, cpus, backend.accel, exe)
 
 
-def saved_state(backend: "QemuBackend", memory_mib: int, cpus: int) -> WarmState | None:
+def saved_state(backend: TemplateVm, memory_mib: int, cpus: int) -> WarmState | None:
     """The saved state for this machine, if there is one (`tkbox doctor` asks)."""
     return find_state(backend.image, _key(backend, memory_mib, cpus))
 
 
-def warm_state(backend: "QemuBackend", memory_mib: int, cpus: int, timeout_s: float) -> WarmState:
+def warm_state(backend: TemplateVm, memory_mib: int, cpus: int, timeout_s: float) -> WarmState:
     """The saved state for this machine, made now when there is none."""
     key = _key(backend, memory_mib, cpus)
     return find_state(backend.image, key) or make_state(backend, memory_mib, cpus, key, timeout_s)

@@ -5,7 +5,7 @@ The box's OpenAI and Anthropic clients talk plain HTTP/1.1 to the agent's endpoi
 "model"); each connection is one door stream and carries one call (answered with `Connection: close`). The request is
 parsed by `model_request` (sans-IO, with limits). The door states the call to the signer: provider, model, endpoint,
 stream, the requested output limit, the request body's digest (the body itself disclosed in the bundle), the mode,
-and the run's totals before this call, so the budgets in `Policy._decide_model` are a pure function of signed facts.
+and the run's totals before this call, so the budgets in `policy/models.decide` are a pure function of signed facts.
 A refusal is an error body in the provider's own shape (status 403), so the official clients raise it with its
 reason. Keys are read on the host and never reach the box: the box's OPENAI_API_KEY / ANTHROPIC_API_KEY are
 meaningless placeholders, dropped here with every header not in `model_request.PASSED_HEADERS`.

@@ -1,0 +1,44 @@
+"""[box]: which backend runs the box, the weakest isolation it may have, and its limits; and the box's own events.
+
+A box's start and stop are always allowed: they are recorded so the run says what ran; a policy refuses a box by
+these settings before it starts (backends.registry compares `isolation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import PolicyError
+from .base import Verdict
+
+BACKENDS = ("auto", "bwrap", "qemu", "firecracker")
+ISOLATION = ("namespace", "vm")  # a minimum: "vm" refuses to start a namespace box rather than fall back to one
+SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "backend": str, "isolation": str, "memory_mib": int, "cpus": int, "cpu_time_s": int, "max_processes": int,
+    "workspace_mib": int, "jailer": bool}
+DEFAULTS: dict[str, Any] = {
+    "backend": "auto", "isolation": "namespace", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600,
+    "max_processes": 256, "workspace_mib": 1024, "jailer": False}
+
+
+def validate(out: dict[str, dict[str, Any]], name: str) -> None:
+    """What [box] must hold beyond its keys' types (core.py checked those)."""
+    backend = out.get("box", {}).get("backend", "auto")
+    if backend not in BACKENDS:
+        raise PolicyError(f"{name}: box.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    isolation = out.get("box", {}).get("isolation", "namespace")
+    if isolation not in ISOLATION:
+        raise PolicyError(f"{name}: box.isolation must be one of {', '.join(ISOLATION)} (the weakest isolation the box "
+                          f"may start with), not {isolation!r}")
+    for key, low in (("memory_mib", 64), ("cpus", 1), ("cpu_time_s", 1), ("max_processes", 4),
+                     ("workspace_mib", 1)):
+        v = out.get("box", {}).get(key)
+        if v is not None and v < low:
+            raise PolicyError(f"{name}: box.{key} must be at least {low}")
+
+
+def decide(kind: Any, facts: dict[str, Any]) -> Verdict:
+    """A box event: its start or its stop."""
+    if kind in ("start", "stop"):
+        return Verdict("allow", f"box.{kind}")
+    return Verdict("deny", "box.unknown", f"unknown box event {kind!r}")
