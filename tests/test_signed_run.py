@@ -117,13 +117,32 @@ def test_killed_signer_makes_every_door_refuse_from_then_on(private_signer):
     rec.close("signer lost")
 
 
+def _wait_all_threads_stopped(pid: int) -> None:
+    """SIGSTOP stops a process's threads asynchronously: on a loaded machine one of them can still answer a frame
+    after kill() returned. Wait until every thread is stopped."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the signer's threads did not all stop: {states}")
+
+
 def test_stalled_signer_is_refused_at_its_deadline(private_signer):
     rec = RunRecorder(private_signer, Policy.default(), {"backend": "none", "isolation": "none",
                                                          "image_digest": "none"}).open()
-    rec._run.client.timeout = 1.0
+    rec._lanes.timeout = 1.0
     pid = private_signer.pid()
     os.kill(pid, signal.SIGSTOP)
     try:
+        _wait_all_threads_stopped(pid)
         t = time.monotonic()
         refused = rec.decide("exec", "command", {"argv": ["ls"]})
         assert time.monotonic() - t < 5

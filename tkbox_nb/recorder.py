@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import json
 import os
 import threading
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,8 @@ from . import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner, pid_alive
+from .signer_lanes import LIMIT as LANES
+from .signer_lanes import RunLanes
 from .verify import BOX_FIELDS
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ class Crossing:
     decision_id: str | None = None
     run_seq: int | None = None
     reason: str = ""
+    args_digest: str | None = None  # what the signer's commitment opens to; `complete` names it
+
 
     @property
     def allowed(self) -> bool:
@@ -76,6 +80,7 @@ class RunRecorder:
         self._seq = 0
         self._client = None
         self._run = None
+        self._lanes: RunLanes | None = None  # every call on the run goes through these (signer_lanes.py says why)
         self.run_id: str | None = None
         self.spool: Path | None = None
         self._spool_file = None
@@ -104,6 +109,7 @@ class RunRecorder:
             self._client.close()
             raise SignerError(f"the signer refused to open a run: {e}") from None
         self.run_id = self._run.run_id
+        self._lanes = RunLanes(self.signer.client, self.run_id, self._run.run_token, first=self._client)
         self.spool = self.signer.runs_dir / self.run_id
         self.spool.mkdir(mode=0o700, parents=True)
         self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
@@ -156,6 +162,7 @@ class RunRecorder:
         rec.bundle_hint = Path(handle["bundle_hint"]) if handle.get("bundle_hint") else None
         rec._client = signer.client()
         rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
+        rec._lanes = RunLanes(signer.client, handle["run_id"], handle["run_token"], first=rec._client)
         rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
         seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
                 if line.strip() for e in [json.loads(line)]]
@@ -177,16 +184,19 @@ class RunRecorder:
                 self.complete(stop, "ok", {})
         self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)
         self._write_box_manifest()
-        if self._run is not None:
+        if self._lanes is not None:
+            tails = self._lanes.tails()  # every lane's stream, so an event lost on any of them is a signed gap
             try:
-                self._run.close(reason[:200])
+                self._lanes.call("close_run", reason=reason[:200], **({"last_client_seq": tails} if tails else {}))
             except Exception as e:
                 self._fail(f"close_run failed: {e}")
         if self._spool_file:
             self._spool_file.flush()
             os.fsync(self._spool_file.fileno())
             self._spool_file.close()
-        if self._client:
+        if self._lanes is not None:
+            self._lanes.close()
+        elif self._client:
             self._client.close()
         self.closed = True
         if self.spool is not None and self.broken and self._run is not None:
@@ -198,12 +208,7 @@ class RunRecorder:
     def decide(self, door: str, kind: str, facts: dict[str, Any],
                content: dict[str, bytes] | None = None) -> Crossing:
         """Decide one crossing. `content` maps a fact name to bytes that the record commits to by digest."""
-        content = content or {}
-        facts = dict(facts, door=door, kind=kind)
-        digests = {}
-        for key, data in content.items():
-            facts[key] = digests[key] = sha256_digest(data)
-            facts[key + "_size"] = len(data)
+        facts, digests, content = self._stated(door, kind, facts, content)
         verdict = self.policy.decide(facts)
         args = dict(facts, policy=self.policy.hash, verdict=verdict.verdict, rule=verdict.rule)
         if verdict.reason:
@@ -227,8 +232,8 @@ class RunRecorder:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                reply = self._run.decide(call_id, tool, raw)
-        except Exception as e:  # RPCError: refused; anything else: the signer is not usable
+                reply = self._lanes.call("decide", tool_call_id=call_id, tool=tool, args=raw, args_source="raw")
+        except Exception as e:  # RPCError: refused; anything else (SignerUnavailable, no lane): not usable
             self._fail(f"decide failed: {e}")
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken
             return crossing
@@ -242,6 +247,9 @@ class RunRecorder:
         crossing.rule_ids = list(reply.get("rule_ids") or [])
         crossing.decision_id = reply["decision_id"]
         crossing.run_seq = reply.get("run_seq")
+        if crossing.decision == "allow":  # the digest the signer's commitment opens to, which `complete` must name
+            from tracekit.format.canon import event_hash, loads_strict
+            crossing.args_digest = event_hash({"tool": tool, "args": loads_strict(raw)})
         with self._lock:
             self.counts[(door, crossing.decision)] = self.counts.get((door, crossing.decision), 0) + 1
         crossing.reason = reply.get("reason", verdict.reason)
@@ -261,13 +269,48 @@ class RunRecorder:
         if self.broken or self.closed:
             return False
         self._spool({"kind": "result", "call_id": crossing.call_id, "result": result, "content": digests}, content)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reply = self._run.complete(crossing.call_id, "ok" if status == "ok" else "error", result=result)
-        if reply is None:
-            self._fail(f"complete of {crossing.call_id} was not recorded")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._lanes.call("complete", tool_call_id=crossing.call_id, status="ok" if status == "ok" else "error",
+                                 decision_id=crossing.decision_id, args_digest=crossing.args_digest, result=result)
+        except Exception as e:
+            self._fail(f"complete of {crossing.call_id} was not recorded: {e}")
             return False
         return True
+
+    def decide_many(self, items: list[tuple[str, str, dict[str, Any], dict[str, bytes] | None]]) -> list[Crossing]:
+        """Decide crossings that are ready together, (door, kind, facts, content) each, up to LANES at once so the
+        signer writes their records under one fsync. Each is `decide` on its own: its own statement, its own signed
+        decision (never one shared with another crossing), durable before it is returned. In the order given."""
+        return self._together(lambda item: self.decide(*item), items)
+
+    def complete_many(self, items: list[tuple[Crossing, str, dict[str, Any], dict[str, bytes] | None]]) -> list[bool]:
+        """`complete` for several crossings at once, (crossing, status, result, content) each; as decide_many."""
+        return self._together(lambda item: self.complete(*item), items)
+
+    def verdict(self, door: str, kind: str, facts: dict[str, Any], content: dict[str, bytes] | None = None) -> Verdict:
+        """What the box policy says of this crossing, exactly as `decide` will state it (nothing is signed): for a
+        door whose later facts depend on earlier verdicts (a running total) and which decides them together."""
+        return self.policy.decide(self._stated(door, kind, facts, content)[0])
+
+    @staticmethod
+    def _together(fn, items: list) -> list:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(min(LANES, len(items)), thread_name_prefix="tkbox-crossing") as pool:
+            return list(pool.map(fn, items))
+
+    @staticmethod
+    def _stated(door: str, kind: str, facts: dict[str, Any], content: dict[str, bytes] | None):
+        """(the facts the verdict reads, the content digests, the content): `content` enters as digest and size."""
+        content = content or {}
+        facts = dict(facts, door=door, kind=kind)
+        digests = {}
+        for key, data in content.items():
+            facts[key] = digests[key] = sha256_digest(data)
+            facts[key + "_size"] = len(data)
+        return facts, digests, content
 
     def model_event(self, crossing: Crossing, phase: str, provider: str, model: str, **fields: Any) -> bool:
         """Tracekit's own record of one model exchange (phase request or response), tied to the call's decision by
@@ -283,7 +326,7 @@ class RunRecorder:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self._run.call("model_event", **req)
+                self._lanes.call("model_event", **req)
         except Exception as e:
             self._fail(f"model_event of {crossing.call_id} was not recorded: {e}")
             return False
@@ -375,11 +418,6 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
         finally:
             lock.unlink(missing_ok=True)
     return written
-
-
-def salt_for(salt_key: bytes, label: str) -> bytes:
-    """The salt of a record's commitments: what tracekit.signer.service.reveal returns, derived from the key."""
-    return hmac.new(salt_key, label.encode(), "sha256").digest()
 
 
 def _now() -> str:

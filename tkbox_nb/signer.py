@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import getpass
+import hmac
 import json
 import os
 import re
@@ -259,7 +260,6 @@ class MachineSigner:
         """The salt of each record's commitments (run_seq -> salt), derived here from the signer's salt key."""
         from tracekit.signer.pipeline import salt_label
 
-        from .recorder import salt_for
         key = self.salt_key()
         return {e["run_seq"]: salt_for(key, salt_label(e)) for e in events}
 
@@ -311,6 +311,12 @@ def export_run(open_reader, client, run_id: str, out_path: str | Path, policy_di
         elif time.monotonic() > deadline:
             raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
         time.sleep(0.05)
+
+
+def salt_for(salt_key: bytes, label: str) -> bytes:
+    """The salt of a record's commitments: what tracekit.signer.service.reveal returns, derived from the key. Here,
+    beside the key it derives from, so this module needs nothing of the recorder (the dependency goes one way)."""
+    return hmac.new(salt_key, label.encode(), "sha256").digest()
 
 
 def pid_alive(pid: int, reap: bool = False) -> bool:

@@ -141,8 +141,13 @@ class PatchDoor:
                 for name in dirs + names:
                     rel = os.path.relpath(os.path.join(top, name), self.seed).replace(os.sep, "/")
                     seed_folds.setdefault(rules.fold(rel), rel)
+        # First every file's statement, host-side and in order: what the door states of a file depends on the files
+        # before it (the same path twice, collisions, the running total of the ones the box policy allows), never on
+        # the signer's answers. Then all are put to the signer together (RunRecorder.decide_many), so their records
+        # share fsyncs. The total counts the files the box policy allows; the signer's pack only turns a stated deny
+        # into a signed deny, so it agrees with the signed decisions unless the signer is lost (and then the box ends).
         total, index = 0, 0
-        pending: list[tuple] = []  # (FileDecision, FileChange or None)
+        stated: list[tuple] = []  # (entry, digest, facts, content, old, old_mode, source_base, source_old, base)
         for e in entries:
             digest = sha256_digest(e.content) if e.content is not None else None
             if self.sent.get(e.path) == (e.op, digest):
@@ -173,30 +178,37 @@ class PatchDoor:
                 source_base, source_old, old_mode = self._base(e.source)
                 facts["from_base"] = source_base
             content = {"content": e.content} if e.content is not None and e.op != "delete" else {}
-            crossing = rec.decide("patch", "file", facts, content)
+            if e.op != "delete" and rec.verdict("patch", "file", facts, content).allowed:
+                total += e.size
             index += 1
             seen.add(e.path)
             if key is not None:
                 seen_folds.setdefault(key, e.path)
-            if rec.broken:
-                box._end(f"signer lost: {rec.broken}")
-                raise TkboxError(f"the box has ended: {box.ended}")
+            stated.append((e, digest, facts, content, old, old_mode, source_base, source_old, base))
+        crossings = rec.decide_many([("patch", "file", facts, content) for _, _, facts, content, *_ in stated])
+        if rec.broken:
+            box._end(f"signer lost: {rec.broken}")
+            raise TkboxError(f"the box has ended: {box.ended}")
+        pending: list[tuple] = []  # (FileDecision, FileChange or None)
+        done: list[tuple] = []
+        for (e, digest, _facts, _content, old, old_mode, source_base, source_old, base), crossing in \
+                zip(stated, crossings):
             fd = FileDecision(e.path, e.op, "allow" if crossing.allowed else "deny", crossing.verdict.rule,
                               crossing.verdict.reason or ", ".join(crossing.rule_ids), e.size)
             change = None
             self.sent[e.path] = (e.op, digest)
-            if crossing.allowed:
-                total += e.size if e.op != "delete" else 0
+            if crossing.allowed:  # on this file's own signed allow, never another's
                 change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode, base,
                                     e.source, source_base)
                 self.accepted[e.path] = DiffFile(e.path, e.op, old if e.op != "rename" else source_old,
                                                  e.content if e.op != "delete" else None, e.mode, old_mode, e.source)
                 if e.op == "rename" and e.source:
                     self.accepted.pop(e.source, None)
-            if crossing.allowed:  # the file's bytes are out of the box and disclosed; applying is the summary's
-                rec.complete(crossing, "ok", {})
+                # the file's bytes are out of the box and disclosed; applying is the summary's
+                done.append((crossing, "ok", {}, None))
             patch.files.append(fd)
             pending.append((fd, change))
+        rec.complete_many(done)
         patch.diff = render(list(self.accepted.values()))
         if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
             return patch
