@@ -234,7 +234,9 @@ class RunRecorder:
                 warnings.simplefilter("ignore")
                 reply = self._lanes.call("decide", tool_call_id=call_id, tool=tool, args=raw, args_source="raw")
         except Exception as e:  # RPCError: refused; anything else (SignerUnavailable, no lane): not usable
-            self._fail(f"decide failed: {e}")
+            from tracekit.sdk.client import SignerUnavailable
+            lost = isinstance(e, (SignerUnavailable, SignerError))
+            self._fail(f"{'signer unavailable' if lost else 'decide failed'}: {e}")
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken
             return crossing
         if reply.get("unavailable") or not isinstance(reply.get("decision_id"), str):
