@@ -1,0 +1,161 @@
+"""The Tracekit Box kernel in a real browser: JupyterLab 4 and Notebook 7 on loopback, headless Chromium from Debian
+driven by Playwright, every cell run in a bubblewrap box.
+
+One notebook, run cell by cell in each frontend: an ipywidgets slider made in the box is moved in the page and its
+new value read back by the next cell (comms both ways through the exec door); a cell's `clear_output()` is seen to
+clear; `%box_view` shows the live run view (host widgets beside the box's), filtered and verified in the page.
+Screenshots under out/test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tkbox_nb.backends.bwrap import BwrapBackend
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "out" / "test-artifacts"
+VENV_BIN = Path(sys.executable).parent
+
+pytestmark = [
+    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and (VENV_BIN / "jupyter-lab").exists()),
+                       reason="needs Debian's chromium and jupyterlab (make test installs both)"),
+    pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
+]
+
+CELLS = [
+    "import ipywidgets as w\nslider = w.IntSlider(value=3, min=0, max=10, description='knob')\nslider",
+    "print('slider is', slider.value)",
+    "from IPython.display import clear_output\nprint('to be cleared')\nclear_output()\nprint('after the clear')",
+    "%box_view",
+]
+
+
+@pytest.fixture(scope="module")
+def server(signer, tmp_path_factory):
+    """A Jupyter server (JupyterLab 4 and Notebook 7) whose kernels find the shipped `tkbox` kernelspec."""
+    from test_widgets_browser import _free_port
+    root = tmp_path_factory.mktemp("boxlab")
+    for ui in ("lab", "nb7"):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
+        nbformat.write(nb, root / f"box-{ui}.ipynb")
+    port, token = _free_port(), os.urandom(16).hex()
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "jupyter-lab"), "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.disable_check_xsrf=True",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, stdout=log, stderr=log, start_new_session=True,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter"), "JUPYTER_RUNTIME_DIR": str(root / ".rt"),
+             "JUPYTER_PATH": str(ROOT), "TKBOX_BUNDLE_DIR": str(root / "bundles")})
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        if proc.poll() is not None:
+            break
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("the Jupyter server did not start: " + (root / "server.log").read_text()[-2000:])
+    yield base, token
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+def _run_cell(page, index: int) -> None:
+    """Select cell `index` and run it (Shift+Enter), the same keys in JupyterLab and Notebook 7."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def _output_text(page, index: int) -> str:
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
+
+
+@pytest.mark.parametrize("ui", ["lab", "nb7"])
+def test_a_notebook_in_the_box_with_widgets_clear_output_and_the_run_view(browser, server, ui):
+    base, token = server
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    path = f"box-{ui}.ipynb"
+    url = f"{base}/lab/workspaces/{ui}/tree/{path}?reset&token={token}" if ui == "lab" else \
+        f"{base}/notebooks/{path}?token={token}"
+    page.goto(url)
+    try:
+        _drive(page, ui)
+    except BaseException:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"box-kernel-{ui}-failed.png"), full_page=True)
+        raise
+    finally:
+        page.close()
+
+
+def _drive(page, ui: str) -> None:
+    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=90_000)
+    page.wait_for_function("document.body.innerText.includes('Tracekit Box')", timeout=90_000)
+    time.sleep(1)
+
+    _run_cell(page, 0)  # a slider made in the box
+    track = page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".noUi-target")
+    track.wait_for(timeout=90_000)
+    box = track.bounding_box()
+    # a click at 70% of the track moves the slider to 7 in the page; the new value goes to the box over its comm
+    page.mouse.click(box["x"] + box["width"] * 0.7, box["y"] + box["height"] / 2)
+    page.wait_for_function("[...document.querySelectorAll('.widget-readout')].some(e => e.innerText.trim() === '7')",
+                           timeout=30_000)
+    time.sleep(0.5)
+    _run_cell(page, 1)
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell')[1].innerText.includes('slider is')",
+                           timeout=60_000)
+    assert "slider is 7" in _output_text(page, 1)
+
+    _run_cell(page, 2)
+    page.wait_for_function("document.querySelectorAll('.jp-Notebook .jp-Cell')[2].innerText.includes('after the')",
+                           timeout=60_000)
+    cleared = _output_text(page, 2)
+    assert "after the clear" in cleared and "to be cleared" not in cleared
+
+    _run_cell(page, 3)  # the run view: host widgets, in the same page as the box's
+    page.wait_for_selector(".tkbox-summary", timeout=90_000)
+    page.get_by_label("door", exact=True).select_option("exec")
+    page.wait_for_function("document.querySelectorAll('.tkbox-table tbody tr').length >= 3", timeout=30_000)
+    table = page.locator(".tkbox-table").inner_text()
+    assert "egress" not in table
+    page.get_by_role("button", name="Verify").click()
+    page.wait_for_selector(".tkbox-verdict", timeout=120_000)
+    verdict = page.locator(".tkbox-verdict").inner_text()
+    assert "VALID" in verdict and "INVALID" not in verdict, verdict
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"box-kernel-{ui}.png"), full_page=True)
