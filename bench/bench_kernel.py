@@ -18,6 +18,9 @@ from tkbox_nb.kernel.install import SPEC_DIR
 from tkbox_nb.signer import MachineSigner
 
 
+FIRST_STARTS = 7
+
+
 def _round_trips(kernel_name: str, n: int) -> tuple[float, list[float]]:
     from jupyter_client.manager import start_new_kernel
     t = time.perf_counter()
@@ -47,15 +50,22 @@ def main(n: int | None = None) -> None:
         _round_trips("tkbox", 5)
         k_first, k_times = _round_trips("python3", n)
         b_first, b_times = _round_trips("tkbox", n)
+        firsts: dict[str, list[float]] = {"python3": [k_first], "tkbox": [b_first]}
+        for _ in range(FIRST_STARTS - 1):  # alternating, so both see the same machine
+            for name in firsts:
+                firsts[name].append(_round_trips(name, 0)[0])
+        k_first, b_first = statistics.median(firsts["python3"]), statistics.median(firsts["tkbox"])
         km, bm = statistics.median(k_times) * 1e3, statistics.median(b_times) * 1e3
         target = 1.5 * km + 3
         print(f"execute('1+1') round trip through jupyter_client, median of {n}")
         print(f"  plain ipykernel            : {km:6.2f} ms")
         print(f"  Tracekit Box kernel        : {bm:6.2f} ms   ratio {bm / km:.2f}x; target < 1.5x + 3 ms "
               f"= {target:.2f} ms: {'met' if bm < target else 'NOT met'}")
-        print("start to first result (kernel start, and for tkbox the box and its ipykernel)")
+        print(f"start to first result (kernel start, and for tkbox the box and its ipykernel), median of "
+              f"{FIRST_STARTS} starts")
         print(f"  plain ipykernel            : {k_first:6.3f} s")
-        print(f"  Tracekit Box kernel        : {b_first:6.3f} s   ratio {b_first / k_first:.2f}x")
+        print(f"  Tracekit Box kernel        : {b_first:6.3f} s   ratio {b_first / k_first:.2f}x; target <= 1.3x: "
+              f"{'met' if b_first <= 1.3 * k_first else 'NOT met'}")
     finally:
         MachineSigner(home).stop()
         for k, v in old.items():

@@ -1,7 +1,20 @@
-"""`python -m tkbox_nb.kernel -f CONNECTION_FILE`: what kernel.json starts."""
+"""`python -m tkbox_nb.kernel -f CONNECTION_FILE`: what kernel.json starts.
 
+The notebook's box starts first, in the background, before the kernel's own imports (zmq, jupyter_client: a third
+of a second), so that the box and the ipykernel inside it are ready as soon as possible after the frontend connects.
+"""
+
+import os
 import sys
 
-from .app import main
+from ..notebook_box import NotebookBox
 
-sys.exit(main())
+nb = None
+if os.environ.get("TKBOX_EARLY_BOX", "1") != "0" and ({"-f", "--connection-file"} & set(sys.argv[1:])
+                                                       or any(a.startswith("--connection-file=") for a in sys.argv)):
+    nb = NotebookBox()
+    nb.start_early()
+
+from .app import main  # noqa: E402  (after the box's start, on purpose)
+
+sys.exit(main(nb=nb))

@@ -392,13 +392,14 @@ class TkboxKernel:
             s.close(linger=1000)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, nb: NotebookBox | None = None) -> int:
+    """Serve one kernel. `nb`: the notebook's box, already starting early (kernel/__main__.py), else made here."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m tkbox_nb.kernel")
     p.add_argument("-f", "--connection-file", required=True)
     a = p.parse_args(argv)
-    kernel = TkboxKernel(a.connection_file)
-    if os.environ.get("TKBOX_EARLY_BOX", "1") != "0":
+    kernel = TkboxKernel(a.connection_file, nb)
+    if nb is None and os.environ.get("TKBOX_EARLY_BOX", "1") != "0":
         kernel.nb.start_early()  # the box and its kernel start while the frontend connects (never blocking it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages (kernel.json interrupt_mode)
 
