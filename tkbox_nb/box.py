@@ -83,6 +83,8 @@ class BoxEnded(TkboxError):
 class Box:
     """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`."""
 
+    kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
+
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
                  home: str | Path | None = None, agent_argv: list[str] | None = None,
@@ -193,6 +195,8 @@ class Box:
 
     def _box_env(self) -> dict[str, str]:
         env = egress_env()
+        if self.kernel_early:  # the agent starts the ipykernel at once, before the host asks for it
+            env["TKBOX_KERNEL_EARLY"] = "1"
         if self._models_on():
             from .doors.model import box_env
             env.update(box_env())

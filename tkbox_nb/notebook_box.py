@@ -76,7 +76,9 @@ class NotebookBox:
         still asks for what it was started with (the same policy, no secret bound since); else it is stopped unused
         and a box is started for the cell, as without an early start."""
         if self.box is None and self._early is None:
-            self._early = EarlyBox(self._new_box(None), self.policy.hash)
+            box = self._new_box(None)
+            box.kernel_early = True
+            self._early = EarlyBox(box, self.policy.hash)
 
     def ensure_box(self) -> Box:
         """The running box, started now if there is none (or the last one ended)."""

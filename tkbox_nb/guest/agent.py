@@ -136,6 +136,9 @@ def serve(sock):
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
+    if os.environ.get("TKBOX_KERNEL_EARLY") == "1":
+        from . import zygote
+        zygote.start_early()
     forwarders = []  # the egress proxy and the model endpoint: each connection to either is a stream it opens
     from .forwarder import Forwarder
     for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model")):

@@ -61,6 +61,20 @@ def start(timeout_s=300.0):
     return False
 
 
+def start_early():
+    """In a box whose kernel is wanted from the start (TKBOX_KERNEL_EARLY): start the zygote now and do not wait for
+    it, so that ipykernel imports while the host opens the kernel's stream; the first kernel is then this process."""
+    global _held
+    if _held is not None:
+        return
+    env = dict(os.environ)
+    env.pop("TKBOX_DOOR_FD", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tkbox_guest.zygote"], env=env, cwd="/",
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _held = (proc, env)
+
+
 def take(env, cwd, conn):
     """The held zygote, made this kernel (once), or None: none held, or `env` asks for other interpreter settings."""
     global _held
