@@ -12,7 +12,8 @@ import time
 from conftest import VENV_BIN
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder, recover_orphans
+from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder
+from tkbox_nb.run_recovery import recover_orphans
 from tkbox_nb.run import open_run
 from tkbox_nb.signer_lanes import LIMIT
 from tkbox_nb.verify import verify_bundle

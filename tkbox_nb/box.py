@@ -25,7 +25,8 @@ from .doors.egress import EgressDoor
 from .doors.patch import Patch, PatchDoor
 from .errors import DoorRefused, TkboxError
 from .policy import Policy
-from .recorder import Crossing, RunRecorder, recover_orphans
+from .recorder import Crossing, RunRecorder
+from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
 

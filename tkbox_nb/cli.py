@@ -73,7 +73,7 @@ def _cmd_signer(a) -> int:
         signer.stop()
         print("signer stopped")
     elif a.action == "recover":
-        from .recorder import recover_orphans
+        from .run_recovery import recover_orphans
         signer.ensure()
         written = recover_orphans(signer)
         for path in written:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from . import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
-from .signer import MachineSigner, pid_alive
+from .signer import MachineSigner
 from .signer_lanes import LIMIT as LANES
 from .signer_lanes import RunLanes
 from .verify import BOX_FIELDS
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
 MAX_ARGS_BYTES = 512 * 1024
+STOP_WAIT_S = 30.0  # how long a closing run waits for crossings in flight on other lanes
 
 
 def sha256_digest(data: bytes) -> str:
@@ -76,7 +77,12 @@ class RunRecorder:
         self.agent = agent
         self.broken: str | None = None
         self.closed = False
+        # closing: a crossing that fails after close_run was asked for is "the run is closed", not a lost signer;
+        # stopping: the box's stop is the last decision, after those in flight on other lanes, and before no other
+        self._closing = self._stopping = False
+        self._in_flight = 0
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._seq = 0
         self._client = None
         self._run = None
@@ -178,12 +184,16 @@ class RunRecorder:
     def close(self, reason: str = "box stopped") -> None:
         if self.closed:
             return
+        with self._settled:
+            self._stopping = True
+            self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
         if self._run is not None and not self.broken:
             stop = self.decide("box", "stop", {"reason": reason[:200]})
             if stop.allowed:
                 self.complete(stop, "ok", {})
         self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)
         self._write_box_manifest()
+        self._closing = True
         if self._lanes is not None:
             tails = self._lanes.tails()  # every lane's stream, so an event lost on any of them is a signed gap
             try:
@@ -223,6 +233,23 @@ class RunRecorder:
         if self.broken or self.closed:
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken or "the run is closed"
             return crossing
+        with self._lock:
+            stopping = self._stopping and tool != "box.stop"
+            if not stopping:
+                self._in_flight += 1
+        if stopping:
+            crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], "the box is stopping"
+            return crossing
+        try:
+            return self._decide_signed(crossing, door, args, digests, content, verdict)
+        finally:
+            with self._settled:
+                self._in_flight -= 1
+                self._settled.notify_all()
+
+    def _decide_signed(self, crossing: Crossing, door: str, args: dict[str, Any], digests: dict[str, str],
+                       content: dict[str, bytes], verdict: Any) -> Crossing:
+        call_id, tool = crossing.call_id, crossing.tool
         raw = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if len(raw) > MAX_ARGS_BYTES:
             crossing.rule_ids, crossing.reason = ["TKB-ARGS-TOO-LARGE"], "the crossing's statement is too large"
@@ -234,6 +261,9 @@ class RunRecorder:
                 warnings.simplefilter("ignore")
                 reply = self._lanes.call("decide", tool_call_id=call_id, tool=tool, args=raw, args_source="raw")
         except Exception as e:  # RPCError: refused; anything else (SignerUnavailable, no lane): not usable
+            if self._closing:
+                crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], "the run is closed"
+                return crossing
             from tracekit.sdk.client import SignerUnavailable
             lost = isinstance(e, (SignerUnavailable, SignerError))
             self._fail(f"{'signer unavailable' if lost else 'decide failed'}: {e}")
@@ -277,7 +307,8 @@ class RunRecorder:
                 self._lanes.call("complete", tool_call_id=crossing.call_id, status="ok" if status == "ok" else "error",
                                  decision_id=crossing.decision_id, args_digest=crossing.args_digest, result=result)
         except Exception as e:
-            self._fail(f"complete of {crossing.call_id} was not recorded: {e}")
+            if not self._closing:
+                self._fail(f"complete of {crossing.call_id} was not recorded: {e}")
             return False
         return True
 
@@ -330,7 +361,8 @@ class RunRecorder:
                 warnings.simplefilter("ignore")
                 self._lanes.call("model_event", **req)
         except Exception as e:
-            self._fail(f"model_event of {crossing.call_id} was not recorded: {e}")
+            if not self._closing:
+                self._fail(f"model_event of {crossing.call_id} was not recorded: {e}")
             return False
         return True
 
@@ -383,43 +415,6 @@ class RunRecorder:
             self._spool_file.flush()
         self._write_box_manifest()
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
-
-
-def recover_orphans(signer: MachineSigner) -> list[Path]:
-    """Close every run whose process ended without closing it (a kernel killed with SIGKILL, a crash), recording
-    why as its last word, and write its bundle (where it was meant to go, else $TKBOX_HOME/bundles). Returns them."""
-    written = []
-    if not signer.runs_dir.is_dir():
-        return written
-    for spool in sorted(signer.runs_dir.iterdir()):
-        handle = spool / "handle.json"
-        try:
-            held = json.loads(handle.read_text())
-            pid, abandoned = held["pid"], held.get("abandoned")
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if pid_alive(pid) and not abandoned:
-            continue
-        lock = spool / "recovering"
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # one recoverer per run
-        except FileExistsError:
-            continue
-        os.close(fd)
-        try:
-            rec = RunRecorder.adopt(signer, spool)
-            rec.close(f"recovered: the run ended early ({abandoned})" if abandoned else
-                      f"recovered: the process that held this box (pid {pid}) ended without closing its run")
-            out = rec.bundle_hint
-            if out is None or not out.parent.is_dir():
-                out = signer.home / "bundles" / f"{rec.run_id}.tkb"
-                out.parent.mkdir(mode=0o700, exist_ok=True)
-            written.append(rec.write_bundle(out))
-        except Exception as e:  # a spool we cannot adopt stays for `tkbox signer recover` to report
-            (spool / "recover-error.txt").write_text(f"{type(e).__name__}: {e}"[:1000])
-        finally:
-            lock.unlink(missing_ok=True)
-    return written
 
 
 def _now() -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from tkbox_nb import Box, BoxEnded, DoorRefused, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.recorder import recover_orphans
+from tkbox_nb.run_recovery import recover_orphans
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
