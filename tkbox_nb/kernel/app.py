@@ -83,6 +83,7 @@ class TkboxKernel:
         self.kernel = None
         self._iopub_lock = threading.Lock()  # host widgets publish from other threads (the view's Verify)
         self._comm_parent: dict | None = None  # the frontend message a host comm's messages answer
+        self.box_violated = False  # set when the box broke the protocol here: it is ended, its messages dropped
         self.box_comms: set[str] = set()  # comm ids the box's kernel holds (opened by it, or by the frontend for it)
         self.host_comms = HostComms(self._publish_host_comm)
 
@@ -306,6 +307,9 @@ class TkboxKernel:
                 return
             if msg is None:
                 self._box_kernel_ended()
+                self.box_violated = False
+                continue
+            if self.box_violated:  # the box is being ended: nothing more of it reaches the frontend
                 continue
             wire = msg.wire()
             if msg.msg_type == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
@@ -334,6 +338,7 @@ class TkboxKernel:
         violation, and ends the box (signed as its last word)."""
         comm_id = msg.content.get("comm_id")
         if self.host_comms.owns(comm_id):
+            self.box_violated = True
             if self.nb.box is not None:
                 self.nb.box._end(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
             return False
