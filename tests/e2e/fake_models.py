@@ -1,8 +1,10 @@
 """A test fixture, not part of tkbox: an OpenAI-compatible and an Anthropic-compatible upstream with canned answers.
 
-Run in a test network namespace: `python fake_models.py ADDRESS PORT LOGFILE`. It answers /v1/chat/completions,
+Run in a test network namespace: `python fake_models.py ADDRESS PORT LOGFILE [SAYS]`. It answers /v1/chat/completions,
 /v1/responses, /v1/embeddings (OpenAI) and /v1/messages (Anthropic), streamed (SSE) or not, deterministically from
 the request, and appends one JSON line per request to LOGFILE with the path and the key headers it received.
+SAYS (default "echo") is the word each answer starts with: an upstream started with another answers the same request
+differently, as a real model may between two runs (everything else, usage included, stays the same).
 """
 
 import base64
@@ -23,6 +25,9 @@ def _last_text(doc):
     return inp if isinstance(inp, str) else json.dumps(inp)[:200]
 
 
+SAYS = sys.argv[4] if len(sys.argv) > 4 else "echo"
+
+
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
@@ -37,7 +42,7 @@ class H(http.server.BaseHTTPRequestHandler):
             log.write(json.dumps({"path": self.path, "authorization": self.headers.get("Authorization"),
                                   "x_api_key": self.headers.get("X-Api-Key"), "model": doc.get("model"),
                                   "headers": sorted(k.lower() for k in self.headers.keys())}) + "\n")
-        said = "echo: " + _last_text(doc)
+        said = SAYS + ": " + _last_text(doc)
         if _last_text(doc) == "fail please":  # an upstream refusal, passed through as it is
             return self.json(400, {"error": {"message": "upstream says no", "type": "invalid_request_error",
                                              "param": None, "code": None}})

@@ -83,13 +83,14 @@ base_url = "http://{net.web}:{PORT}"
 
 
 class Upstream:
-    """The fake upstream process in the namespace; `stop()` kills it (replay must not need it)."""
+    """The fake upstream process in the namespace; `stop()` kills it (replay must not need it). `says`: the word its
+    answers start with (another one answers the same request differently)."""
 
-    def __init__(self, net):
+    def __init__(self, net, says: str = "echo"):
         self.log = net.root / "requests.log"
         self.log.unlink(missing_ok=True)  # what this upstream saw, not an earlier one
         self.proc = net.ns(sys.executable, str(Path(__file__).with_name("fake_models.py")), net.web, str(PORT),
-                           str(self.log))
+                           str(self.log), says)
         import socket
         import time
         deadline = time.monotonic() + 15
