@@ -4,11 +4,18 @@ are not called equivalent.
 
 The knob that makes one thing differ without touching the rest is the value of an environment variable a command sets:
 the bundle records its name only, so argv, env names and the rest stay equal while the command's exit status, output,
-or what a later cell reads from /tmp change."""
+or what a later cell reads from /tmp change.
+
+Two more pairs cross the network doors, for real: a fetch through the egress door to a web server in a network
+namespace on 198.18.26.0/24, and a model call through the model door to the stand-in upstream (fake_models.py) there.
+One pair differs in the egress destination (another allowed host, by the same knob), the other in the model's answer to
+the same request (the upstream started to answer differently); an honest rerun goes out to the same test host again and
+gets the model's answer from the original's recording, and is equivalent."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +25,8 @@ from conftest import run_cli
 from tkbox_nb import Box, open_run
 from tkbox_nb.audit import EXIT_INCOMPARABLE, audit
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.testnet import NamespaceNet
+from tkbox_nb.testnet import available as net_available
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
@@ -172,3 +181,132 @@ def test_tkbox_run_bundles_rerun_equivalent_and_differ_where_the_commands_do(sig
     assert r.returncode == 0, r.stderr
     r = run_cli("audit", str(tmp_path / "a.tkb"), str(tmp_path / "again.tkb"))
     assert r.returncode == 0 and "exec commands 1/1" in r.stdout, r.stdout
+
+
+# the network pairs: a fetch through the egress door, then a model call through the model door
+NET_INDEX = 26  # 198.18.26.0/24, a test network no other test module uses (they may run at the same time)
+WEB_URL, OTHER_URL = "http://web.tkb.test:8080/hello.txt", "http://other.tkb.test:8080/hello.txt"
+FETCH = """
+import os, urllib.request
+r = urllib.request.urlopen(os.environ["URL"], timeout=20)
+print(r.status, r.read().decode())
+"""
+# not the answer's text: what the command prints stays the same when the model answers differently, so that the model
+# call is the pair's one difference (the stand-in's usage does not depend on its answer)
+ASK = """
+import json, os, urllib.request
+body = json.dumps({"model": "gpt-4o-mini", "max_tokens": 20,
+                   "messages": [{"role": "user", "content": "same question"}]})
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body.encode(),
+                             {"Content-Type": "application/json"})
+doc = json.load(urllib.request.urlopen(req, timeout=30))
+print(doc["choices"][0]["finish_reason"], doc["usage"]["completion_tokens"])
+"""
+
+
+def net_policy(net, port: int) -> str:
+    return (f'[egress]\nallow = ["web.tkb.test:8080", "other.tkb.test:8080"]\nallow_cidrs = ["{net.prefix}.0/24"]\n'
+            f'nameservers = ["{net.web}"]\n\n[models]\nmode = "record"\nallow = ["openai:gpt-4o-mini"]\n\n'
+            f'[models.openai]\nbase_url = "http://{net.web}:{port}"\nkey = "env:TKB_TEST_OPENAI_KEY"\n')
+
+
+def net_record(out: Path, policy: str, url: str = WEB_URL) -> Path:
+    """A fetch and a model call, each a command, through the Box API; the URL is the value of a variable the command
+    sets, so another destination leaves its argv and env names as they were."""
+    with Box(policy=policy, backend="bwrap", bundle_path=out) as box:
+        for argv, env in ((["python3", "-c", FETCH], {"URL": url}), (["python3", "-c", ASK], None)):
+            r = box.run(argv, env=env, timeout=60)
+            assert r.exit_code == 0, r.stderr.decode()[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def net_runs(signer, tmp_path_factory):
+    """The original and its two network variants, recorded once; the test network stays up for the rerun (its egress
+    goes out again), the stand-in upstream does not (the rerun's model call must come from the recording)."""
+    if not net_available()[0]:
+        pytest.skip(net_available()[1])
+    from e2e.test_models import OPENAI_KEY, PORT, Upstream
+    d = tmp_path_factory.mktemp("battery-net")
+    os.environ["TKB_TEST_OPENAI_KEY"] = OPENAI_KEY
+    try:
+        with NamespaceNet(index=NET_INDEX) as net:
+            policy = net_policy(net, PORT)
+            up = Upstream(net)
+            try:
+                runs = {"original": net_record(d / "original.tkb", policy),
+                        "egress": net_record(d / "egress.tkb", policy, url=OTHER_URL)}
+                seen = up.requests()
+            finally:
+                up.stop()
+            up = Upstream(net, says="ekho")  # the same request, answered differently
+            try:
+                runs["model"] = net_record(d / "model.tkb", policy)
+                seen += up.requests()
+            finally:
+                up.stop()
+            yield {"net": net, "runs": runs, "seen": seen, "key": OPENAI_KEY}
+    finally:
+        os.environ.pop("TKB_TEST_OPENAI_KEY", None)
+
+
+def door_rows(path: Path, door: str):
+    return [c for c in open_run(path).crossings() if c.door == door]
+
+
+def test_the_network_runs_crossed_the_real_doors_to_the_test_hosts(net_runs):
+    """The pairs below mean something only if each run really went out: the egress door dialled the test web
+    server's address and carried its bytes, the model door reached the stand-in with the host's key and recorded
+    its answer, which the variant's upstream gave differently."""
+    net, runs = net_runs["net"], net_runs["runs"]
+    for name, host, says in (("original", "web.tkb.test", b"echo"), ("egress", "other.tkb.test", b"echo"),
+                             ("model", "web.tkb.test", b"ekho")):
+        run = open_run(runs[name])
+        [e] = door_rows(runs[name], "egress")
+        assert (e.decision, e.args["host"], e.args["address"]) == ("allow", host, net.web)
+        assert e.result["bytes_down"] > 0
+        [m] = door_rows(runs[name], "model")
+        assert m.decision == "allow" and m.args["mode"] == "record"
+        assert says + b": same question" in run.content(m.result["response"])
+        outs = [c.result["stdout"] for c in run.crossings() if c.door == "exec"]
+        assert [run.content(o) for o in outs] == [b"200 hello from the test network\n\n", b"stop 7\n"]
+        assert verify_bundle(runs[name]).valid
+    assert [r["authorization"] for r in net_runs["seen"]] == [f"Bearer {net_runs['key']}"] * 3
+
+
+@pytest.mark.parametrize("name,kind", [("egress", "egress"), ("model", "model calls")],
+                         ids=["egress-destination", "model-response"])
+def test_an_egress_destination_and_a_model_answer_are_found_with_their_kind_and_seq(net_runs, name, kind):
+    """Another allowed host, or another answer to the same request: one difference, of its door's kind, at the seq
+    of that door's crossing in each run, and nothing else (the commands' argv, env names and output are the same)."""
+    runs = net_runs["runs"]
+    report = audit(runs["original"], runs[name])
+    assert [d.kind for d in report.differences] == [kind], [(d.what, d.a, d.b) for d in report.differences]
+    [d] = report.differences
+    door = {"egress": "egress", "model calls": "model"}[kind]
+    assert (d.seq_a, d.seq_b) == tuple(door_rows(r, door)[0].seq for r in (runs["original"], runs[name]))
+    assert d.what == f"{kind} #1"
+    if kind == "egress":
+        assert "web.tkb.test:8080 allow" in d.a and "other.tkb.test:8080 allow" in d.b, (d.a, d.b)
+    else:  # the request's digest is the same, the response's is not
+        (request_a, response_a), (request_b, response_b) = (x.split(" response ") for x in (d.a, d.b))
+        assert request_a == request_b and response_a != response_b, (d.a, d.b)
+    assert {k: report.coverage[k] for k in ("exec commands", "egress", "model calls")} == {
+        "exec commands": (2, 2), "egress": (1, 1), "model calls": (1, 1)}
+
+
+def test_an_honest_rerun_of_the_network_original_goes_out_again_and_is_equivalent(net_runs, tmp_path):
+    """`tkbox rerun`: the fetch goes to the network again (the same test host, still up), the model call is served
+    from the original's recording (the stand-in upstream is gone): the audit finds the two runs equivalent."""
+    net, runs = net_runs["net"], net_runs["runs"]
+    r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "again.tkb"), "--env", "URL",
+                env={"URL": WEB_URL})
+    assert r.returncode == 0, r.stderr
+    again = tmp_path / "again.tkb"
+    [e] = door_rows(again, "egress")
+    assert (e.decision, e.args["host"], e.args["address"]) == ("allow", "web.tkb.test", net.web)
+    assert e.result["bytes_down"] > 0  # went out again, not served from anywhere
+    assert [(m.decision, m.args["mode"]) for m in door_rows(again, "model")] == [("allow", "replay")]
+    r = run_cli("audit", str(runs["original"]), str(again))
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
+    assert "exec commands 2/2, egress 1/1" in r.stdout and "model calls 1/1" in r.stdout, r.stdout
