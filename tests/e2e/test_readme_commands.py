@@ -32,6 +32,7 @@ def readme_commands() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # boots VMs under emulation (doctor's test VM, a cold `tkbox run --backend qemu`)
 def test_every_readme_command_runs(signer, tmp_path):
     commands = readme_commands()
     assert RUN_ELSEWHERE <= set(commands)
