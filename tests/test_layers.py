@@ -43,13 +43,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # (importer, imported): why it is here and who takes it out. Each must still exist and still break the rule.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # The doors reach into the box (its private _end, _exchange, Box): to go when doors see the box only through
-    # a small DoorContext defined below both (issue 24, the lead's part).
-    ("tkbox_nb.doors.egress", "tkbox_nb.box"): "egress takes Box (type) and _end",
-    ("tkbox_nb.doors.intercept", "tkbox_nb.box"): "intercept takes Box",
-    ("tkbox_nb.doors.model", "tkbox_nb.box"): "model takes Box (type) and _end",
-    ("tkbox_nb.doors.patch", "tkbox_nb.box"): "patch takes Box (type), _end and _exchange",
-    ("tkbox_nb.box_kernel", "tkbox_nb.box"): "box_kernel takes _end and _finish_cell; box.py imports box_kernel",
     # Found while writing this test; each fix is in a file another part of issue 24 is changing.
     ("tkbox_nb.recorder", "tkbox_nb"): "recorder takes __version__ from the package, whose __init__ imports box, "
                                        "which imports recorder: __version__ belongs in a leaf module",

@@ -335,7 +335,7 @@ class TkboxKernel:
         comm_id = msg.content.get("comm_id")
         if self.host_comms.owns(comm_id):
             if self.nb.box is not None:
-                self.nb.box._end(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
+                self.nb.box.fail_closed(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
             return False
         if msg.msg_type == "comm_open":
             self.box_comms.add(comm_id)
