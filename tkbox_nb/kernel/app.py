@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from .. import __version__
+from .._version import __version__
 from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
