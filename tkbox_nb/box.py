@@ -383,7 +383,7 @@ class Box:
             self.fail_closed("the box's door stream ended (its guest agent is gone)")
 
     def exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
-                  stdin: bytes | None = None) -> dict:
+                 stdin: bytes | None = None) -> dict:
         """Open one stream for `request`, send stdin and close our side, collect until the box closes it. A lost
         stream or a protocol violation ends the box."""
         try:
