@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tkbox_nb import Policy
-from tkbox_nb.backends import image
+from tkbox_nb.backends import image, initramfs
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.backends.registry import choose_backend, get_backend
 from tkbox_nb.errors import PolicyError, TkboxError
@@ -46,10 +46,10 @@ def test_image_digest_names_every_input(tmp_path, monkeypatch):
     digests.add(image.digest_of(image.inputs(["python3"], kernel="linux-image-rt-amd64")[1]))
     guest = tmp_path / "guest"
     guest.mkdir()
-    for src in image.GUEST_DIR.glob("*.py"):
+    for src in initramfs.GUEST_DIR.glob("*.py"):
         (guest / src.name).write_bytes(src.read_bytes())
     (guest / "agent.py").write_bytes((guest / "agent.py").read_bytes() + b"\n# changed\n")
-    monkeypatch.setattr(image, "GUEST_DIR", guest)
+    monkeypatch.setattr(initramfs, "GUEST_DIR", guest)
     changed_agent = image.inputs(["python3"])
     digests.add(image.digest_of(changed_agent[1]))
     assert len(digests) == 4
@@ -63,7 +63,7 @@ def test_bad_package_name_is_a_one_line_error(tmp_path):
 
 
 def test_initramfs_archive_is_newc_with_aligned_entries():
-    data = image._cpio_newc([("init", 0o100755, b"#!/bin/sh\n"), ("bin", 0o040755, b"")])
+    data = initramfs.cpio_newc([("init", 0o100755, b"#!/bin/sh\n"), ("bin", 0o040755, b"")])
     assert data.startswith(b"070701") and len(data) % 4 == 0
     names = []
     offset = 0

@@ -1,11 +1,10 @@
 """tkbox-nb: notebook-native boxes for untrusted code, where every way out is decided and signed by Tracekit."""
 
-__version__ = "0.1.0"
-
-from .errors import BundleError, DoorRefused, PolicyError, SignerError, TkboxError  # noqa: E402
-from .box import Box, BoxEnded, CellResult, CommandResult  # noqa: E402
-from .policy import Policy  # noqa: E402
-from .run import Run, open_run  # noqa: E402
+from ._version import __version__
+from .errors import BundleError, DoorRefused, PolicyError, SignerError, TkboxError
+from .box import Box, BoxEnded, CellResult, CommandResult
+from .policy import Policy
+from .run import Run, open_run
 
 
 def view(run_or_path, trust=None):

@@ -8,7 +8,6 @@ box fail-closed, and the reason is recorded in the run's last record and the box
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -82,7 +81,10 @@ class BoxEnded(TkboxError):
 
 
 class Box:
-    """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`."""
+    """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`.
+
+    A Box is the DoorContext (doors/context.py) of the doors it composes: they see its policy, bindings, CA,
+    workspace, recorder and door stream, `fail_closed` and `exchange`, and nothing else of it."""
 
     kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
 
@@ -254,10 +256,10 @@ class Box:
         return self.last_patch
 
     def _violation(self, reason: str) -> None:
-        self._end(f"door protocol violation: {reason}")
+        self.fail_closed(f"door protocol violation: {reason}")
 
-    def _end(self, reason: str) -> None:
-        """End the box now, fail-closed; the reason becomes the run's last word."""
+    def fail_closed(self, reason: str) -> None:
+        """End the box now, fail-closed; the reason becomes the run's last word (DoorContext: its doors call it)."""
         if self.ended is None:
             self.ended = reason[:500]
         if self.running is not None:
@@ -280,7 +282,7 @@ class Box:
         crossing = self.recorder.decide("exec", kind, facts, content)
         if not crossing.allowed:
             if self.recorder.broken:  # the signer is gone: the box goes too
-                self._end(f"signer lost: {self.recorder.broken}")
+                self.fail_closed(f"signer lost: {self.recorder.broken}")
             why = crossing.verdict.reason if not crossing.verdict.allowed else crossing.reason
             raise DoorRefused(f"exec refused ({', '.join(crossing.rule_ids) or crossing.decision}): {why}",
                               crossing.rule_ids)
@@ -309,10 +311,10 @@ class Box:
         out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
         request = {"kind": "command", "argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
                    **({"env": dict(env)} if env else {})}
-        body = self._exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
+        body = self.exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
         code = body.get("exit_code")
         if not isinstance(code, int) or isinstance(code, bool):
-            self._end("the box answered a command without an integer exit status")
+            self.fail_closed("the box answered a command without an integer exit status")
             raise BoxEnded(f"the box has ended: {self.ended}")
         stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
         self.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
@@ -334,7 +336,7 @@ class Box:
                 try:
                     self._kernel = BoxKernel(self)
                 except (StreamClosed, OSError) as e:
-                    self._end(f"door stream lost: {e}")
+                    self.fail_closed(f"door stream lost: {e}")
                     raise BoxEnded(f"the box has ended: {self.ended}") from None
             kernel = self._kernel
         ready_s = self.backend.kernel_ready_s
@@ -343,7 +345,7 @@ class Box:
             if self.ended or not self.running.alive():
                 raise BoxEnded(f"the box has ended: {self.ended or self.running.exit_reason()}")
             if time.monotonic() > deadline:
-                self._end(f"the box's kernel did not answer within {ready_s:g}s")
+                self.fail_closed(f"the box's kernel did not answer within {ready_s:g}s")
                 raise BoxEnded(f"the box has ended: {self.ended}")
         if kernel.ended:
             if self.ended:
@@ -361,7 +363,7 @@ class Box:
             self.recorder.complete(crossing, "error", {"ended": "the box's kernel is not available"})
             raise
         except (StreamClosed, OSError, p.ProtocolError) as e:
-            self._end(f"door stream lost: {e}")
+            self.fail_closed(f"door stream lost: {e}")
             raise BoxEnded(f"the box has ended: {self.ended}") from None
         while not cell.done.wait(0.2):
             self.watch([cell])
@@ -379,25 +381,14 @@ class Box:
         """End the box if a cell in flight ran past `[exec] timeout_s`, or if the box died under it."""
         timeout = self.policy.get("exec", "timeout_s")
         if any(time.monotonic() - c.started > timeout for c in cells):
-            self._end(f"exec timed out after {timeout:g}s")
+            self.fail_closed(f"exec timed out after {timeout:g}s")
         elif self.running is not None and not self.running.alive():
-            self._end(f"the box died: {self.running.exit_reason()}")
+            self.fail_closed(f"the box died: {self.running.exit_reason()}")
         elif self.conn is not None and self.conn.closed and self.recorder is not None and not self.recorder.closed:
-            self._end("the box's door stream ended (its guest agent is gone)")
+            self.fail_closed("the box's door stream ended (its guest agent is gone)")
 
-    def _finish_cell(self, cell: "Cell") -> None:
-        """Sign the end of a cell: its status and execution count, its outputs disclosed."""
-        result: dict = {"execution_count": cell.execution_count}
-        if cell.dropped:
-            result["dropped"] = sorted(set(cell.dropped))[:50]
-        if cell.ended:
-            result["ended"] = cell.ended[:300]
-        status = cell.status if not cell.ended else "error"
-        self.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result,
-                               {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")})
-
-    def _exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
-                  stdin: bytes | None = None) -> dict:
+    def exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
+                 stdin: bytes | None = None) -> dict:
         """Open one stream for `request`, send stdin and close our side, collect until the box closes it. A lost
         stream or a protocol violation ends the box."""
         try:
@@ -407,9 +398,9 @@ class Box:
             self.conn.close(stream.sid)
             return self._collect(stream, timeout, on_data)
         except (StreamClosed, OSError) as e:
-            self._end(f"door stream lost: {e}")
+            self.fail_closed(f"door stream lost: {e}")
         except p.ProtocolError as e:
-            self._end(f"door protocol violation: {e}")
+            self.fail_closed(f"door protocol violation: {e}")
         raise BoxEnded(f"the box has ended: {self.ended}")
 
     def _collect(self, stream, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
@@ -417,13 +408,13 @@ class Box:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._end(f"exec timed out after {timeout:g}s")
+                self.fail_closed(f"exec timed out after {timeout:g}s")
                 raise BoxEnded(f"the box has ended: {self.ended}")
             try:
                 event = stream.get(timeout=min(left, 1.0))
             except Exception:  # queue.Empty: check the box is still there
                 if self.running is not None and not self.running.alive():
-                    self._end(f"the box died: {self.running.exit_reason()}")
+                    self.fail_closed(f"the box died: {self.running.exit_reason()}")
                 if self.ended:
                     raise BoxEnded(f"the box has ended: {self.ended}") from None
                 continue
@@ -435,7 +426,7 @@ class Box:
                 reason = event[1]
                 if self.running is not None and not self.running.alive() and not self.ended:
                     reason = f"the box died: {self.running.exit_reason()}"
-                self._end(reason)
+                self.fail_closed(reason)
                 raise BoxEnded(f"the box has ended: {self.ended}")
 
 

@@ -22,7 +22,7 @@ from . import protocol as p
 from .box_messages import BoxMessage, check_box_message
 
 if TYPE_CHECKING:
-    from .box import Box
+    from .doors.context import DoorContext
     from .recorder import Crossing
 
 READY_TIMEOUT_S = 90.0
@@ -72,7 +72,7 @@ class Cell:
 class BoxKernel:
     """The box's kernel, as the host sees it. Start with `Box.kernel()`, which waits until it answers."""
 
-    def __init__(self, box: "Box"):
+    def __init__(self, box: "DoorContext"):
         self.box = box
         self.session = box.box_id
         self.reader = p.MessageReader()
@@ -137,7 +137,7 @@ class BoxKernel:
                     break
         except p.ProtocolError as e:
             reason = f"door protocol violation: {e}"
-            self.box._end(reason)
+            self.box.fail_closed(reason)
         self._finish(reason)
 
     def _route(self, msg: BoxMessage) -> None:
@@ -153,7 +153,7 @@ class BoxKernel:
         if cell is not None and cell.reply is not None and cell.idle:
             with self._lock:
                 self.cells.pop(cell.msg_id, None)
-            self.box._finish_cell(cell)
+            self._sign_end(cell)
             cell.done.set()
 
     def _collect(self, cell: Cell, msg: BoxMessage) -> None:
@@ -181,7 +181,19 @@ class BoxKernel:
         self.ready.set()
         for cell in pending:
             cell.ended = reason
-            self.box._finish_cell(cell)
+            self._sign_end(cell)
             cell.done.set()
         for listener in list(self.listeners):
             listener(None)
+
+    def _sign_end(self, cell: Cell) -> None:
+        """Sign the end of a cell: its status and execution count, its outputs disclosed. The exec door's record,
+        written here because only the kernel knows when a cell has ended (its reply and idle, or the kernel gone)."""
+        result: dict = {"execution_count": cell.execution_count}
+        if cell.dropped:
+            result["dropped"] = sorted(set(cell.dropped))[:50]
+        if cell.ended:
+            result["ended"] = cell.ended[:300]
+        status = cell.status if not cell.ended else "error"
+        self.box.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result,
+                                   {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")})

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
+from ._version import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner

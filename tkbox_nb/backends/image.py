@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -28,67 +26,19 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import TkboxError
+# CONFIG_LABEL and DOOR_NAME too: the VM backends take them from here, with the image they name
+from .initramfs import (CONFIG_LABEL, DOOR_NAME, INIT, MODULES, ROOT_LABEL, VSOCK_MODULES,  # noqa: F401
+                        agent_digest, is_static, make_initramfs)
 
 BUILDER_VERSION = "2"  # bump when the way a root is made changes
 SUITE = "bookworm"
 DEFAULT_PACKAGES = ("python3", "python3-ipykernel", "python3-numpy", "python3-pandas", "python3-matplotlib")
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
-MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
-# loaded only when the kernel command line says the door is vsock (Firecracker): QEMU's door is virtio-serial
-VSOCK_MODULES = ("vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport")
-GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
-ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
 # debugpy: ipykernel imports it when present (seconds under TCG), and no debug request is forwarded to a box
 REMOVE = ("usr/lib/python3/dist-packages/debugpy",)
 PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{0,99}$")  # a Debian package name
 TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt", "var/lib/apt/lists",
         "var/log")
-
-# PID 1 of the guest (busybox sh in the initramfs): load the virtio drivers, mount the read-only root and the
-# read-only config disk, give the box tmpfs for /workspace, /tmp and /run, copy the agent in, run it, power off.
-INIT = r"""#!/bin/busybox sh
-/bin/busybox --install -s /bin
-mkdir -p /proc /sys /dev /newroot
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev
-fail() { echo "tkbox init: $*"; reboot -f; }
-for m in %(modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
-ws=64
-door=serial
-warm=0
-for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;;
-  tkbox.warm=1) warm=1;; esac; done
-if [ $door = vsock ]; then for m in %(vsock_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done; fi
-i=0
-until root=$(findfs LABEL=%(root)s 2>/dev/null) && cfg=$(findfs LABEL=%(cfg)s 2>/dev/null); do
-  i=$((i+1)); [ $i -gt 400 ] && fail "no root or config disk"; sleep 0.02
-done
-mount -t ext4 -o ro,noload "$root" /newroot || fail "cannot mount the root"
-mount -t tmpfs -o mode=0755 tmpfs /newroot/run
-mkdir -p /newroot/run/tkbox/config
-if [ $warm = 0 ]; then  # a warm start's agent mounts these after the host's GO (tkbox_guest/vm.py)
-  mount -t ext4 -o ro,noload,nodev,nosuid "$cfg" /newroot/run/tkbox/config || fail "cannot mount the config disk"
-  mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
-fi
-mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
-mount -t tmpfs -o size=16m,mode=0755 tmpfs /newroot/opt/tkbox
-cp -r /agent/tkbox_guest /newroot/opt/tkbox/
-mount --move /dev /newroot/dev
-mkdir -p /newroot/dev/pts /newroot/dev/shm
-mount -t devpts devpts /newroot/dev/pts
-mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
-mount --move /proc /newroot/proc
-mount --move /sys /newroot/sys
-hostname tkbox
-ip link set lo up || fail "cannot bring up lo"
-cd /newroot
-chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 TKBOX_CFG_DEV="$cfg" \
-  PYTHONPATH=/opt/tkbox PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m tkbox_guest.vm
-echo "tkbox init: agent exited ($?)"
-sync
-reboot -f
-""" % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL}
 
 
 @dataclass(frozen=True)
@@ -125,13 +75,6 @@ def images_dir(home: Path | None = None) -> Path:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def agent_digest() -> str:
-    h = hashlib.sha256()
-    for f in sorted(GUEST_DIR.glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def debian_mirror() -> str:
@@ -235,38 +178,6 @@ def _run(argv: list[str], progress: _Progress, what: str, stream: bool = False, 
 
 TOOLS = {"mmdebstrap": "mmdebstrap", "mke2fs": "e2fsprogs", "apt-get": "apt", "dpkg-deb": "dpkg",
          "apt-cache": "apt"}
-
-
-def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
-    """An initramfs archive (cpio "newc"): (name, mode, content) for files, dirs and symlinks, in order."""
-    out = io.BytesIO()
-
-    def put(name: str, mode: int, data: bytes, ino: int) -> None:
-        nb = name.encode() + b"\0"
-        hdr = "070701" + "".join(f"{v:08X}" for v in (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nb), 0))
-        out.write(hdr.encode() + nb)
-        out.write(b"\0" * (-(110 + len(nb)) % 4))
-        out.write(data)
-        out.write(b"\0" * (-len(data) % 4))
-
-    for i, (name, mode, data) in enumerate(entries, 1):
-        put(name, mode, data, i)
-    put("TRAILER!!!", 0, b"", 0)
-    return out.getvalue()
-
-
-def _initramfs(modules_dir: Path, busybox: Path) -> bytes:
-    d, f, x = 0o040755, 0o100644, 0o100755
-    entries = [("bin", d, b""), ("modules", d, b""), ("agent", d, b""), ("agent/tkbox_guest", d, b""),
-               ("init", x, INIT.encode()), ("bin/busybox", x, busybox.read_bytes()), ("bin/sh", 0o120777, b"busybox")]
-    for m in MODULES + VSOCK_MODULES:
-        found = list(modules_dir.rglob(f"{m}.ko"))
-        if len(found) != 1:
-            raise TkboxError(f"image build: the kernel package has no single module {m}.ko")
-        entries.append((f"modules/{m}.ko", f, found[0].read_bytes()))
-    for src in sorted(GUEST_DIR.glob("*.py")):
-        entries.append((f"agent/tkbox_guest/{src.name}", f, src.read_bytes()))
-    return gzip.compress(_cpio_newc(entries), 6, mtime=0)
 
 
 def _du(path: Path) -> tuple[int, int]:
@@ -416,12 +327,12 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
                 root_meta.write_text(json.dumps(versions, sort_keys=True))
             vmlinuz, modules, kernel_version = _fetch_kernel(kernel, work, progress)
             busybox = Path(shutil.which("busybox") or "/bin/busybox")
-            if not busybox.is_file() or not _is_static(busybox):
+            if not busybox.is_file() or not is_static(busybox):
                 raise TkboxError("image build needs a static busybox (apt-get install busybox-static)")
             progress.step("initramfs: busybox, virtio modules, guest agent")
             out = work / "image"
             out.mkdir()
-            (out / "initrd.img").write_bytes(_initramfs(modules, busybox))
+            (out / "initrd.img").write_bytes(make_initramfs(modules, busybox))
             shutil.copy2(vmlinuz, out / "vmlinuz")
             os.link(root_img, out / "root.img")
             manifest = {"digest": digest, "inputs": full, "kernel_package": kernel_version, "versions": versions,
@@ -467,10 +378,3 @@ def _set_current(base: Path, digest: str) -> None:
     tmp = base / f".current-{os.getpid()}"
     tmp.write_text(digest + "\n")
     os.replace(tmp, base / "current")
-
-
-def _is_static(exe: Path) -> bool:
-    """A static ELF has no PT_INTERP program header."""
-    with open(exe, "rb") as f:
-        head = f.read(1 << 16)
-    return head[:4] == b"\x7fELF" and b"/ld-linux" not in head and b"ld-musl" not in head

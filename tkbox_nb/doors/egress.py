@@ -26,7 +26,7 @@ from .proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
 from .spliced import SplicePipe
 
 if TYPE_CHECKING:
-    from ..box import Box
+    from .context import DoorContext
 
 HEAD_TIMEOUT_S = 30.0
 MAX_ADDRESSES = 32
@@ -88,7 +88,7 @@ def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
 
 
 class EgressDoor:
-    def __init__(self, box: "Box"):
+    def __init__(self, box: "DoorContext"):
         self.box = box
 
     def accept(self, stream: Stream, body: dict) -> bool:
@@ -131,7 +131,7 @@ class EgressDoor:
         except (StreamClosed, OSError):
             pass
         except p.ProtocolError as e:
-            self.box._end(f"door protocol violation: {e}")
+            self.box.fail_closed(f"door protocol violation: {e}")
 
     def _read_request(self, stream: Stream) -> ProxyRequest | None:
         parser = ProxyRequestParser()
@@ -156,7 +156,7 @@ class EgressDoor:
             name, port, policy.get("egress", "nameservers"), policy.get("egress", "connect_timeout_s")))
         crossing = self.box.recorder.decide("egress", "connect", facts)
         if not crossing.allowed and self.box.recorder.broken:
-            self.box._end(f"signer lost: {self.box.recorder.broken}")
+            self.box.fail_closed(f"signer lost: {self.box.recorder.broken}")
         return crossing, address
 
     def _relay(self, stream: Stream, req: ProxyRequest, crossing, address: str) -> None:

@@ -22,7 +22,7 @@ from ..connection import Stream
 from .secrets import Binding, Scrubber, misuses_in, rewrite_request
 
 if TYPE_CHECKING:
-    from ..box import Box
+    from .context import DoorContext
 
 MAX_REQUEST_BODY = 16 << 20
 IDLE_S = 300.0
@@ -35,7 +35,7 @@ class Closed(Exception):
 class BoxTLS:
     """The TLS server end facing the box, over one door stream."""
 
-    def __init__(self, box: "Box", stream: Stream, context: ssl.SSLContext, first: bytes):
+    def __init__(self, box: "DoorContext", stream: Stream, context: ssl.SSLContext, first: bytes):
         self.box, self.stream = box, stream
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
@@ -85,7 +85,7 @@ class BoxTLS:
             self._flush()
 
 
-def relay_bound(box: "Box", stream: Stream, host: str, port: int, address: str, first: bytes,
+def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, address: str, first: bytes,
                 bindings: list[Binding], counts: dict) -> None:
     """Serve one CONNECT to a bound host until either side closes."""
     policy = box.policy
@@ -154,7 +154,7 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
             return None, b""
 
 
-def record_secret_crossings(box: "Box", host: str, bindings: list[Binding], rw) -> str:
+def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Binding], rw) -> str:
     """Sign each swap and misuse; the reason of the first refusal, or ""."""
     by_name = {b.name: b for b in bindings}
     for kind, items in (("misuse", rw.misuses), ("swap", rw.swaps)):

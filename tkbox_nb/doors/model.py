@@ -29,7 +29,7 @@ from .model_request import ModelRequest, ModelRequestError, ModelRequestParser
 from .model_usage import UsageReader
 
 if TYPE_CHECKING:
-    from ..box import Box
+    from .context import DoorContext
 
 PORT = 3129
 HEAD_TIMEOUT_S = 60.0
@@ -56,7 +56,7 @@ def error_body(provider: str, message: str, kind: str = "permission_error") -> b
 
 
 class ModelDoor:
-    def __init__(self, box: "Box", recordings: Recordings | None = None):
+    def __init__(self, box: "DoorContext", recordings: Recordings | None = None):
         self.box = box
         self.recordings = recordings
         self.lock = threading.Lock()
@@ -110,7 +110,7 @@ class ModelDoor:
         except (StreamClosed, OSError):
             pass
         except p.ProtocolError as e:
-            self.box._end(f"door protocol violation: {e}")
+            self.box.fail_closed(f"door protocol violation: {e}")
         except Exception as e:  # a fault of this door: the box's client gets an answer, never a hang
             self._answer(stream, parser, "", 502, f"tkbox model door: internal error: {type(e).__name__}", "api_error")
 
@@ -145,7 +145,7 @@ class ModelDoor:
                 self.reserved += req.max_output or 0
         if not crossing.allowed:
             if recorder.broken:
-                self.box._end(f"signer lost: {recorder.broken}")
+                self.box.fail_closed(f"signer lost: {recorder.broken}")
             why = crossing.verdict.reason or crossing.reason
             rules = ", ".join(crossing.rule_ids) or "refused"
             return self._answer(stream, parser, req.provider, 403,

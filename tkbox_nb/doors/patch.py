@@ -25,7 +25,7 @@ from . import patch_rules as rules
 from .patch_reader import Entry, PatchReader
 
 if TYPE_CHECKING:
-    from ..box import Box
+    from .context import DoorContext
 
 PATCH_TIMEOUT_S = 300.0
 
@@ -80,7 +80,7 @@ class Patch:
 
 
 class PatchDoor:
-    def __init__(self, box: "Box"):
+    def __init__(self, box: "DoorContext"):
         self.box = box
         self.sent: dict[str, tuple[str, str | None]] = {}   # path -> (op, digest) last decided: decided again only
                                                              # when it changes
@@ -116,14 +116,14 @@ class PatchDoor:
                 raise p.ProtocolError(f"patch data on channel {channel}")
             entries.extend(reader.feed(data))
 
-        body = box._exchange({"kind": "patch"}, PATCH_TIMEOUT_S, on_data)
+        body = box.exchange({"kind": "patch"}, PATCH_TIMEOUT_S, on_data)
         try:
             reader.finish()
             if body.get("entries") != reader.entries:
                 raise p.ProtocolError(f"the box said {str(body.get('entries'))[:20]} patch entries and sent "
                                       f"{reader.entries}")
         except p.ProtocolError as e:
-            box._end(f"door protocol violation: {e}")
+            box.fail_closed(f"door protocol violation: {e}")
             raise TkboxError(f"the box has ended: {box.ended}") from None
         if body.get("error"):
             raise TkboxError(f"the box could not list its changes: {str(body['error'])[:200]}")
@@ -187,7 +187,7 @@ class PatchDoor:
             stated.append((e, digest, facts, content, old, old_mode, source_base, source_old, base))
         crossings = rec.decide_many([("patch", "file", facts, content) for _, _, facts, content, *_ in stated])
         if rec.broken:
-            box._end(f"signer lost: {rec.broken}")
+            box.fail_closed(f"signer lost: {rec.broken}")
             raise TkboxError(f"the box has ended: {box.ended}")
         pending: list[tuple] = []  # (FileDecision, FileChange or None)
         done: list[tuple] = []

@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from .. import __version__
+from .._version import __version__
 from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
@@ -340,7 +340,7 @@ class TkboxKernel:
         if self.host_comms.owns(comm_id):
             self.box_violated = True
             if self.nb.box is not None:
-                self.nb.box._end(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
+                self.nb.box.fail_closed(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
             return False
         if msg.msg_type == "comm_open":
             self.box_comms.add(comm_id)

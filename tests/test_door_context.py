@@ -1,0 +1,62 @@
+"""The doors see the box only through DoorContext (doors/context.py), and Box provides all of it.
+
+Checked on the source, as test_layers.py is: a door that reached for something else of the box (a private helper,
+the backend, the kernel) would type-check against nothing at run time, so the check is what keeps the interface
+the whole of what a door may use.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from tkbox_nb.box import Box
+from tkbox_nb.doors.context import DoorContext
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tkbox_nb"
+DOORS = ["doors/egress.py", "doors/intercept.py", "doors/model.py", "doors/patch.py", "box_kernel.py"]
+MEMBERS = set(DoorContext.__annotations__) | {
+    name for name, value in vars(DoorContext).items() if inspect.isfunction(value) and not name.startswith("_")}
+
+
+def used_of_the_box(path: Path) -> set[str]:
+    """Each attribute read off the box in a door: `box.X`, and `self.box.X` in its classes."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "box" or \
+                isinstance(owner, ast.Attribute) and owner.attr == "box" and \
+                isinstance(owner.value, ast.Name) and owner.value.id == "self":
+            used.add(node.attr)
+    return used
+
+
+def test_the_interface_is_what_the_doors_were_given():
+    assert MEMBERS == {"box_id", "policy", "bindings", "ca", "workspace", "recorder", "conn", "ended",
+                       "fail_closed", "exchange"}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_door_uses_only_door_context(door):
+    used = used_of_the_box(PACKAGE / door)
+    assert used, f"{door} reads nothing off its box: the walk missed its name for it"
+    assert used - MEMBERS == set(), f"{door} reaches past DoorContext"
+
+
+def test_box_provides_every_member():
+    """Methods on the class; attributes as Box.__init__ sets them (a Box is the context of its doors)."""
+    init = ast.parse(inspect.getsource(Box.__init__).replace("\n    ", "\n").strip())
+    targets = [t for node in ast.walk(init) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    assigned = {t.attr for t in targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    missing = {m for m in MEMBERS if not callable(getattr(Box, m, None)) and m not in assigned}
+    assert missing == set()
+    for name in ("fail_closed", "exchange"):
+        assert list(inspect.signature(getattr(Box, name)).parameters) == \
+            list(inspect.signature(getattr(DoorContext, name)).parameters)

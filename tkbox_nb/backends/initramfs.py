@@ -1,0 +1,117 @@
+"""The guest's initramfs: busybox as PID 1, the virtio (and vsock) drivers, and the guest agent.
+
+Part of a guest image (image.py), built apart from the root because it is what changes most: the agent's source
+and the init script are in it, not in the root, so an agent change rebuilds this archive of a few hundred kilobytes
+and keeps the cached root. Everything that goes into it (the init script, the module list, the agent's files) is
+named in the image's digest (`image.inputs`), which is why they are module constants here. The archive is written
+in Python (cpio "newc"), byte for byte the same for the same inputs, and nothing is mounted on the host.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+from pathlib import Path
+
+from ..errors import TkboxError
+
+MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
+# loaded only when the kernel command line says the door is vsock (Firecracker): QEMU's door is virtio-serial
+VSOCK_MODULES = ("vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport")
+GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+# the labels the init script finds the root and config disks by, and the name of the virtio-serial door
+ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
+
+# PID 1 of the guest (busybox sh in the initramfs): load the virtio drivers, mount the read-only root and the
+# read-only config disk, give the box tmpfs for /workspace, /tmp and /run, copy the agent in, run it, power off.
+INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mkdir -p /proc /sys /dev /newroot
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+fail() { echo "tkbox init: $*"; reboot -f; }
+for m in %(modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
+ws=64
+door=serial
+warm=0
+for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;;
+  tkbox.warm=1) warm=1;; esac; done
+if [ $door = vsock ]; then for m in %(vsock_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done; fi
+i=0
+until root=$(findfs LABEL=%(root)s 2>/dev/null) && cfg=$(findfs LABEL=%(cfg)s 2>/dev/null); do
+  i=$((i+1)); [ $i -gt 400 ] && fail "no root or config disk"; sleep 0.02
+done
+mount -t ext4 -o ro,noload "$root" /newroot || fail "cannot mount the root"
+mount -t tmpfs -o mode=0755 tmpfs /newroot/run
+mkdir -p /newroot/run/tkbox/config
+if [ $warm = 0 ]; then  # a warm start's agent mounts these after the host's GO (tkbox_guest/vm.py)
+  mount -t ext4 -o ro,noload,nodev,nosuid "$cfg" /newroot/run/tkbox/config || fail "cannot mount the config disk"
+  mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
+fi
+mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
+mount -t tmpfs -o size=16m,mode=0755 tmpfs /newroot/opt/tkbox
+cp -r /agent/tkbox_guest /newroot/opt/tkbox/
+mount --move /dev /newroot/dev
+mkdir -p /newroot/dev/pts /newroot/dev/shm
+mount -t devpts devpts /newroot/dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
+mount --move /proc /newroot/proc
+mount --move /sys /newroot/sys
+hostname tkbox
+ip link set lo up || fail "cannot bring up lo"
+cd /newroot
+chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 TKBOX_CFG_DEV="$cfg" \
+  PYTHONPATH=/opt/tkbox PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m tkbox_guest.vm
+echo "tkbox init: agent exited ($?)"
+sync
+reboot -f
+""" % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL}
+
+
+def agent_digest() -> str:
+    h = hashlib.sha256()
+    for f in sorted(GUEST_DIR.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """An initramfs archive (cpio "newc"): (name, mode, content) for files, dirs and symlinks, in order."""
+    out = io.BytesIO()
+
+    def put(name: str, mode: int, data: bytes, ino: int) -> None:
+        nb = name.encode() + b"\0"
+        hdr = "070701" + "".join(f"{v:08X}" for v in (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nb), 0))
+        out.write(hdr.encode() + nb)
+        out.write(b"\0" * (-(110 + len(nb)) % 4))
+        out.write(data)
+        out.write(b"\0" * (-len(data) % 4))
+
+    for i, (name, mode, data) in enumerate(entries, 1):
+        put(name, mode, data, i)
+    put("TRAILER!!!", 0, b"", 0)
+    return out.getvalue()
+
+
+def make_initramfs(modules_dir: Path, busybox: Path) -> bytes:
+    """The gzipped initramfs of a kernel's modules directory and a static busybox, with the init and the agent."""
+    d, f, x = 0o040755, 0o100644, 0o100755
+    entries = [("bin", d, b""), ("modules", d, b""), ("agent", d, b""), ("agent/tkbox_guest", d, b""),
+               ("init", x, INIT.encode()), ("bin/busybox", x, busybox.read_bytes()), ("bin/sh", 0o120777, b"busybox")]
+    for m in MODULES + VSOCK_MODULES:
+        found = list(modules_dir.rglob(f"{m}.ko"))
+        if len(found) != 1:
+            raise TkboxError(f"image build: the kernel package has no single module {m}.ko")
+        entries.append((f"modules/{m}.ko", f, found[0].read_bytes()))
+    for src in sorted(GUEST_DIR.glob("*.py")):
+        entries.append((f"agent/tkbox_guest/{src.name}", f, src.read_bytes()))
+    return gzip.compress(cpio_newc(entries), 6, mtime=0)
+
+
+def is_static(exe: Path) -> bool:
+    """A static ELF has no PT_INTERP program header."""
+    with open(exe, "rb") as f:
+        head = f.read(1 << 16)
+    return head[:4] == b"\x7fELF" and b"/ld-linux" not in head and b"ld-musl" not in head
