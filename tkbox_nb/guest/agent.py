@@ -165,7 +165,7 @@ def serve(sock):
                 elif req.get("kind") == "kernel":
                     from .kernel import KernelBridge
                     kernels[sid] = KernelBridge(door, sid)
-                    readers[sid] = p.MessageReader()
+                    readers[sid] = p.MessageReader(parse=False)
                 else:
                     door.close(sid, {"error": "unknown request"})
             except (OSError, ValueError) as e:
