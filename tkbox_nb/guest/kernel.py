@@ -30,6 +30,7 @@ try:  # a VM under emulation imports ipykernel far slower: its backend sets a lo
 except ValueError:
     READY_TIMEOUT_S = 60.0
 CHANNELS = ("shell", "control", "stdin")
+BATCH_BYTES = 256 * 1024  # messages joined into one door write at most (a larger one goes alone)
 
 
 class KernelBridge:
@@ -86,14 +87,18 @@ class KernelBridge:
         threading.Thread(target=self._loop, daemon=True, name="tkbox-kernel").start()
 
     # -- from the host -------------------------------------------------------------------------------------------
-    def from_host(self, msg):
-        """Called on the agent's reader thread for each message the host sent on this stream."""
+    def from_host(self, raw):
+        """Called on the agent's reader thread with each message the host sent on this stream, as its JSON bytes:
+        passed on as they are and parsed once, on the bridge's thread (not parsed, dumped and parsed again)."""
         with self.outbox_lock:
-            self.outbox.send(json.dumps(msg).encode("utf-8"))
+            self.outbox.send(raw)
 
     def _to_kernel(self, raw):
-        msg = json.loads(raw.decode("utf-8"))
-        channel = msg.get("channel")
+        try:
+            msg = json.loads(raw.decode("utf-8"))
+        except ValueError:  # the host sends JSON only; anything else is dropped, not a reason to end the kernel
+            return
+        channel = msg.get("channel") if isinstance(msg, dict) else None
         if channel == "bridge":
             if msg.get("op") == "interrupt" and self.proc.poll() is None:
                 os.kill(self.proc.pid, signal.SIGINT)
@@ -112,24 +117,44 @@ class KernelBridge:
         data = json.dumps(body, default=self.json_default, separators=(",", ":")).encode("utf-8")
         self.door.send_data(self.sid, p.CH_MSG, p.MSG_HEADER.pack(len(data)) + data)
 
-    def _pass_raw(self, channel, frames):
+    def _pass_raw(self, channel, frames, out):
         """One message from the kernel to the host without parsing it here: its signature is checked, and its four
-        JSON parts are spliced into the door message as they are (the host parses and checks every one)."""
+        JSON parts are spliced into the door message as they are (the host parses and checks every one). The
+        message's bytes are appended to `out`, which the loop sends when it has taken every message waiting; the
+        count of them is returned (0 for a message dropped here)."""
         try:
             _, msg_list = self.session.feed_identities(frames, copy=True)
         except ValueError:
-            return
+            return 0
         if len(msg_list) < 5:
-            return
+            return 0
         signature, parts, buffers = msg_list[0], msg_list[1:5], msg_list[5:]
         if not hmac.compare_digest(signature, self.session.sign(parts)):
-            return
+            return 0
         if self.own and self._is_own(channel, parts):
-            return
-        data = b"".join((b'{"channel":"', channel.encode(), b'","header":', parts[0], b',"parent_header":', parts[1],
-                         b',"metadata":', parts[2], b',"content":', parts[3], b',"buffers":[',
-                         b",".join(b'"' + base64.b64encode(bytes(b)) + b'"' for b in buffers), b"]}"))
-        self.door.send_data(self.sid, p.CH_MSG, p.MSG_HEADER.pack(len(data)) + data)
+            return 0
+        data = (b'{"channel":"', channel.encode(), b'","header":', parts[0], b',"parent_header":', parts[1],
+                b',"metadata":', parts[2], b',"content":', parts[3], b',"buffers":[',
+                b",".join(b'"' + base64.b64encode(bytes(b)) + b'"' for b in buffers), b"]}")
+        size = sum(len(d) for d in data)
+        out.append(p.MSG_HEADER.pack(size))
+        out.extend(data)
+        return size
+
+    def _drain(self, sock, channel, out):
+        """Every message already waiting on a kernel socket, into `out`: a cell's last messages (its reply on shell,
+        its idle status on iopub) come together, and go to the host in one write, one VM exit, one wake-up of the
+        host's reader. Only what is there is taken; nothing waits for more. At most BATCH_BYTES at a time."""
+        zmq = self.zmq
+        frames, size = sock.recv_multipart(copy=True), 0
+        while True:
+            size += self._pass_raw(channel, frames, out)
+            if size > BATCH_BYTES:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
 
     def _is_own(self, channel, parts):
         """A late answer to one of the bridge's readiness probes (sent every 50 ms until the kernel answered): it
@@ -176,6 +201,7 @@ class KernelBridge:
                         next_probe = now + 0.05
                 if self.proc.poll() is not None:
                     raise RuntimeError("the kernel exited with status %s" % self.proc.returncode)
+                out = []
                 for sock, _ in poller.poll(200):
                     if sock is self.inbox:
                         self._to_kernel(sock.recv())
@@ -185,11 +211,11 @@ class KernelBridge:
                         stdin_met = True
                         self._maybe_ready(info, iopub_seen, stdin_met)
                         continue
-                    frames = sock.recv_multipart(copy=True)
                     name = names[sock]
                     if self.ready:  # the fast path: the kernel's own JSON goes on as it is, once its HMAC checks
-                        self._pass_raw(name, frames)
+                        self._drain(sock, name, out)
                         continue
+                    frames = sock.recv_multipart(copy=True)
                     try:
                         _, msg_list = self.session.feed_identities(frames, copy=True)
                         msg = self.session.deserialize(msg_list, content=True, copy=True)
@@ -208,6 +234,8 @@ class KernelBridge:
                     if name == "iopub" and msg["header"]["msg_type"] == "iopub_welcome":
                         continue
                     self._to_host(name, msg)
+                if out:
+                    self.door.send_data(self.sid, p.CH_MSG, b"".join(out))
             reason = {"exit_code": 0}
         except Exception as e:
             reason = {"error": str(e)[:500], "exit_code": self.proc.poll()}
