@@ -231,3 +231,43 @@ def test_reads_sized_by_want_with_payloads_taken_give_every_frame_exactly(frames
             got.append((ftype, sid, bytes([first]) + data[pos:pos + rest]))
             pos += rest
     assert got == frames and reader.buffered == 0
+
+
+def test_message_reader_unparsed_splits_and_limits_but_leaves_the_json_to_its_reader():
+    """The guest's kernel bridge parses each host message once itself: the agent's reader only splits channel 3
+    into messages, across any cut, and still refuses one over the size limit."""
+    bodies = [b'{"channel":"shell","content":{"code":"1+1"}}', b'{"channel":"bridge","op":"interrupt"}', b"[1]"]
+    data = b"".join(p.MSG_HEADER.pack(len(b)) + b for b in bodies)
+    for cut in range(len(data) + 1):
+        r = p.MessageReader(parse=False)
+        assert r.feed(data[:cut]) + r.feed(data[cut:]) == bodies
+        assert r.buffered == 0
+    with pytest.raises(p.ProtocolError):
+        p.MessageReader(max_message=8, parse=False).feed(p.MSG_HEADER.pack(9) + b"x" * 9)
+
+
+@pytest.mark.parametrize("size", [1, 500, 32 * 1024 - p.HEADER.size - 1, 200 * 1024, 300 * 1024])
+def test_char_device_door_writes_each_frame_whole(size):
+    """A VM's door is a character device with no vectored write: a small frame goes out joined in one write, a
+    bulk one in parts; either way the bytes are the frame's, in order (here through a real pipe)."""
+    import os
+    import threading
+
+    from tkbox_nb.guest.agent import CharDevice, Door
+    r, w = os.pipe()
+    got = bytearray()
+
+    def drain():
+        for chunk in iter(lambda: os.read(r, 1 << 16), b""):
+            got.extend(chunk)
+    reader = threading.Thread(target=drain)
+    reader.start()
+    door = Door(CharDevice(w))
+    sid = door.session.open()
+    payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    door.send_data(sid, p.CH_BYTES, payload)
+    os.close(w)
+    reader.join()
+    assert p.Decoder().feed(bytes(got)) == [(p.DATA, sid, bytes((p.CH_BYTES,)) + payload[i:i + p.MAX_PAYLOAD - 1])
+                                            for i in range(0, size, p.MAX_PAYLOAD - 1)]
+    os.close(r)
