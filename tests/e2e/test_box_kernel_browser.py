@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -41,10 +42,15 @@ CELLS = [
 ]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server(signer, tmp_path_factory):
     """A Jupyter server (JupyterLab 4 and Notebook 7) whose kernels find the shipped `tkbox` kernelspec."""
-    from test_widgets_browser import _free_port
     root = tmp_path_factory.mktemp("boxlab")
     for ui in ("lab", "nb7"):
         nb = nbformat.v4.new_notebook()
