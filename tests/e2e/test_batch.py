@@ -89,8 +89,8 @@ def still_running(marker: Path) -> list[str]:
 def check_results(results: list[BatchResult], originals: list[Path], out_dir: Path) -> None:
     assert [r.bundle for r in results] == [str(p) for p in originals]  # each once, in the order given
     statuses = [r.status for r in results]
-    assert statuses == ["different" if i == ALTERED else "equivalent" for i in range(N)], \
-        [(r.bundle, r.status, r.reason) for r in results]
+    expected = ["different" if i == ALTERED else "equivalent" for i in range(N)]
+    assert statuses == expected, [(i, r.status, r.reason) for i, r in enumerate(results) if r.status != expected[i]]
     kinds = [(c.args["kind"], (c.result or {}).get("exit_code")) for c in open_run(results[COMMANDS].new_bundle)
              .crossings() if c.door == "exec"]
     assert kinds == [("command", 0), ("cell", None), ("command", 2)]  # the command run was rerun, in its order
