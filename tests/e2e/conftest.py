@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,3 +44,60 @@ def qemu_image():
     except TkboxError as e:
         pytest.skip(f"the guest image cannot be built here: {e}")
     return image
+
+
+# -- the browser tests: a Jupyter server on loopback, headless Chromium from Debian driven by Playwright --------------
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+JUPYTER_LAB = Path(sys.executable).parent / "jupyter-lab"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def jupyter_lab(root: Path, env: dict[str, str] | None = None):
+    """JupyterLab 4 (and, where installed, Notebook 7) serving `root` on loopback: yields (base URL, token)."""
+    port, token = free_port(), os.urandom(16).hex()
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen(
+        [str(JUPYTER_LAB), "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.disable_check_xsrf=True",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, stdout=log, stderr=log, start_new_session=True,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter"), "JUPYTER_RUNTIME_DIR": str(root / ".runtime"),
+             **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                break
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("the Jupyter server did not start: " + (root / "server.log").read_text()[-2000:])
+        yield base, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()

@@ -10,12 +10,7 @@ Screenshots under out/test-artifacts/.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
@@ -23,13 +18,13 @@ import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
-VENV_BIN = Path(sys.executable).parent
 
 pytestmark = [
-    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and (VENV_BIN / "jupyter-lab").exists()),
+    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
                        reason="needs Debian's chromium and jupyterlab (make test installs both)"),
     pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
 ]
@@ -42,12 +37,6 @@ CELLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(signer, tmp_path_factory):
     """A Jupyter server (JupyterLab 4 and Notebook 7) whose kernels find the shipped `tkbox` kernelspec."""
@@ -57,46 +46,8 @@ def server(signer, tmp_path_factory):
         nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
         nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
         nbformat.write(nb, root / f"box-{ui}.ipynb")
-    port, token = _free_port(), os.urandom(16).hex()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "jupyter-lab"), "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.news_url=",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--ServerApp.disable_check_xsrf=True",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, stdout=log, stderr=log, start_new_session=True,
-        env={**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter"), "JUPYTER_RUNTIME_DIR": str(root / ".rt"),
-             "JUPYTER_PATH": str(ROOT), "TKBOX_BUNDLE_DIR": str(root / "bundles")})
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        if proc.poll() is not None:
-            break
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("the Jupyter server did not start: " + (root / "server.log").read_text()[-2000:])
-    yield base, token
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-    log.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
+    with jupyter_lab(root, {"JUPYTER_PATH": str(ROOT), "TKBOX_BUNDLE_DIR": str(root / "bundles")}) as served:
+        yield served
 
 
 def _run_cell(page, index: int) -> None:
@@ -104,6 +55,13 @@ def _run_cell(page, index: int) -> None:
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
     cell.locator(".jp-InputArea-editor").click()
     page.keyboard.press("Shift+Enter")
+
+
+def _wait_for_output(page, index: int, text: str) -> None:
+    """Until cell `index`'s output (not its source, which holds the same words) shows `text`."""
+    page.wait_for_function("([i, t]) => { const o = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+                           ".querySelector('.jp-OutputArea'); return !!o && o.innerText.includes(t); }",
+                           arg=[index, text], timeout=60_000)
 
 
 def _output_text(page, index: int) -> str:
@@ -143,13 +101,11 @@ def _drive(page, ui: str) -> None:
                            timeout=30_000)
     time.sleep(0.5)
     _run_cell(page, 1)
-    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell')[1].innerText.includes('slider is')",
-                           timeout=60_000)
+    _wait_for_output(page, 1, "slider is")
     assert "slider is 7" in _output_text(page, 1)
 
     _run_cell(page, 2)
-    page.wait_for_function("document.querySelectorAll('.jp-Notebook .jp-Cell')[2].innerText.includes('after the')",
-                           timeout=60_000)
+    _wait_for_output(page, 2, "after the")
     cleared = _output_text(page, 2)
     assert "after the clear" in cleared and "to be cleared" not in cleared
 

@@ -7,30 +7,20 @@ copy shows the failing row. Screenshots of both are kept under out/test-artifact
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 from conftest import record_run, tamper_content
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
 
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and shutil.which("jupyter-lab", path=str(
-    Path(sys.executable).parent))), reason="needs Debian's chromium and jupyterlab (make test installs both)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
+                                reason="needs Debian's chromium and jupyterlab (make test installs both)")
 
 
 @pytest.fixture(scope="module")
@@ -46,46 +36,8 @@ def lab(signer, tmp_path_factory):
         nb.cells = [nbformat.v4.new_code_cell(f"import tkbox_nb\ntkbox_nb.view({name + '.tkb'!r}, "
                                               f"trust={str(signer.trust_path)!r})")]
         nbformat.write(nb, root / f"{name}.ipynb")
-    port, token = _free_port(), os.urandom(16).hex()
-    log = open(root / "lab.log", "wb")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter-lab"), "--no-browser", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--ServerApp.disable_check_xsrf=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, stdout=log, stderr=log, env={**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter"),
-                                                "JUPYTER_RUNTIME_DIR": str(root / ".runtime")},
-        start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        if proc.poll() is not None:
-            break
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("JupyterLab did not start: " + (root / "lab.log").read_text()[-2000:])
-    yield base, token
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-    log.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
+    with jupyter_lab(root) as server:
+        yield server
 
 
 def _open_and_filter(browser, lab, notebook: str):

@@ -13,16 +13,15 @@ What happens to each request from the frontend:
 - kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on). shutdown: the box stops and its
   bundle is written, then the process exits; a restart is a new process, so a new box and a new run.
 
-The box and its kernel start in the background as this kernel starts (NotebookBox.start_early), so the first cell
-does not wait for them; a first cell that changes the policy or binds a secret gets a box started for it instead. A
-box that breaks the protocol is ended; the cell shows why, and the
-next cell starts a fresh box (a new run).
+The box and its kernel start in the background as this kernel starts (kernel/__main__.py, NotebookBox.start_early),
+so the first cell does not wait for them; a first cell that changes the policy or binds a secret gets a box started
+for it instead. A box that breaks the protocol is ended; the cell shows why, and the next cell starts a fresh box (a
+new run).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import sys
@@ -404,8 +403,6 @@ def main(argv: list[str] | None = None, nb: NotebookBox | None = None) -> int:
     p.add_argument("-f", "--connection-file", required=True)
     a = p.parse_args(argv)
     kernel = TkboxKernel(a.connection_file, nb)
-    if nb is None and os.environ.get("TKBOX_EARLY_BOX", "1") != "0":
-        kernel.nb.start_early()  # the box and its kernel start while the frontend connects (never blocking it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages (kernel.json interrupt_mode)
 
     def on_term(signum, frame):
