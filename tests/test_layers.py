@@ -5,9 +5,9 @@ under `if TYPE_CHECKING:` (a type is still something the module must be read wit
 layer or a lower one, and no modules may import each other in a circle, even within a layer. Importing a submodule
 also runs its package's `__init__`; that is Python's doing and is not counted as an edge.
 
-The imports that break this today are listed in KNOWN_VIOLATIONS, each with why and who removes it. The list is
-meant to shrink: an entry whose import is gone, or no longer breaks the order or closes a circle, fails the test, so
-it is taken out when it is fixed.
+No import breaks this today: KNOWN_VIOLATIONS, where one would be listed with why and who removes it, is empty
+(issue 24 emptied it). An entry whose import is gone, or no longer breaks the order or closes a circle, fails the
+test, so an entry is taken out when it is fixed.
 """
 
 from __future__ import annotations
@@ -32,25 +32,20 @@ LAYERS: list[tuple[str, list[str]]] = [
         "tkbox_nb.doors.model_request", "tkbox_nb.doors.model_usage", "tkbox_nb.doors.box_ca",
         "tkbox_nb.patch_diff"]),
     ("records", ["tkbox_nb.signer", "tkbox_nb.recorder", "tkbox_nb.central_signer", "tkbox_nb.bundle",
-                 "tkbox_nb.verify", "tkbox_nb.scratch", "tkbox_nb.signer_lanes", "tkbox_nb.tree_digest",
-                 "tkbox_nb.run_recovery"]),
+                 "tkbox_nb.verify", "tkbox_nb.run", "tkbox_nb.scratch", "tkbox_nb.signer_lanes",
+                 "tkbox_nb.tree_digest", "tkbox_nb.run_recovery"]),
     ("backends", ["tkbox_nb.backends"]),
     ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_messages", "tkbox_nb.notebook_box"]),
-    ("audit", ["tkbox_nb.run", "tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
+    ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
     ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.widgets"]),
     ("CLI and the package", ["tkbox_nb.cli", "tkbox_nb.cli_box", "tkbox_nb.cli_patch", "tkbox_nb.cli_replay",
                              "tkbox_nb.demo", "tkbox_nb"]),
 ]
 
-# (importer, imported): why it is here and who takes it out. Each must still exist and still break the rule.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # What issue 24 left, all around run (audit layer): docs/layers.md, "What the allowlist still holds".
-    ("tkbox_nb.doors.model_replay", "tkbox_nb.run"): "model replay reads recordings with open_run; run -> replay "
-                                                     "-> notebook_box -> box -> model_replay closes a circle",
-    ("tkbox_nb.run", "tkbox_nb.widgets"): "Run._ipython_display_ and _repr_html_ import widgets, which import run",
-    ("tkbox_nb.run", "tkbox_nb.replay"): "Run.to_notebook imports replay, which reads bundles with open_run",
-}
+# (importer, imported): why it is here and who takes it out. Each must still exist and still break the rule. Empty:
+# keep it so, by moving code to the layer it belongs in rather than listing an import here.
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

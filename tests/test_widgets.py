@@ -91,3 +91,17 @@ def test_widget_filters_render_and_verify_in_a_thread(bundle):
 def test_static_html_escapes_everything_from_the_bundle(bundle):
     page = static_html(RunView(bundle).run)
     assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)" in page
+
+
+def test_a_run_left_last_in_a_cell_shows_this_view_and_makes_its_notebook(bundle, monkeypatch):
+    """run.py does not import widgets or replay (they read runs: docs/layers.md); the package hands them to Run."""
+    import IPython.display
+
+    from tkbox_nb import open_run
+    run = open_run(bundle)
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    run._ipython_display_()
+    assert [type(s).__name__ for s in shown] == ["ViewBox"] and shown[0].static == static_html(run)
+    assert run._repr_html_() == static_html(run) and "tkbox-summary" in run._repr_html_()
+    assert any("x = 1" in c.source for c in run.to_notebook().cells)

@@ -4,13 +4,34 @@ from ._version import __version__
 from .errors import BundleError, DoorRefused, PolicyError, SignerError, TkboxError
 from .box import Box, BoxEnded, CellResult, CommandResult
 from .policy import Policy
-from .run import Run, open_run
+from .run import Run, RunViews, open_run
 
 
 def view(run_or_path, trust=None):
     """An ipywidgets view of one run: summary, timeline, filterable table, details and a Verify button."""
     from .widgets import view as _view
     return _view(run_or_path, trust=trust)
+
+
+def _display_run(run):
+    from .widgets import display_run
+    display_run(run)
+
+
+def _run_html(run):
+    from .widgets import static_html
+    return static_html(run)
+
+
+def _run_notebook(run):
+    from .replay import to_notebook
+    return to_notebook(run)
+
+
+# A Run is read below the modules that show it (widgets) and make it a notebook (replay), as they read runs: the top
+# of the package hands them in (docs/layers.md). They are imported when first used: replay brings nbformat, which
+# takes seconds to import.
+Run.views = RunViews(display=_display_run, html=_run_html, notebook=_run_notebook)
 
 
 def load_ipython_extension(ip):  # `%load_ext tkbox_nb`

@@ -1,17 +1,20 @@
 """A signed run read back from its `.tkb`: records, crossings, a DataFrame, verification.
 
 `open_run` only parses (through the bundle module's strict reader); it does not vouch for anything. Call `verify()`
-before trusting what the run shows.
+before trusting what the run shows. Its views (the widget view, the static HTML, the notebook) are made above it, by
+widgets and replay, and handed in by the package (`RunViews`).
 """
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .bundle import BundleContents, parse, read_bundle_file
+from .errors import BundleError, TkboxError
 
 DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
                 "box.secret": "secrets", "box.model": "model", "box.patch": "patch", "box.host": "host"}
@@ -37,8 +40,21 @@ class Crossing:
         return door if isinstance(door, str) and door else DOOR_OF_TOOL.get(self.tool, self.tool)
 
 
+@dataclass(frozen=True)
+class RunViews:
+    """How a run is shown in a notebook and turned into one. The widgets and replay modules do that, and they read
+    runs, so they sit above this module and are not imported from it (docs/layers.md): the top of the package,
+    tkbox_nb/__init__.py, which any import of a tkbox_nb module runs first, hands them in as `Run.views`."""
+
+    display: Callable[[Run], None]
+    html: Callable[[Run], str]
+    notebook: Callable[[Run], Any]
+
+
 class Run:
     """One box's run, as its bundle holds it."""
+
+    views: ClassVar[RunViews | None] = None
 
     def __init__(self, path: str | Path, contents: BundleContents):
         self.path = Path(path)
@@ -67,7 +83,6 @@ class Run:
     def key_id(self) -> str:
         """The record-signing key's id (sha256 of its public key), from the signer's epoch record in the bundle."""
         from .bundle import loads_jsonl
-        from .errors import BundleError
         try:
             for r in loads_jsonl(self._b.files.get("keys/records.jsonl", b""), "keys/records.jsonl"):
                 keys = ((r.get("event") or {}).get("data") or {}).get("keys") if isinstance(r, dict) else None
@@ -79,17 +94,11 @@ class Run:
 
     def _ipython_display_(self) -> None:
         """In a kernel with widgets, the interactive view (tkbox_nb.view); elsewhere the static HTML."""
-        from IPython.display import HTML, display
-        try:
-            from .widgets import view
-            display(view(self))
-        except ImportError:
-            display(HTML(self._repr_html_()))
+        self._views().display(self)
 
     def _repr_html_(self) -> str:
         """A static view (summary and the first rows), for nbconvert and GitHub, where widgets do not run."""
-        from .widgets import static_html
-        return static_html(self)
+        return self._views().html(self)
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id} {self.box.get('backend', '?')} {len(self.crossings())} crossings>"
@@ -169,8 +178,12 @@ class Run:
 
     def to_notebook(self):
         """The run as a notebook: each cell's code and recorded outputs, host magics as host events (replay.py)."""
-        from .replay import to_notebook
-        return to_notebook(self)
+        return self._views().notebook(self)
+
+    def _views(self) -> RunViews:
+        if self.views is None:
+            raise TkboxError("a Run's views are handed in by tkbox_nb/__init__.py, which has not run to its end")
+        return self.views
 
     def verify(self, trust: str | Path | None = None):
         from .verify import verify_bundle

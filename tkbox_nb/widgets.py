@@ -315,3 +315,13 @@ def _view_box(children):
 def view(run_or_path: Run | str | Path, trust: str | Path | None = None, page_size: int = PAGE_SIZE):
     """The widget view of one run (display it, or leave it last in a cell)."""
     return RunView(run_or_path, page_size=page_size, trust=trust).build()
+
+
+def display_run(run: Run) -> None:
+    """How a Run left last in a cell shows (`Run._ipython_display_`, handed in by tkbox_nb/__init__.py): in a kernel
+    with widgets, the interactive view; elsewhere the static HTML."""
+    from IPython.display import HTML, display
+    try:
+        display(view(run))
+    except ImportError:
+        display(HTML(static_html(run)))

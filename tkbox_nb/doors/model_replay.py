@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TkboxError
+from ..run import Run, open_run
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Recordings:
             return left.popleft() if left else None
 
 
-def recordings_from_run(run) -> Recordings:
+def recordings_from_run(run: Run) -> Recordings:
     """The model responses a run disclosed (a Run from `open_run`; verify it before calling this)."""
     entries: dict[tuple[str, str, str], list[Recorded]] = defaultdict(list)
     for c in run.crossings():
@@ -65,7 +66,6 @@ def recordings_from_run(run) -> Recordings:
 
 def recordings_from_bundle(path: str | Path, trust: str | Path | None = None) -> Recordings:
     """Verify the bundle, then read its recordings; TkboxError (one line) when it does not verify."""
-    from ..run import open_run
     from ..verify import verify_bundle
     report = verify_bundle(path, trust)
     if not report.valid:
