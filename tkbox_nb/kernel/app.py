@@ -60,8 +60,10 @@ class TkboxKernel:
                                username="tkbox")
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
+        # iopub is an XPUB, as ipykernel's: a frontend's subscription is seen, and answered with `iopub_welcome`
+        # (JEP 65), so a client that waits for iopub to be connected does not time out on a PUB's lost first status
         for name, kind in (("shell", zmq.ROUTER), ("control", zmq.ROUTER), ("stdin", zmq.ROUTER),
-                           ("iopub", zmq.PUB)):
+                           ("iopub", zmq.XPUB)):
             s = self.ctx.socket(kind)
             s.linger = 1000
             s.bind(_url(info, name + "_port"))
@@ -79,6 +81,7 @@ class TkboxKernel:
         self.execution_count = 0
         self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
+        self.welcomed = False  # an iopub subscription has been answered
         self.kernel = None
         self._iopub_lock = threading.Lock()  # host widgets publish from other threads (the view's Verify)
         self._comm_parent: dict | None = None  # the frontend message a host comm's messages answer
@@ -130,7 +133,10 @@ class TkboxKernel:
         poller.register(self.wake, zmq.POLLIN)
         self.publish_status("starting", None)
         while self.running:
-            for sock, _ in poller.poll(500):
+            self._welcome()
+            # until a frontend has subscribed, look for its subscription often (it comes on iopub, which is not
+            # polled here: other threads publish on it, under the lock)
+            for sock, _ in poller.poll(500 if self.welcomed else 10):
                 if sock is self.wake:
                     sock.recv()
                     self._drain_box()
@@ -147,6 +153,19 @@ class TkboxKernel:
                     self._log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
             self._check_deadlines()
         self.close()
+
+    def _welcome(self) -> None:
+        """Answer each new iopub subscription with `iopub_welcome`, as ipykernel does."""
+        iopub = self.sockets["iopub"]
+        with self._iopub_lock:
+            while True:
+                try:
+                    frame = iopub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if frame[:1] == b"\x01":
+                    self.welcomed = True
+                    self.session.send(iopub, "iopub_welcome", {"subscription": frame[1:].decode("utf-8", "replace")})
 
     def _log(self, text: str) -> None:
         sys.stderr.write(f"[tkbox kernel] {text}\n")
