@@ -133,13 +133,13 @@ def send_patch(door, sid):
 def serve(sock):
     door = Door(sock)
     commands, kernels, readers = {}, {}, {}
+    if os.environ.get("TKBOX_KERNEL_EARLY") == "1":  # first: the kernel's imports are the longest part of its start
+        from . import zygote
+        zygote.start_early()
     hello = door.session.open()
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
-    if os.environ.get("TKBOX_KERNEL_EARLY") == "1":
-        from . import zygote
-        zygote.start_early()
     forwarders = []  # the egress proxy and the model endpoint: each connection to either is a stream it opens
     from .forwarder import Forwarder
     for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model")):

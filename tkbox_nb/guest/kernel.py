@@ -1,7 +1,8 @@
 """The in-box Jupyter kernel: a real ipykernel in the box, its messages carried over one door stream.
 
 Imported only when the host opens a kernel stream, so the agent itself stays standard-library only: this part needs
-ipykernel (and with it pyzmq and jupyter_client) in the box's Python, as any notebook kernel does. The kernel listens
+ipykernel (and with it pyzmq) in the box's Python, as any notebook kernel does; the wire format is jsession.py's (not
+jupyter_client's, whose import would compete with the kernel's own start). The kernel listens
 on IPC sockets in the box's own /tmp with a key made here; the
 host never learns it and never needs it, since it re-signs every message with the frontend's key after checking it.
 
@@ -37,11 +38,8 @@ class KernelBridge:
     """One ipykernel process in the box and the sockets that talk to it; messages go to and from the door."""
 
     def __init__(self, door, sid):
-        import zmq
-        from jupyter_client.jsonutil import json_default
-        from jupyter_client.session import Session
+        from .jsession import Session
 
-        self.zmq, self.json_default = zmq, json_default
         self.door, self.sid = door, sid
         self.session = Session(key=secrets.token_hex(32).encode(), username="box")
         # IPC sockets in a private directory of the box's own /tmp: no port to race for, no TCP at all
@@ -60,12 +58,16 @@ class KernelBridge:
         self.proc = zygote.take(env, cwd, self.conn_path) or subprocess.Popen(
             [sys.executable, "-m", "ipykernel_launcher", "-f", self.conn_path], env=env, cwd=cwd,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        import zmq  # after the kernel's start: its imports go on while this one does
+
+        self.zmq = zmq
         self.ctx = zmq.Context()
         self.sockets = {}
         for name, kind in (("shell", zmq.DEALER), ("control", zmq.DEALER), ("stdin", zmq.DEALER),
                            ("iopub", zmq.SUB)):
             s = self.ctx.socket(kind)
             s.linger = 0
+            s.reconnect_ivl = 10  # the kernel binds its sockets after these connect: retry soon, not in 100 ms
             if kind == zmq.SUB:
                 s.setsockopt(zmq.SUBSCRIBE, b"")
             else:  # one identity, as jupyter_client does: the kernel sends input_request to the shell's identity
@@ -114,7 +116,7 @@ class KernelBridge:
         body = {"channel": channel, "header": msg["header"], "parent_header": msg["parent_header"],
                 "metadata": msg["metadata"], "content": msg["content"],
                 "buffers": [base64.b64encode(bytes(b)).decode() for b in msg.get("buffers") or []]}
-        data = json.dumps(body, default=self.json_default, separators=(",", ":")).encode("utf-8")
+        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
         self.door.send_data(self.sid, p.CH_MSG, p.MSG_HEADER.pack(len(data)) + data)
 
     def _pass_raw(self, channel, frames, out):
@@ -123,7 +125,7 @@ class KernelBridge:
         message's bytes are appended to `out`, which the loop sends when it has taken every message waiting; the
         count of them is returned (0 for a message dropped here)."""
         try:
-            _, msg_list = self.session.feed_identities(frames, copy=True)
+            _, msg_list = self.session.feed_identities(frames)
         except ValueError:
             return 0
         if len(msg_list) < 5:
@@ -217,8 +219,8 @@ class KernelBridge:
                         continue
                     frames = sock.recv_multipart(copy=True)
                     try:
-                        _, msg_list = self.session.feed_identities(frames, copy=True)
-                        msg = self.session.deserialize(msg_list, content=True, copy=True)
+                        _, msg_list = self.session.feed_identities(frames)
+                        msg = self.session.deserialize(msg_list)
                     except Exception:  # not the kernel's: nothing else speaks on these sockets, drop it
                         continue
                     parent = msg["parent_header"].get("msg_id")
@@ -231,7 +233,11 @@ class KernelBridge:
                             iopub_seen = True
                         self._maybe_ready(info, iopub_seen, stdin_met)
                         continue
+                    if name == "iopub" and msg["header"]["msg_type"] == "stream" and not parent:
+                        continue  # the kernel's own start on its stderr (debugpy's warnings): no cell's output
                     if name == "iopub" and msg["header"]["msg_type"] == "iopub_welcome":
+                        iopub_seen = True  # subscribed: the kernel's iopub reaches the bridge from now on
+                        self._maybe_ready(info, iopub_seen, stdin_met)
                         continue
                     self._to_host(name, msg)
                 if out:

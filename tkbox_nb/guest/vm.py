@@ -150,8 +150,9 @@ def main():
     if "tkbox.warm=1" in cmdline.split():
         from . import agent, forwarder, protocol, zygote  # noqa: F401 -- imported in the template, before the snapshot
         if zygote.start():  # ipykernel imported ahead, in the zygote and (for the kernel bridge) here
-            import jupyter_client.session  # noqa: F401
             import zmq  # noqa: F401
+
+            from . import jsession, kernel  # noqa: F401
         fd = os.open(find_port(), os.O_RDWR | os.O_CLOEXEC)
         warm_wait(fd)
         mount_box(cfg_dev)
