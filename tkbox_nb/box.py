@@ -125,6 +125,7 @@ class Box:
         else:
             self.ca = None
         self._lock = threading.RLock()
+        self.spawned = threading.Event()  # set once start() has spawned the box's processes, or has failed
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def __enter__(self) -> "Box":
@@ -139,6 +140,12 @@ class Box:
         return self.recorder.run_id if self.recorder else None
 
     def start(self) -> "Box":
+        try:
+            return self._start()
+        finally:
+            self.spawned.set()
+
+    def _start(self) -> "Box":
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
@@ -162,6 +169,7 @@ class Box:
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
                 env=self._box_env(), ca_bundle=self.ca.trust_bundle() if self.ca else None))
+            self.spawned.set()
             for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
                 c = self.recorder.decide("secrets", "bind", {
                     "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,

@@ -80,6 +80,13 @@ class NotebookBox:
             box.kernel_early = True
             self._early = EarlyBox(box, self.policy.hash)
 
+    def wait_spawned(self, timeout: float) -> None:
+        """Wait, at most `timeout` seconds, until the early box's processes are spawned (or its start failed): the
+        kernel imports its own app after that, so that on a small machine the two do not share the CPU until the
+        box can start its kernel. A box that takes longer (a signer started cold, a VM) is not waited for."""
+        if self._early is not None:
+            self._early.box.spawned.wait(timeout)
+
     def ensure_box(self) -> Box:
         """The running box, started now if there is none (or the last one ended)."""
         if self.live:

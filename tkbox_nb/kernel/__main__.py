@@ -9,11 +9,16 @@ import sys
 
 from ..notebook_box import NotebookBox
 
+# the most the kernel's own imports wait for the box's processes to be spawned (docs/jupyter.md, "The first cell"):
+# the box's start is the longer way to the first cell's result; kernel_info is still answered without the box
+SPAWN_WAIT_S = 0.3
+
 nb = None
 if os.environ.get("TKBOX_EARLY_BOX", "1") != "0" and ({"-f", "--connection-file"} & set(sys.argv[1:])
                                                        or any(a.startswith("--connection-file=") for a in sys.argv)):
     nb = NotebookBox()
     nb.start_early()
+    nb.wait_spawned(SPAWN_WAIT_S)
 
 from .app import main  # noqa: E402  (after the box's start, on purpose)
 
