@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from jupyter_client.session import Session
 
 from .._version import __version__
 from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
+from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
 from .host_comms import HostComms
 
@@ -55,9 +55,9 @@ class TkboxKernel:
     def __init__(self, connection_file: str, nb: NotebookBox | None = None):
         with open(connection_file) as f:
             info = json.load(f)
-        self.session = Session(key=info["key"].encode(), signature_scheme=info.get("signature_scheme",
-                                                                                   "hmac-sha256"),
-                               username="tkbox")
+        # the wire format without jupyter_client, whose import (0.15 s) would slow the start (guest/jsession.py)
+        self.session = Session(info["key"].encode(), username="tkbox",
+                               signature_scheme=info.get("signature_scheme") or "hmac-sha256")
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         # iopub is an XPUB, as ipykernel's: a frontend's subscription is seen, and answered with `iopub_welcome`
@@ -142,10 +142,11 @@ class TkboxKernel:
                     self._drain_box()
                     continue
                 name = next(n for n, s in self.sockets.items() if s is sock)
-                idents, msg_list = self.session.feed_identities(sock.recv_multipart(copy=True), copy=True)
+                frames = sock.recv_multipart(copy=True)
                 try:
-                    msg = self.session.deserialize(msg_list, content=True, copy=True)
-                except Exception:  # a bad signature: not from our frontend
+                    idents, msg_list = self.session.feed_identities(frames)
+                    msg = self.session.deserialize(msg_list)
+                except Exception:  # malformed, or a bad signature: not from our frontend
                     continue
                 try:
                     self._dispatch(name, idents, msg)
@@ -401,8 +402,8 @@ class TkboxKernel:
         while True:
             if not stdin.poll(300_000):
                 raise TkboxError("%box_secret: no answer to the prompt")
-            _, msg_list = self.session.feed_identities(stdin.recv_multipart(), copy=True)
-            reply = self.session.deserialize(msg_list, content=True)
+            _, msg_list = self.session.feed_identities(stdin.recv_multipart())
+            reply = self.session.deserialize(msg_list)
             if reply["header"]["msg_type"] == "input_reply":
                 return str(reply["content"].get("value", ""))
 
