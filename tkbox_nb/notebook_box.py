@@ -62,6 +62,7 @@ class NotebookBox:
         self.model_replay = None  # a rerun's model calls: Recordings of the original run (doors/model_replay.py)
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
         self._early: EarlyBox | None = None
+        self.early = False  # boxes start early (the Tracekit Box kernel): again after %box_restart
         self._release: threading.Event | None = None  # set once the box taken from an EarlyBox has stopped
 
     # -- the box -------------------------------------------------------------------------------------------------
@@ -75,6 +76,7 @@ class NotebookBox:
         Tracekit Box kernel calls this as it starts). The first cell that needs a box takes it if the notebook
         still asks for what it was started with (the same policy, no secret bound since); else it is stopped unused
         and a box is started for the cell, as without an early start."""
+        self.early = True
         if self.box is None and self._early is None:
             box = self._new_box(None)
             box.kernel_early = True
@@ -358,5 +360,10 @@ class HostMagics:
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")
-        return f"box stopped; its bundle: {path}. The next cell starts a new box." if path else \
-            "no box was running; the next cell starts one."
+        # where boxes start early, the next one starts now, in the background (not with secrets bound: the first
+        # cell would not take it, ensure_box)
+        early = self.nb.early and not self.nb.secrets and self.nb.replay_of is None
+        if early:
+            self.nb.start_early()
+        nxt = "a new box is starting in the background for the next cell" if early else "the next cell starts a new box"
+        return f"box stopped; its bundle: {path}. {nxt[0].upper()}{nxt[1:]}." if path else f"no box was running; {nxt}."

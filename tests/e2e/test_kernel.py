@@ -289,6 +289,26 @@ def test_the_box_starts_with_the_kernel_and_the_first_cell_takes_it(kernel_env):
     assert datetime.datetime.fromisoformat(crossings[0].time.replace("Z", "+00:00")) < before
 
 
+def test_box_restart_starts_the_next_box_in_the_background(kernel_env):
+    import datetime
+    c = Client()
+    try:
+        c.run("a = 1")
+        reply, outs = c.run("%box_restart")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert reply["status"] == "ok" and "starting in the background" in text
+        time.sleep(3)  # the frontend idles: the next box and its kernel start meanwhile
+        before = datetime.datetime.now(datetime.timezone.utc)
+        reply, outs = c.run("print(globals().get('a'))")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "None\n"}) in outs
+    finally:
+        c.stop()
+    runs = [open_run(b) for b in sorted(kernel_env.glob("*.tkb"))]
+    assert len(runs) == 2 and all(verify_bundle(r.path).valid for r in runs)
+    second = next(r for r in runs if any(x.door == "host" for x in r.crossings()))  # %box_restart is recorded there
+    assert datetime.datetime.fromisoformat(second.crossings()[0].time.replace("Z", "+00:00")) < before
+
+
 def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, tmp_path, monkeypatch):
     policy = tmp_path / "fc.toml"
     policy.write_text('[box]\nbackend = "firecracker"\n')
