@@ -2,9 +2,10 @@
 (kernel/app.py) need: standard library only.
 
 Both once used jupyter_client's Session; importing jupyter_client takes about 0.15 s of CPU, which at a kernel's start
-competes with the box and the ipykernel being started (docs/jupyter.md, "The first result"). This is the same format
-(the messaging spec's "The wire protocol"): [identities..., DELIM, HMAC, header, parent_header, metadata, content,
-buffers...], the HMAC of the four JSON parts under the connection file's key and signature scheme (no key: unsigned).
+competes with the box and the ipykernel being started (docs/jupyter.md, "Start to the first result"). This is the same
+format (the messaging spec's "The wire protocol"): [identities..., DELIM, HMAC, header, parent_header, metadata,
+content, buffers...], the HMAC of the four JSON parts under the connection file's key and signature scheme (no key:
+unsigned).
 Messages read keep their headers' dates as the strings they were (nothing here parses them); a signature seen
 before is refused, as jupyter_client refuses it.
 """

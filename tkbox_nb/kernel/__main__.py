@@ -1,7 +1,7 @@
 """`python -m tkbox_nb.kernel -f CONNECTION_FILE`: what kernel.json starts.
 
-The notebook's box starts first, in the background, before the kernel's own imports (zmq, jupyter_client: a third
-of a second), so that the box and the ipykernel inside it are ready as soon as possible after the frontend connects.
+The notebook's box starts first, in the background, before the kernel's own imports (zmq and the app), so that the
+box and the ipykernel inside it are ready as soon as possible after the frontend connects.
 """
 
 import os
@@ -9,8 +9,8 @@ import sys
 
 from ..notebook_box import NotebookBox
 
-# the most the kernel's own imports wait for the box's processes to be spawned (docs/jupyter.md, "The first cell"):
-# the box's start is the longer way to the first cell's result; kernel_info is still answered without the box
+# the most the kernel's own imports wait for the box's processes to be spawned (docs/jupyter.md, "Start to the
+# first result"): the box's start is the longer way to the first cell's result; kernel_info never waits for the box
 SPAWN_WAIT_S = 0.3
 
 nb = None
