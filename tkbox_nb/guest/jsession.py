@@ -12,6 +12,7 @@ before is refused, as jupyter_client refuses it.
 
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import uuid
@@ -53,7 +54,7 @@ class Session:
         self.session = str(uuid.uuid4())
         self.bsession = self.session.encode("ascii")
         self.pid = os.getpid()
-        self._count = 0
+        self._count = itertools.count(1)  # next() is atomic: messages are made on several threads
         self._seen = set()
         self._seen_order = deque()
 
@@ -66,8 +67,7 @@ class Session:
         return h.hexdigest().encode("ascii")
 
     def msg_header(self, msg_type):
-        self._count += 1
-        return {"msg_id": "%s_%d_%d" % (self.session, self.pid, self._count), "msg_type": msg_type,
+        return {"msg_id": "%s_%d_%d" % (self.session, self.pid, next(self._count)), "msg_type": msg_type,
                 "username": self.username, "session": self.session, "date": now(), "version": PROTOCOL_VERSION}
 
     def msg(self, msg_type, content=None, parent=None, metadata=None):
