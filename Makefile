@@ -24,7 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The package's modules compiled, as a non-editable pip install has them: with PYTHONDONTWRITEBYTECODE set (as on
+# these machines) a kernel start would otherwise compile every tkbox_nb module twice, on the host and in the box.
 venv: system $(VENV)/.installed
+	@$(PY) -m compileall -q tkbox_nb
 
 test: venv
 	$(PY) -m pytest -q tests
