@@ -115,7 +115,7 @@ class RunRecorder:
             self._client.close()
             raise SignerError(f"the signer refused to open a run: {e}") from None
         self.run_id = self._run.run_id
-        self._lanes = RunLanes(self.signer.client, self.run_id, self._run.run_token, first=self._client)
+        self._lanes = RunLanes(_lane_client(self.signer), self.run_id, self._run.run_token, first=self._client)
         self.spool = self.signer.runs_dir / self.run_id
         self.spool.mkdir(mode=0o700, parents=True)
         self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
@@ -168,7 +168,7 @@ class RunRecorder:
         rec.bundle_hint = Path(handle["bundle_hint"]) if handle.get("bundle_hint") else None
         rec._client = signer.client()
         rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
-        rec._lanes = RunLanes(signer.client, handle["run_id"], handle["run_token"], first=rec._client)
+        rec._lanes = RunLanes(_lane_client(signer), handle["run_id"], handle["run_token"], first=rec._client)
         rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
         seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
                 if line.strip() for e in [json.loads(line)]]
@@ -415,6 +415,12 @@ class RunRecorder:
             self._spool_file.flush()
         self._write_box_manifest()
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
+
+
+def _lane_client(signer):
+    """What makes one lane's connection: the signer's own lane client where it has one (the machine signer's Unix
+    socket), else its Tracekit client (the central signer, over HTTPS)."""
+    return getattr(signer, "lane_client", signer.client)
 
 
 def _now() -> str:

@@ -219,6 +219,11 @@ class MachineSigner:
         from tracekit.sdk.client import Client
         return Client(signer=str(self.socket_path), timeout=timeout)
 
+    def lane_client(self, timeout: float = DECIDE_TIMEOUT_S):
+        """A connection for one lane of a run (signer_lanes.py): one call at a time, on the calling thread."""
+        from .signer_lanes import DirectClient
+        return DirectClient(str(self.socket_path), timeout)
+
     # -- identity ------------------------------------------------------------------------------------------------
     def _ensure_trust(self) -> None:
         if not self.trust_path.exists():

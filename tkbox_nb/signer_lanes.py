@@ -23,9 +23,12 @@ the signer on any lane becomes its signed `client_counter_gap`, as it would with
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Callable
 
 from .errors import SignerError
@@ -39,6 +42,90 @@ def _fields(method: str) -> tuple[bool, bool]:
     from tracekit.signer.rpc_schema import REQUESTS
     props = REQUESTS[method]["properties"]
     return "run_token" in props, "client_seq" in props
+
+
+class DirectClient:
+    """One lane's connection to a signer on a Unix socket: one call at a time, sent and answered on the calling thread.
+
+    Tracekit's `Client` pipelines any number of threads' calls over one connection, so each call goes through its
+    writer thread and comes back through its reader thread and a Future: three threads and their hand-offs for every
+    call. A lane never has two calls in flight, so it needs none of that; in the box's process those hand-offs cost
+    as much CPU as the rest of the crossing and compete with the signer for the same cores. This speaks the same
+    frames on the same socket with Tracekit's own pieces: `connect` (its `hello` and protocol check), the signer's
+    frame limit, `read_frame`; a `request_id` per state-changing call, and a call whose connection drops is sent again
+    with the same id on a new one (as Tracekit's client does; the signer answers a repeated id with its first answer).
+    The signer checks every frame itself: nothing here is trusted more than the Tracekit client was."""
+
+    RETRIES = 3
+
+    def __init__(self, path: str, timeout: float):
+        self.path, self.timeout = path, timeout
+        self._sock = self._rfile = None
+        self._closed = False
+        self._timeout: float | None = None  # the timeout the socket has now
+        self.hello: dict | None = None
+
+    def _connect(self) -> None:
+        from tracekit.sdk.client import connect
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a signer of another Tracekit version: its hello says so, as before
+            self._sock, self._rfile, self.hello = connect(self.path)
+
+    def call(self, method: str, req: dict) -> dict:
+        from tracekit.sdk.client import SignerUnavailable
+        from tracekit.signer.quotas import MAX_LINE
+        from tracekit.signer.rpc_schema import REQUESTS, RPCError
+        from tracekit.transport import read_frame
+        if "request_id" in REQUESTS[method]["properties"] and "request_id" not in req:
+            req = dict(req, request_id=uuid.uuid4().hex)
+        try:
+            data = json.dumps({"method": method, **req}, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        except (TypeError, ValueError) as e:
+            raise RPCError("invalid_request", f"the {method} request is not JSON: {e}") from None
+        if len(data) > MAX_LINE + 1:
+            raise RPCError("quota_exceeded", f"the {method} request is {len(data) - 1} bytes, over the signer's limit")
+        lost = None
+        for _ in range(self.RETRIES):
+            if self._closed:  # closed under a call in flight: never connect again
+                raise SignerUnavailable("the lane is closed")
+            try:
+                if self._sock is None:
+                    self._connect()
+                    self._timeout = None
+                if self._timeout != self.timeout:
+                    self._timeout = self.timeout
+                    self._sock.settimeout(self._timeout)
+                self._sock.sendall(data)
+                reply = read_frame(self._rfile)
+            except socket.timeout:
+                self.close()  # its answer may still come: this connection can never be read in step again
+                raise SignerUnavailable(f"no answer from the signer within {self.timeout:g}s") from None
+            except (OSError, RPCError) as e:  # the connection dropped (or its answer did not frame): send it again
+                lost, reply = e, None
+            if reply is None:
+                self._drop()
+                lost = lost or "the signer closed the connection"
+                continue
+            if "error" in reply:
+                e = reply["error"]
+                raise RPCError(e.get("code"), e.get("message", ""), e.get("retry_after_ms"))
+            return reply
+        raise SignerUnavailable(f"lost the connection to the signer {self.RETRIES} times (last: {lost})")
+
+    def status(self, req: dict) -> dict:
+        return self.call("status", req)
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        sock, self._sock, self._rfile = self._sock, None, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
 
 class _Lane:
