@@ -280,8 +280,10 @@ class RunRecorder:
         crossing.decision_id = reply["decision_id"]
         crossing.run_seq = reply.get("run_seq")
         if crossing.decision == "allow":  # the digest the signer's commitment opens to, which `complete` must name
-            from tracekit.format.canon import event_hash, loads_strict
-            crossing.args_digest = event_hash({"tool": tool, "args": loads_strict(raw)})
+            # json.loads, not Tracekit's loads_strict (4x slower here): an allow means the signer parsed `raw` with
+            # loads_strict, and for text it accepts both give the same value, so the same JCS digest
+            from tracekit.format.canon import event_hash
+            crossing.args_digest = event_hash({"tool": tool, "args": json.loads(raw)})
         with self._lock:
             self.counts[(door, crossing.decision)] = self.counts.get((door, crossing.decision), 0) + 1
         crossing.reason = reply.get("reason", verdict.reason)
