@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
 
+import pytest
 from conftest import VENV_BIN
+from tracekit.sdk.client import SignerUnavailable
 
 from tkbox_nb.policy import Policy
 from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder
 from tkbox_nb.run_recovery import recover_orphans
 from tkbox_nb.run import open_run
-from tkbox_nb.signer_lanes import LIMIT
+from tkbox_nb.signer_lanes import LIMIT, DirectClient
 from tkbox_nb.verify import verify_bundle
 
 BOX = {"backend": "none", "isolation": "none", "image_digest": "none"}
@@ -41,6 +44,7 @@ def test_a_batch_of_mixed_crossings_each_pass_on_their_own_decision(signer, tmp_
     argvs = [["ls", str(i)] if i % 3 else ["curl", str(i)] for i in range(96)]
     crossings = rec.decide_many([("exec", "command", {"argv": argv}, None) for argv in argvs])
     assert rec._lanes.opened > 1  # really in flight together, over several connections
+    assert all(isinstance(lane.client, DirectClient) for lane in rec._lanes._lanes[1:])  # no pipelining client
     done = rec.complete_many([(c, "ok", {"exit_code": 0}, {"stdout": c.call_id.encode()})
                               for c in crossings if c.allowed])
     assert all(done) and not rec.broken
@@ -61,6 +65,16 @@ def test_a_batch_of_mixed_crossings_each_pass_on_their_own_decision(signer, tmp_
             assert c.decision_id in completed
         else:
             assert c.rule_ids == ["TKB-POLICY-DENY"] and c.decision_id not in completed
+
+
+def test_a_lane_sends_again_on_a_dropped_connection_and_never_connects_once_closed(signer):
+    lane = signer.lane_client()
+    lane.status({})
+    lane._sock.shutdown(socket.SHUT_RDWR)  # the connection drops under the lane
+    lane.status({})  # sent again on a new connection
+    lane.close()
+    with pytest.raises(SignerUnavailable):
+        lane.status({})
 
 
 def test_a_signer_killed_mid_batch_leaves_every_crossing_that_passed_recorded(private_signer, tmp_path):

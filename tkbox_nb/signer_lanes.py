@@ -10,8 +10,9 @@ Why lanes (read in tracekit 1.4.2, docs/bundle-format.md#concurrent-crossings ha
 - and its client sends a run's events one at a time per stream, each once the one before it is answered
   (tracekit/sdk/client.py `Client._turn`).
 So one connection never has two records in a batch, and every crossing pays its own fsync. Concurrency has to come
-from several connections: one Tracekit `Client` per lane, each lane a Tracekit *stream* of its own, all writing the
-one run (a run takes up to `streams_per_run` streams, 64 by default; a lane is opened only when every open one is
+from several connections: one per lane (the first is the Tracekit `Client` that registered the run; the others, to the
+machine signer, a `DirectClient` below, to the central one a Tracekit `Client`), each lane a Tracekit *stream* of its
+own, all writing the one run (a run takes up to `streams_per_run` streams, 64 by default; a lane is opened only when every open one is
 busy, so a box that crosses one door at a time keeps one connection).
 
 Each lane carries one call at a time, and fills in its stream's `client_seq` itself (which also keeps the client's
@@ -24,7 +25,6 @@ the signer on any lane becomes its signed `client_counter_gap`, as it would with
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import uuid
@@ -97,7 +97,7 @@ class DirectClient:
                     self._sock.settimeout(self._timeout)
                 self._sock.sendall(data)
                 reply = read_frame(self._rfile)
-            except socket.timeout:
+            except TimeoutError:
                 self.close()  # its answer may still come: this connection can never be read in step again
                 raise SignerUnavailable(f"no answer from the signer within {self.timeout:g}s") from None
             except (OSError, RPCError) as e:  # the connection dropped (or its answer did not frame): send it again
