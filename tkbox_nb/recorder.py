@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,8 +27,7 @@ from ._version import __version__
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner
-from .signer_lanes import LIMIT as LANES
-from .signer_lanes import RunLanes
+from .signer_lanes import RunLanes, together
 from .verify import BOX_FIELDS
 
 if TYPE_CHECKING:
@@ -315,26 +313,20 @@ class RunRecorder:
         return True
 
     def decide_many(self, items: list[tuple[str, str, dict[str, Any], dict[str, bytes] | None]]) -> list[Crossing]:
-        """Decide crossings that are ready together, (door, kind, facts, content) each, up to LANES at once so the
-        signer writes their records under one fsync. Each is `decide` on its own: its own statement, its own signed
-        decision (never one shared with another crossing), durable before it is returned. In the order given."""
-        return self._together(lambda item: self.decide(*item), items)
+        """Decide crossings that are ready together, (door, kind, facts, content) each, up to signer_lanes.LIMIT at
+        once so the signer writes their records under one fsync. Each is `decide` on its own: its own statement, its
+        own signed decision (never one shared with another crossing), durable before it is returned. In the order
+        given."""
+        return together(lambda item: self.decide(*item), items)
 
     def complete_many(self, items: list[tuple[Crossing, str, dict[str, Any], dict[str, bytes] | None]]) -> list[bool]:
         """`complete` for several crossings at once, (crossing, status, result, content) each; as decide_many."""
-        return self._together(lambda item: self.complete(*item), items)
+        return together(lambda item: self.complete(*item), items)
 
     def verdict(self, door: str, kind: str, facts: dict[str, Any], content: dict[str, bytes] | None = None) -> Verdict:
         """What the box policy says of this crossing, exactly as `decide` will state it (nothing is signed): for a
         door whose later facts depend on earlier verdicts (a running total) and which decides them together."""
         return self.policy.decide(self._stated(door, kind, facts, content)[0])
-
-    @staticmethod
-    def _together(fn, items: list) -> list:
-        if len(items) <= 1:
-            return [fn(item) for item in items]
-        with ThreadPoolExecutor(min(LANES, len(items)), thread_name_prefix="tkbox-crossing") as pool:
-            return list(pool.map(fn, items))
 
     @staticmethod
     def _stated(door: str, kind: str, facts: dict[str, Any], content: dict[str, bytes] | None):
