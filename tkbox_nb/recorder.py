@@ -113,7 +113,7 @@ class RunRecorder:
             self._client.close()
             raise SignerError(f"the signer refused to open a run: {e}") from None
         self.run_id = self._run.run_id
-        self._lanes = RunLanes(_lane_client(self.signer), self.run_id, self._run.run_token, first=self._client)
+        self._lanes = _lanes(self.signer, self.run_id, self._run.run_token, self._client)
         self.spool = self.signer.runs_dir / self.run_id
         self.spool.mkdir(mode=0o700, parents=True)
         self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
@@ -166,7 +166,7 @@ class RunRecorder:
         rec.bundle_hint = Path(handle["bundle_hint"]) if handle.get("bundle_hint") else None
         rec._client = signer.client()
         rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
-        rec._lanes = RunLanes(_lane_client(signer), handle["run_id"], handle["run_token"], first=rec._client)
+        rec._lanes = _lanes(signer, handle["run_id"], handle["run_token"], rec._client)
         rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
         seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
                 if line.strip() for e in [json.loads(line)]]
@@ -411,10 +411,14 @@ class RunRecorder:
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
 
 
-def _lane_client(signer):
-    """What makes one lane's connection: the signer's own lane client where it has one (the machine signer's Unix
-    socket), else its Tracekit client (the central signer, over HTTPS)."""
-    return getattr(signer, "lane_client", signer.client)
+def _lanes(signer, run_id: str, run_token: str, client) -> RunLanes:
+    """The lanes of a run that `client` registered or adopted. Where the signer has a lane client of its own (the
+    machine signer's Unix socket, signer_lanes.DirectClient) every lane uses one and `client` is closed; else (the
+    central signer, over HTTPS) lanes are Tracekit clients and `client` is the first."""
+    if hasattr(signer, "lane_client"):
+        client.close()
+        return RunLanes(signer.lane_client, run_id, run_token)
+    return RunLanes(signer.client, run_id, run_token, first=client)
 
 
 def _now() -> str:

@@ -10,10 +10,10 @@ Why lanes (read in tracekit 1.4.2, docs/bundle-format.md#concurrent-crossings ha
 - and its client sends a run's events one at a time per stream, each once the one before it is answered
   (tracekit/sdk/client.py `Client._turn`).
 So one connection never has two records in a batch, and every crossing pays its own fsync. Concurrency has to come
-from several connections: one per lane (the first is the Tracekit `Client` that registered the run; the others, to the
-machine signer, a `DirectClient` below, to the central one a Tracekit `Client`), each lane a Tracekit *stream* of its
-own, all writing the one run (a run takes up to `streams_per_run` streams, 64 by default; a lane is opened only
-when every open one is busy, so a box that crosses one door at a time keeps one connection).
+from several connections: one per lane (to the machine signer a `DirectClient` below; to the central one, over HTTPS,
+a Tracekit `Client`, the first being the one that registered the run), each lane a Tracekit *stream* of its own,
+all writing the one run (a run takes up to `streams_per_run` streams, 64 by default; a lane is opened only when every
+open one is busy, so a box that crosses one door at a time keeps one connection).
 
 Each lane carries one call at a time, and fills in its stream's `client_seq` itself (which also keeps the client's
 per-run turn lock out of the way): the counter goes up by one per event in the order the signer receives them, which
