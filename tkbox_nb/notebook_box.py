@@ -89,6 +89,10 @@ class NotebookBox:
         if self._early is not None:
             self._early.box.spawned.wait(timeout)
 
+    def early_starting(self) -> bool:
+        """Whether a box started early is still starting (a cell that needs it would wait in `ensure_box`)."""
+        return self.box is None and self._early is not None and not self._early.done.is_set()
+
     def ensure_box(self) -> Box:
         """The running box, started now if there is none (or the last one ended)."""
         if self.live:

@@ -5,7 +5,9 @@ The kernelspec under test is the shipped one (`kernels/tkbox`), found through JU
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -373,3 +375,232 @@ def test_box_view_is_the_live_widget_view_and_its_comms_stay_on_the_host(client,
     assert [(f.decision, f.args["fault"]) for f in faults] == [("deny", "a comm the box does not hold")]
     assert "names a host comm" in run.box["end_reason"] and verify_bundle(first).valid
     assert "names a host comm" in run.crossings()[-1].args["reason"]
+
+
+# -- a box whose start stalls: the kernel answers the frontend meanwhile; the first cell waits, then runs or says why --
+class Standin:
+    """A stand-in signer the test owns: it accepts connections (on a Unix socket, or on TCP for a central signer's
+    URL) and never answers. An environment condition, not a mock: the kernel's real signer client meets it."""
+
+    def __init__(self, family: int, address):
+        import socket
+        import threading
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(address)
+        self.sock.listen(16)
+        self.address = self.sock.getsockname()
+        self.held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        import socket
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes under `pid` (zombies are not live), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _in_session(sid: int, keep: set[int] = frozenset()) -> list[int]:
+    """The live processes (zombies are not) of session `sid`: jupyter_client starts a kernel as a session leader, and
+    its boxes stay in its session (the machine signer starts in a session of its own)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) not in keep:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and int(fields[4]) == sid:
+                    out.append(int(d.name))
+    return out
+
+
+def _answered_while_stalled(c: Client, stall_s: float) -> None:
+    """What the host answers itself, without the box: kernel_info (already, by wait_for_ready), is_complete,
+    comm_info and a host magic, each well before the stalled start could end."""
+    t = time.monotonic()
+    c.kc.kernel_info()
+    assert c.kc.get_shell_msg(timeout=stall_s)["content"]["implementation"] == "tkbox-nb"
+    c.kc.is_complete("for i in x:")
+    assert c.kc.get_shell_msg(timeout=stall_s)["content"]["status"] == "unknown"  # no box yet to ask
+    c.kc.comm_info()
+    assert c.kc.get_shell_msg(timeout=stall_s)["content"] == {"status": "ok", "comms": {}}
+    reply, outs = c.run("%box_status", timeout=stall_s)
+    assert reply["status"] == "ok" and "not started" in outs[0][1]["text"]
+    assert time.monotonic() - t < 3, "the host's own answers waited for the box"
+
+
+def _shut_down_leaving_nothing(c: Client, keep: set[int] = frozenset()) -> None:
+    from tkbox_nb.signer import pid_alive
+    kernel_pid = c.km.provisioner.process.pid
+    under = _descendants(kernel_pid) - set(keep)
+    c.stop()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(pid_alive(p) for p in under | {kernel_pid}):
+        time.sleep(0.1)
+    assert not c.km.is_alive()
+    assert not [p for p in under | {kernel_pid} if pid_alive(p)], "processes left behind"
+    assert not _in_session(kernel_pid, keep), "processes left behind in the kernel's session"
+
+
+@pytest.fixture
+def stalled_home(kernel_env, monkeypatch):
+    """A TKBOX_HOME of its own whose signer socket is a stand-in that never answers (its machine signer, once
+    started by the kernel, stopped afterwards)."""
+    import shutil
+    import socket
+    from tkbox_nb.signer import MachineSigner
+    home = Path(tempfile.mkdtemp(prefix="tks-", dir="/tmp"))  # short: a Unix socket path
+    (home / "signer").mkdir(mode=0o700)
+    standin = Standin(socket.AF_UNIX, str(home / "signer" / "signer.sock"))
+    monkeypatch.setenv("TKBOX_HOME", str(home))
+    try:
+        yield home, standin
+    finally:
+        standin.close()
+        MachineSigner(home).stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_stalled_signer_delays_only_the_first_cell_which_runs_once_it_is_replaced(stalled_home, kernel_env):
+    """The signer the kernel is told to use (TKBOX_HOME) accepts but never answers. The frontend's kernel_info and
+    the requests the host answers itself are answered at once; the first cell waits while the box's start asks the
+    signer (2 s per try), the stalled signer is replaced by a fresh one (MachineSigner._start: never trusted), and the
+    cell then runs in a box whose start is signed."""
+    from tkbox_nb.signer import MachineSigner
+    home, standin = stalled_home
+    t0 = time.monotonic()
+    c = Client()
+    try:
+        assert time.monotonic() - t0 < 10  # the kernel started and answered kernel_info while its box stalls
+        _answered_while_stalled(c, stall_s=4)
+        reply, outs = c.run("print('first')", timeout=60)
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "first\n"}) in outs
+        assert standin.held, "the kernel's box start never reached the stand-in signer"
+        assert time.monotonic() - t0 > 4  # it did wait out the stand-in (three status calls of 2 s)
+        signer_pid = MachineSigner(home).pid()
+        assert signer_pid and MachineSigner(home).answering()
+    finally:
+        _shut_down_leaving_nothing(c, keep={MachineSigner(home).pid() or -1})
+    run = open_run(only_bundle(kernel_env))
+    assert verify_bundle(run.path).valid
+    crossings = run.crossings()
+    assert crossings[0].door == "box"  # the start, signed, before the cell's signed allow
+    cells = [x for x in crossings if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert [(x.decision, run.content(x.args["code"])) for x in cells] == [("allow", b"print('first')")]
+
+
+def test_an_interrupt_while_the_box_is_starting_ends_that_cell_and_later_cells_run(stalled_home, kernel_env):
+    """While the first cell waits for the stalled box, the control channel is still answered (kernel_info there,
+    as JupyterLab asks it); an interrupt ends the waiting cell at once, before it reaches the exec door, so it runs
+    nothing and is not in the run; the next cell waits for the same box and runs in it."""
+    from tkbox_nb.signer import MachineSigner
+    home, _ = stalled_home
+    c = Client()
+    try:
+        msg_id = c.kc.execute("x = 41")
+        time.sleep(0.5)
+        t = time.monotonic()
+        c.kc.control_channel.send(c.kc.session.msg("kernel_info_request"))
+        assert c.kc.get_control_msg(timeout=3)["content"]["implementation"] == "tkbox-nb"
+        c.km.interrupt_kernel()
+        reply = c.kc.get_shell_msg(timeout=3)
+        assert time.monotonic() - t < 3  # well before the stalled start ends (three status calls of 2 s)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert "did not run" in reply["content"]["evalue"]
+        reply, outs = c.run("print(globals().get('x'))", timeout=60)
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "None\n"}) in outs
+    finally:
+        _shut_down_leaving_nothing(c, keep={MachineSigner(home).pid() or -1})
+    run = open_run(only_bundle(kernel_env))  # one box, one run: the interrupted cell never reached the exec door
+    assert verify_bundle(run.path).valid
+    cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert [run.content(x.args["code"]) for x in cells] == [b"print(globals().get('x'))"]
+
+
+def test_a_shutdown_while_the_box_is_starting_ends_the_waiting_cell_and_closes_the_run(stalled_home, kernel_env):
+    """A shutdown while the first cell waits for the stalled box: the kernel waits for the start to end, stops the
+    unused box (its run closed and bundled, with no cell in it), ends the waiting cell, which ran nothing, and exits by
+    itself, leaving no process behind."""
+    from tkbox_nb.signer import MachineSigner
+    home, _ = stalled_home
+    c = Client()
+    kernel_pid = c.km.provisioner.process.pid
+    try:
+        msg_id = c.kc.execute("print('never')")
+        time.sleep(0.5)
+        c.kc.shutdown()  # on the control channel, as a frontend asks
+        assert c.kc.get_control_msg(timeout=60)["msg_type"] == "shutdown_reply"
+        reply = c.kc.get_shell_msg(timeout=10)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["ename"] == "BoxEnded" and "did not run" in reply["content"]["evalue"]
+        assert c.km.provisioner.process.wait(timeout=30) == 0  # it exits by itself, not killed by the frontend
+    finally:
+        c.stop()
+    assert not _in_session(kernel_pid, keep={MachineSigner(home).pid() or -1}), "processes left behind"
+    assert not list(kernel_env.glob("*.tkb"))  # no cell took the early box: its bundle goes to the signer's home
+    run = open_run(only_bundle(home / "bundles"))
+    assert verify_bundle(run.path).valid and run.sealed and "not used" in run.box["end_reason"]
+    assert not [x for x in run.crossings() if x.door == "exec"]
+
+
+def test_a_central_signer_that_never_answers_fails_the_first_cell_closed_with_one_line(kernel_env, tmp_path,
+                                                                                      monkeypatch):
+    """The policy names a central signer that accepts TCP but never answers (not even TLS): the kernel answers the
+    frontend meanwhile; the first cell waits for the signer's deadline (5 s), then fails closed, running nothing,
+    with one line saying the signer did not answer; no run opens, no bundle is written."""
+    import socket
+    from tkbox_nb.doors.box_ca import BoxCA
+    standin = Standin(socket.AF_INET, ("127.0.0.1", 0))
+    (tmp_path / "ca.pem").write_bytes(BoxCA("test").trust_bundle())
+    (tmp_path / "token").write_text("tk_nothing\n")
+    (tmp_path / "store.dsn").write_text("host=/nonexistent\n")
+    policy = tmp_path / "central.toml"
+    policy.write_text(f'[signer]\nurl = "https://127.0.0.1:{standin.address[1]}"\ntoken_file = "{tmp_path}/token"\n'
+                      f'ca = "{tmp_path}/ca.pem"\nstore_dsn_file = "{tmp_path}/store.dsn"\n')
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    home = tmp_path / "home"
+    monkeypatch.setenv("TKBOX_HOME", str(home))
+    t0 = time.monotonic()
+    c = Client()
+    try:
+        assert time.monotonic() - t0 < 10
+        _answered_while_stalled(c, stall_s=4)
+        reply, outs = c.run("print('never')", timeout=60)
+        assert reply["status"] == "error" and reply["ename"] == "SignerError", reply
+        assert "does not answer" in reply["evalue"] and "\n" not in reply["evalue"], reply["evalue"]
+        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+        assert standin.held, "the box's start never reached the stand-in signer"
+        reply, outs = c.run("print('still never')", timeout=60)  # the next cell tries again, and fails closed too
+        assert reply["status"] == "error" and "does not answer" in reply["evalue"]
+        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+    finally:
+        _shut_down_leaving_nothing(c)
+        standin.close()
+    assert not list(kernel_env.glob("*.tkb"))
+    assert not any((home / "central").rglob("*.tkb")) if (home / "central").exists() else True

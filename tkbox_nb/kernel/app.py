@@ -10,8 +10,9 @@ What happens to each request from the frontend:
   (signed) before it reaches the box, and its outputs are signed when it ends. A refusal is shown as an error.
 - comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded.
 - complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
-- kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on). shutdown: the box stops and its
-  bundle is written, then the process exits; a restart is a new process, so a new box and a new run.
+- kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on); a cell still waiting for the
+  box to start ends, not run (early_wait.py). shutdown: the box stops and its bundle is written, then the process
+  exits; a restart is a new process, so a new box and a new run.
 
 The box and its kernel start in the background as this kernel starts (kernel/__main__.py, NotebookBox.start_early),
 so the first cell does not wait for them; a first cell that changes the policy or binds a secret gets a box started
@@ -38,6 +39,7 @@ from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
+from .early_wait import wait_for_early_box
 from .host_comms import HostComms
 
 PROTOCOL_VERSION = "5.3"
@@ -250,6 +252,8 @@ class TkboxKernel:
                 return self._host_reply(channel, idents, header, "ok", silent)
             msg = dict(msg, content=dict(content, code=remainder))
             code = remainder
+        if not wait_for_early_box(self, channel, idents, header, silent):
+            return
         try:
             box = self.nb.ensure_box()
             crossing = box.decide_cell(code)

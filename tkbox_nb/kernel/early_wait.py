@@ -1,0 +1,32 @@
+"""A cell that waits for the box still starting early (kernel/__main__.py, NotebookBox.start_early), with the
+kernel's control channel answered meanwhile (docs/jupyter.md, "A box slow to start, or one that does not start")."""
+
+from __future__ import annotations
+
+
+def wait_for_early_box(kernel, channel: str, idents: list[bytes], header: dict, silent: bool) -> bool:
+    """The cell waits for the box still starting early (a signer slow to answer, a VM), the control channel
+    answered meanwhile: an interrupt, or a shutdown, ends the waiting cell, which then runs nothing (never decided,
+    so not in the run). False when the cell was ended here."""
+    control = kernel.sockets["control"]
+    while kernel.nb.early_starting():
+        if not control.poll(100):
+            continue
+        try:
+            c_idents, msg_list = kernel.session.feed_identities(control.recv_multipart(copy=True))
+            msg = kernel.session.deserialize(msg_list)
+        except Exception:  # malformed, or a bad signature: not from our frontend
+            continue
+        interrupt = msg["header"]["msg_type"] == "interrupt_request"
+        if interrupt:
+            kernel.send("control", "interrupt_reply", {"status": "ok"}, msg["header"], c_idents)
+        else:
+            kernel._dispatch("control", c_idents, msg)
+        if interrupt or not kernel.running:
+            kernel.publish_status("busy", header)
+            kernel._host_reply(channel, idents, header, "error", silent, (
+                "KeyboardInterrupt" if interrupt else "BoxEnded",
+                f"{'interrupted' if interrupt else 'the kernel shut down'} while the box was starting: "
+                "the cell did not run"))
+            return False
+    return True
