@@ -74,13 +74,36 @@ class NotebookBox:
     def start_early(self) -> None:
         """Start a box, and its kernel, in the background now, so that the first cell need not wait for them (the
         Tracekit Box kernel calls this as it starts). The first cell that needs a box takes it if the notebook
-        still asks for what it was started with (the same policy, no secret bound since); else it is stopped unused
-        and a box is started for the cell, as without an early start."""
+        still asks for what it was started with (the same policy, secrets and replay); else it is stopped unused
+        and a box is started for the cell."""
         self.early = True
         if self.box is None and self._early is None:
-            box = self._new_box(None)
-            box.kernel_early = True
-            self._early = EarlyBox(box, self.policy.hash)
+            self._start_background()
+
+    def _start_background(self) -> None:
+        box = self._new_box(None)
+        box.kernel_early = True
+        self._early = EarlyBox(box, self._wants())
+
+    def _wants(self) -> tuple:
+        """What a box started now is started with, compared when a cell takes it."""
+        return (self.policy.hash, sorted(self.secrets.items()), self.replay_of, id(self.model_replay))
+
+    def start_for_cell(self) -> None:
+        """A cell needs a box (the Tracekit Box kernel): unless one is running, or starting with what the notebook
+        asks for, one starts in the background, as start_early's does; the cell waits for it while `starting()`,
+        the kernel answering its control channel meanwhile, then takes it (`ensure_box`). A started box that no
+        longer fits (the policy changed, a secret was bound) is stopped unused first."""
+        if self.live:
+            return
+        if self.box is not None:
+            self.stop("the box ended")
+        early = self._early
+        if early is not None and early.done.is_set() and early.error is None and early.wants != self._wants():
+            self._early = None
+            early.discard("the notebook's policy or secrets changed before its first cell")
+        if self._early is None:
+            self._start_background()
 
     def wait_spawned(self, timeout: float) -> None:
         """Wait, at most `timeout` seconds, until the early box's processes are spawned (or its start failed): the
@@ -89,12 +112,14 @@ class NotebookBox:
         if self._early is not None:
             self._early.box.spawned.wait(timeout)
 
-    def early_starting(self) -> bool:
-        """Whether a box started early is still starting (a cell that needs it would wait in `ensure_box`)."""
+    def starting(self) -> bool:
+        """Whether a box started in the background is still starting (a cell that needs it would wait in
+        `ensure_box`)."""
         return self.box is None and self._early is not None and not self._early.done.is_set()
 
     def ensure_box(self) -> Box:
-        """The running box, started now if there is none (or the last one ended)."""
+        """The running box: the one started in the background if it fits (waiting for its start to end), else one
+        started now (or after the last one ended). A box whose start failed raises its reason here."""
         if self.live:
             return self.box
         if self.box is not None:
@@ -104,7 +129,7 @@ class NotebookBox:
             self.bundle_dir.mkdir(parents=True, exist_ok=True)
             bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         early, self._early = self._early, None
-        box = early.take(self.policy.hash, bool(self.secrets) or self.replay_of is not None) if early else None
+        box = early.take(self._wants()) if early else None
         if box is not None:
             self._release = early.released
             box.bundle_path = bundle
@@ -191,10 +216,11 @@ class NotebookBox:
 
 
 class EarlyBox:
-    """A box being started in the background, with its kernel: held until a cell takes it or it is discarded."""
+    """A box being started in the background, with its kernel (at the kernel's start, after %box_restart, or for a
+    cell that needs one): held until a cell takes it or it is discarded. `wants`: what it was started with."""
 
-    def __init__(self, box: Box, policy_hash: str):
-        self.box, self.policy_hash = box, policy_hash
+    def __init__(self, box: Box, wants: tuple):
+        self.box, self.wants = box, wants
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.released = threading.Event()
@@ -212,7 +238,7 @@ class EarlyBox:
         # follows the forking thread): this one lives until the box is stopped
         self.released.wait()
 
-    def take(self, policy_hash: str, bound_since: bool) -> Box | None:
+    def take(self, wants: tuple) -> Box | None:
         """The started box, or None when the notebook now asks for another one (it is then stopped unused). A box
         that failed to start raises its reason here, on the cell that needed it."""
         self.done.wait()
@@ -220,7 +246,7 @@ class EarlyBox:
             self._stop("its start failed")
             raise self.error if isinstance(self.error, TkboxError) else TkboxError(
                 f"the box did not start: {type(self.error).__name__}: {self.error}")
-        if policy_hash != self.policy_hash or bound_since:
+        if wants != self.wants:
             self._stop("not used: the notebook's policy or secrets changed before its first cell")
             return None
         return self.box
@@ -364,8 +390,8 @@ class HostMagics:
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")
-        # where boxes start early, the next one starts now, in the background (not with secrets bound: the first
-        # cell would not take it, ensure_box)
+        # where boxes start early, the next one starts now, in the background; with secrets bound (or in a rerun) it
+        # starts, in the background too, with the next cell that needs it (start_for_cell)
         early = self.nb.early and not self.nb.secrets and self.nb.replay_of is None
         if early:
             self.nb.start_early()

@@ -543,11 +543,14 @@ def test_an_interrupt_while_the_box_is_starting_ends_that_cell_and_later_cells_r
     assert [run.content(x.args["code"]) for x in cells] == [b"print(globals().get('x'))"]
 
 
-def test_a_shutdown_while_the_box_is_starting_ends_the_waiting_cell_and_closes_the_run(stalled_home, kernel_env):
-    """A shutdown while the first cell waits for the stalled box: the kernel waits for the start to end, stops the
-    unused box (its run closed and bundled, with no cell in it), ends the waiting cell, which ran nothing, and exits by
-    itself, leaving no process behind."""
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_a_shutdown_while_the_box_is_starting_ends_the_waiting_cell_and_closes_the_run(stalled_home, kernel_env,
+                                                                                      monkeypatch, early):
+    """A shutdown while the first cell waits for the stalled box (started with the kernel, or for the cell with
+    TKBOX_EARLY_BOX=0): the kernel waits for the start to end, stops the unused box (its run closed and bundled, with
+    no cell in it), ends the waiting cell, which ran nothing, and exits by itself, leaving no process behind."""
     from tkbox_nb.signer import MachineSigner
+    monkeypatch.setenv("TKBOX_EARLY_BOX", early)
     home, _ = stalled_home
     c = Client()
     kernel_pid = c.km.provisioner.process.pid
@@ -599,8 +602,85 @@ def test_a_central_signer_that_never_answers_fails_the_first_cell_closed_with_on
         reply, outs = c.run("print('still never')", timeout=60)  # the next cell tries again, and fails closed too
         assert reply["status"] == "error" and "does not answer" in reply["evalue"]
         assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+        msg_id = c.kc.execute("print('interrupted')")  # a retry can be interrupted while it waits for the signer
+        time.sleep(0.5)
+        t = time.monotonic()
+        c.km.interrupt_kernel()
+        reply = c.kc.get_shell_msg(timeout=3)
+        assert time.monotonic() - t < 3 and reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        reply, outs = c.run("print('never either')", timeout=60)  # it takes that start's failure, said in one line
+        assert reply["status"] == "error" and "does not answer" in reply["evalue"] and "\n" not in reply["evalue"]
+        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
     finally:
         _shut_down_leaving_nothing(c)
         standin.close()
     assert not list(kernel_env.glob("*.tkb"))
     assert not any((home / "central").rglob("*.tkb")) if (home / "central").exists() else True
+
+
+def _statuses(c: Client, msg_id: str, timeout: float = 60) -> list[str]:
+    """The iopub messages of one request, up to its idle and a moment after it (a late or second status would show),
+    as msg_type, or `status:STATE`."""
+    import queue
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            m = c.kc.get_iopub_msg(timeout=0.5 if out[-1:] == ["status:idle"] else timeout)
+        except queue.Empty:
+            break
+        if m["parent_header"].get("msg_id") == msg_id:
+            t = m["msg_type"]
+            out.append(f"status:{m['content']['execution_state']}" if t == "status" else t)
+    return out
+
+
+def test_a_cell_is_busy_once_from_the_start_and_idle_once_at_its_end(client):
+    """As with a plain ipykernel, each execute_request gets exactly one busy, first, and one idle, last, with its
+    header as parent: the host publishes busy as it takes the cell and drops the box's kernel's own."""
+    for code, inner in (("print(1)", ["execute_input", "stream"]), ("%box_status\nprint(2)", ["stream",
+                        "execute_input", "stream"]), ("%box_status", ["stream"]), ("1 / 0", ["execute_input", "error"])):
+        msg_id = client.kc.execute(code)
+        assert _statuses(client, msg_id) == ["status:busy", *inner, "status:idle"], code
+        client.kc.get_shell_msg(timeout=30)
+
+
+def test_an_interrupt_while_a_box_starts_for_the_cell_ends_that_cell_and_later_cells_run(stalled_home, kernel_env,
+                                                                                        monkeypatch):
+    """TKBOX_EARLY_BOX=0: no box starts with the kernel; the first cell starts one, in the background, against the
+    stalled signer. The cell is busy at once; the control channel is answered while it waits; an interrupt ends it at
+    once, with one busy and one idle, before it reaches the exec door; the next cell waits for the same start and runs
+    in that box, the only cell in its run."""
+    from tkbox_nb.signer import MachineSigner
+    monkeypatch.setenv("TKBOX_EARLY_BOX", "0")
+    home, standin = stalled_home
+    c = Client()
+    try:
+        time.sleep(0.3)
+        assert not standin.held, "a box started with the kernel although TKBOX_EARLY_BOX=0"
+        t = time.monotonic()
+        msg_id = c.kc.execute("x = 41")
+        busy = c.kc.get_iopub_msg(timeout=3)
+        assert busy["parent_header"]["msg_id"] == msg_id and busy["content"] == {"execution_state": "busy"}
+        assert time.monotonic() - t < 1, "busy waited for the box"
+        time.sleep(0.5)
+        assert standin.held, "the cell's box start never reached the stand-in signer"
+        t = time.monotonic()
+        c.kc.control_channel.send(c.kc.session.msg("kernel_info_request"))
+        assert c.kc.get_control_msg(timeout=3)["content"]["implementation"] == "tkbox-nb"
+        c.km.interrupt_kernel()
+        reply = c.kc.get_shell_msg(timeout=3)
+        assert time.monotonic() - t < 3  # well before the stalled start ends (three status calls of 2 s)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["ename"] == "KeyboardInterrupt" and "did not run" in reply["content"]["evalue"]
+        assert _statuses(c, msg_id, timeout=3) == ["error", "status:idle"]  # its busy was the first message above
+        msg_id = c.kc.execute("print(globals().get('x'))")
+        assert _statuses(c, msg_id) == ["status:busy", "execute_input", "stream", "status:idle"]
+        reply = c.kc.get_shell_msg(timeout=10)
+        assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
+    finally:
+        _shut_down_leaving_nothing(c, keep={MachineSigner(home).pid() or -1})
+    run = open_run(only_bundle(kernel_env))  # one box, one run: the interrupted cell never reached the exec door
+    assert verify_bundle(run.path).valid and run.crossings()[0].door == "box"
+    cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert [run.content(x.args["code"]) for x in cells] == [b"print(globals().get('x'))"]

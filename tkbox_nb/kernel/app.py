@@ -11,13 +11,14 @@ What happens to each request from the frontend:
 - comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded.
 - complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
 - kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on); a cell still waiting for the
-  box to start ends, not run (early_wait.py). shutdown: the box stops and its bundle is written, then the process
+  box to start ends, not run (box_wait.py). shutdown: the box stops and its bundle is written, then the process
   exits; a restart is a new process, so a new box and a new run.
 
 The box and its kernel start in the background as this kernel starts (kernel/__main__.py, NotebookBox.start_early),
 so the first cell does not wait for them; a first cell that changes the policy or binds a secret gets a box started
-for it instead. A box that breaks the protocol is ended; the cell shows why, and the next cell starts a fresh box (a
-new run).
+for it instead. Every box start runs in the background, and a cell waits for it in box_wait.py, so the control
+channel is answered meanwhile. A box that breaks the protocol is ended; the cell shows why, and the next cell starts
+a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's own `busy` for it is not forwarded).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
-from .early_wait import wait_for_early_box
+from .box_wait import wait_for_box
 from .host_comms import HostComms
 
 PROTOCOL_VERSION = "5.3"
@@ -90,6 +91,7 @@ class TkboxKernel:
         self.box_violated = False  # set when the box broke the protocol here: it is ended, its messages dropped
         self.box_comms: set[str] = set()  # comm ids the box's kernel holds (opened by it, or by the frontend for it)
         self.host_comms = HostComms(self._publish_host_comm)
+        self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -232,8 +234,8 @@ class TkboxKernel:
         header, content = msg["header"], msg["content"]
         code, silent = content.get("code", ""), bool(content.get("silent"))
         magics, remainder = split_host_magics(code)
-        if magics or not remainder.strip():
-            self.publish_status("busy", header)  # the count stays the box's: host cells do not take a number
+        self.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
+        if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
             self.parent = (idents, header, bool(content.get("allow_stdin")))
             try:
                 for name, line, body in magics:
@@ -252,22 +254,24 @@ class TkboxKernel:
                 return self._host_reply(channel, idents, header, "ok", silent)
             msg = dict(msg, content=dict(content, code=remainder))
             code = remainder
-        if not wait_for_early_box(self, channel, idents, header, silent):
-            return
         try:
+            self.nb.start_for_cell()  # in the background, unless a box runs or is starting already
+            while self.nb.starting():
+                if not wait_for_box(self, channel, idents, header, silent):
+                    return
+                self.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = self.nb.ensure_box()
             crossing = box.decide_cell(code)
         except (DoorRefused, TkboxError) as e:
-            self.publish_status("busy", header)
             return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
         try:
             self._ensure_kernel(box)
             self.kernel.track(header["msg_id"], crossing)
         except Exception as e:
             box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
-            self.publish_status("busy", header)
             return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
         self.requests[header["msg_id"]] = (channel, idents, header)
+        self.busy_here.add(header["msg_id"])
         self.kernel.send("shell", msg)
 
     def _ensure_kernel(self, box) -> None:
@@ -340,6 +344,10 @@ class TkboxKernel:
             if msg.channel == "iopub":
                 if msg.msg_type in COMMS and not self._box_comm(msg):
                     continue
+                if msg.msg_type == "status" and msg.content.get("execution_state") == "busy" \
+                        and msg.parent_id in self.busy_here:
+                    self.busy_here.discard(msg.parent_id)  # the frontend has had the host's, as the cell was taken
+                    continue
                 with self._iopub_lock:
                     self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
                 continue
@@ -385,6 +393,7 @@ class TkboxKernel:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})
         self.kernel = None
         self.box_comms.clear()
+        self.busy_here.clear()
         if self.nb.box is not None and self.nb.box.ended:
             try:
                 self.nb.stop(reason)
