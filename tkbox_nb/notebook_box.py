@@ -99,7 +99,7 @@ class NotebookBox:
         if self.box is not None:
             self.stop("the box ended")
         early = self._early
-        if early is not None and early.done.is_set() and early.error is None and early.wants != self._wants():
+        if early is not None and early.done.is_set() and early.wants != self._wants():  # failed or not: not asked for
             self._early = None
             early.discard("the notebook's policy or secrets changed before its first cell")
         if self._early is None:
@@ -242,13 +242,13 @@ class EarlyBox:
         """The started box, or None when the notebook now asks for another one (it is then stopped unused). A box
         that failed to start raises its reason here, on the cell that needed it."""
         self.done.wait()
+        if wants != self.wants:  # before its error: a start that failed under a policy since replaced is not news
+            self._stop("not used: the notebook's policy or secrets changed before its first cell")
+            return None
         if self.error is not None:
             self._stop("its start failed")
             raise self.error if isinstance(self.error, TkboxError) else TkboxError(
                 f"the box did not start: {type(self.error).__name__}: {self.error}")
-        if wants != self.wants:
-            self._stop("not used: the notebook's policy or secrets changed before its first cell")
-            return None
         return self.box
 
     def discard(self, reason: str) -> None:

@@ -327,6 +327,25 @@ def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, t
         c.stop()
 
 
+def test_a_policy_set_before_the_first_cell_replaces_an_early_box_that_failed_under_the_old_one(kernel_env, tmp_path,
+                                                                                              monkeypatch):
+    """The early box starts under the machine's policy and fails; the notebook's first cell sets a policy the machine
+    can run, so the next code cell starts a box under it, rather than reporting the failure of a start nobody now
+    asks for."""
+    policy = tmp_path / "fc.toml"
+    policy.write_text('[box]\nbackend = "firecracker"\n')
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    c = Client()
+    try:
+        reply, _ = c.run("%%box_policy\n[exec]\ncells = true\n")
+        assert reply["status"] == "ok", reply
+        reply, outs = c.run("print('now')")
+        assert reply["status"] == "ok", reply
+        assert ("stream", {"name": "stdout", "text": "now\n"}) in outs
+    finally:
+        c.stop()
+
+
 def _iopub_until_idle(c: Client, msg_id: str, timeout: float = 60) -> list[dict]:
     msgs = []
     deadline = time.monotonic() + timeout
