@@ -473,6 +473,20 @@ def _answered_while_stalled(c: Client, stall_s: float) -> None:
     assert time.monotonic() - t < 3, "the host's own answers waited for the box"
 
 
+def _interrupt_the_waiting_cell(c: Client, msg_id: str) -> None:
+    """While cell `msg_id` waits for its stalled box: the control channel answers kernel_info (as JupyterLab asks
+    it there), and an interrupt ends the cell at once, with a reply saying it did not run."""
+    t = time.monotonic()
+    c.kc.control_channel.send(c.kc.session.msg("kernel_info_request"))
+    assert c.kc.get_control_msg(timeout=3)["content"]["implementation"] == "tkbox-nb"
+    c.km.interrupt_kernel()
+    reply = c.kc.get_shell_msg(timeout=3)
+    assert time.monotonic() - t < 3  # well before the stalled start ends (three status calls of 2 s)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert "did not run" in reply["content"]["evalue"]
+
+
 def _shut_down_leaving_nothing(c: Client, keep: set[int] = frozenset()) -> None:
     from tkbox_nb.signer import pid_alive
     kernel_pid = c.km.provisioner.process.pid
@@ -543,15 +557,7 @@ def test_an_interrupt_while_the_box_is_starting_ends_that_cell_and_later_cells_r
     try:
         msg_id = c.kc.execute("x = 41")
         time.sleep(0.5)
-        t = time.monotonic()
-        c.kc.control_channel.send(c.kc.session.msg("kernel_info_request"))
-        assert c.kc.get_control_msg(timeout=3)["content"]["implementation"] == "tkbox-nb"
-        c.km.interrupt_kernel()
-        reply = c.kc.get_shell_msg(timeout=3)
-        assert time.monotonic() - t < 3  # well before the stalled start ends (three status calls of 2 s)
-        assert reply["parent_header"]["msg_id"] == msg_id
-        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-        assert "did not run" in reply["content"]["evalue"]
+        _interrupt_the_waiting_cell(c, msg_id)
         reply, outs = c.run("print(globals().get('x'))", timeout=60)
         assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "None\n"}) in outs
     finally:
@@ -684,14 +690,7 @@ def test_an_interrupt_while_a_box_starts_for_the_cell_ends_that_cell_and_later_c
         assert time.monotonic() - t < 1, "busy waited for the box"
         time.sleep(0.5)
         assert standin.held, "the cell's box start never reached the stand-in signer"
-        t = time.monotonic()
-        c.kc.control_channel.send(c.kc.session.msg("kernel_info_request"))
-        assert c.kc.get_control_msg(timeout=3)["content"]["implementation"] == "tkbox-nb"
-        c.km.interrupt_kernel()
-        reply = c.kc.get_shell_msg(timeout=3)
-        assert time.monotonic() - t < 3  # well before the stalled start ends (three status calls of 2 s)
-        assert reply["parent_header"]["msg_id"] == msg_id
-        assert reply["content"]["ename"] == "KeyboardInterrupt" and "did not run" in reply["content"]["evalue"]
+        _interrupt_the_waiting_cell(c, msg_id)
         assert _statuses(c, msg_id, timeout=3) == ["error", "status:idle"]  # its busy was the first message above
         msg_id = c.kc.execute("print(globals().get('x'))")
         assert _statuses(c, msg_id) == ["status:busy", "execute_input", "stream", "status:idle"]

@@ -146,18 +146,23 @@ class TkboxKernel:
                     self._drain_box()
                     continue
                 name = next(n for n, s in self.sockets.items() if s is sock)
-                frames = sock.recv_multipart(copy=True)
-                try:
-                    idents, msg_list = self.session.feed_identities(frames)
-                    msg = self.session.deserialize(msg_list)
-                except Exception:  # malformed, or a bad signature: not from our frontend
+                if (got := self.receive(sock)) is None:  # malformed, or a bad signature: not from our frontend
                     continue
+                idents, msg = got
                 try:
                     self._dispatch(name, idents, msg)
                 except Exception as e:  # a bug of ours must not take the notebook down
                     self._log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
             self._check_deadlines()
         self.close()
+
+    def receive(self, sock: zmq.Socket) -> tuple[list[bytes], dict] | None:
+        """The next message on a frontend socket, and its identities; None if malformed or badly signed."""
+        try:
+            idents, msg_list = self.session.feed_identities(sock.recv_multipart(copy=True))
+            return idents, self.session.deserialize(msg_list)
+        except Exception:
+            return None
 
     def _welcome(self) -> None:
         """Answer each new iopub subscription with `iopub_welcome`, as ipykernel does."""

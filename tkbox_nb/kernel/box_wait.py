@@ -14,11 +14,10 @@ def wait_for_box(kernel, channel: str, idents: list[bytes], header: dict, silent
     while kernel.nb.starting():
         if not control.poll(10):  # the start's end is seen within 10 ms: the cell goes on at once
             continue
-        try:
-            c_idents, msg_list = kernel.session.feed_identities(control.recv_multipart(copy=True))
-            msg = kernel.session.deserialize(msg_list)
-        except Exception:  # malformed, or a bad signature: not from our frontend
+        got = kernel.receive(control)
+        if got is None:  # malformed, or a bad signature: not from our frontend
             continue
+        c_idents, msg = got
         interrupt = msg["header"]["msg_type"] == "interrupt_request"
         if interrupt:
             kernel.send("control", "interrupt_reply", {"status": "ok"}, msg["header"], c_idents)
