@@ -67,9 +67,11 @@ def test_a_bracketed_proxy_target_that_is_not_ipv6_is_a_400_not_a_crash():
         assert e.value.status == 400
 
 
-@pytest.mark.parametrize("body", [b'{"text": "\\ud800"}', b'{"text": "x\\uDC80"}', b'{"n": NaN}', b'{"n": -Infinity}'])
+@pytest.mark.parametrize("body", [b'{"text": "\\ud800"}', b'{"text": "x\\uDC80"}', b'{"n": NaN}', b'{"n": -Infinity}',
+                                  b'{"n": 1e999}', b'{"n": [-2.5e400]}'])
 def test_a_kernel_message_the_host_could_not_write_out_again_ends_the_box(body):
-    """A lone surrogate would break the host kernel's send to the frontend (and the signer's UTF-8); NaN is not JSON."""
+    """A lone surrogate would break the host kernel's send to the frontend (and the signer's UTF-8); NaN is not JSON,
+    nor is a number that overflows to infinity (the host would write it out again as `Infinity`)."""
     from tkbox_nb import protocol as p
     with pytest.raises(p.ProtocolError):
         p.MessageReader().feed(p.MSG_HEADER.pack(len(body)) + body)
@@ -77,6 +79,18 @@ def test_a_kernel_message_the_host_could_not_write_out_again_ends_the_box(body):
         p.Session(is_host=True).receive(p.OPEN, 2, body)
     pair = b'{"text": "\\ud83d\\ude00 \\\\ud800"}'  # a valid pair and an escaped backslash pass
     assert p.MessageReader().feed(p.MSG_HEADER.pack(len(pair)) + pair) == [{"text": "\U0001F600 \\ud800"}]
+    big = b'{"n": 1.5e308, "m": -2e-400}'  # large but finite, and an underflow to 0.0, are numbers
+    assert p.MessageReader().feed(p.MSG_HEADER.pack(len(big)) + big) == [{"n": 1.5e308, "m": -0.0}]
+
+
+@pytest.mark.parametrize("data", [b'{"a": 1e999}', b'[1, -1E+400]', b'{"a": NaN}', b'{"a": 1, "a": 2}'])
+def test_a_bundle_file_with_a_number_json_cannot_hold_is_refused(data):
+    """A bundle's JSON is read as strictly as the box's: an overflowed number would be written out as `Infinity`."""
+    from tkbox_nb.bundle import loads_json
+    from tkbox_nb.errors import BundleError
+    with pytest.raises(BundleError):
+        loads_json(data, "x.json")
+    assert loads_json(b'{"a": 1e308}', "x.json") == {"a": 1e308}
 
 
 def test_verify_reports_a_disclosure_whose_arguments_are_not_an_object():

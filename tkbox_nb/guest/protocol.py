@@ -56,11 +56,21 @@ def _no_constant(name):
     raise ValueError("not JSON: " + name)
 
 
+def finite_float(text):
+    """A JSON number as a float, refused if it overflows to infinity (1e999): the host would write it out again as
+    `Infinity`, which is not JSON, to the signer, the bundle or a Jupyter frontend."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError("not JSON: a number out of range")
+    return value
+
+
 def loads_strict(body, what):
-    """One JSON object from UTF-8 bytes, strictly: no NaN or Infinity, and no lone surrogate escape (a string the
+    """One JSON object from UTF-8 bytes, strictly: no NaN or Infinity (spelled, or a number overflowing to it), and
+    no lone surrogate escape (a string the
     host could not write out again as UTF-8, to the signer or to a Jupyter frontend). ProtocolError otherwise."""
     try:
-        obj = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant)
+        obj = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant, parse_float=finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError(what + " that is not JSON") from None
     if not isinstance(obj, dict):
