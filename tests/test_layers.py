@@ -164,6 +164,38 @@ def test_each_known_violation_still_exists_and_still_breaks_the_rule():
     assert stale == [], f"fixed (take them out of KNOWN_VIOLATIONS): {stale}"
 
 
+# Inside backends (docs/layers.md): each tier may import only lower tiers, and no module imports another of its own
+# tier, so no concrete backend knows another; `registry` alone knows them all. The package's `__init__` is above all.
+BACKEND_TIERS: list[list[str]] = [["base"], ["initramfs"], ["image", "kernel_image"], ["microvm"], ["warm_start"],
+                                  ["bwrap", "qemu", "firecracker"], ["registry"]]
+
+
+def backend_order_breaks(edges: set[tuple[str, str]], modules: dict | None = None) -> list[str]:
+    """Every import between two modules of `tkbox_nb.backends` that is not from a higher tier to a lower one, and
+    every module there that has no tier."""
+    prefix = "tkbox_nb.backends."
+    tier = {prefix + name: i for i, names in enumerate(BACKEND_TIERS) for name in names}
+    out = [f"{m} has no tier in BACKEND_TIERS" for m in (modules or MODULES) if m.startswith(prefix) and m not in tier]
+    for a, b in sorted(edges):
+        if a in tier and b in tier and tier[a] <= tier[b]:
+            out.append(f"{a} imports {b}" + (" (a backend imports another)" if tier[a] == tier[b] else ""))
+    return out
+
+
+def test_no_backend_imports_another_and_the_backends_import_only_down():
+    assert backend_order_breaks(EDGES) == []
+
+
+def test_the_backend_order_check_sees_one_backend_importing_another():
+    """Found by a review: the layer check alone let `firecracker` import `qemu`, one layer for all of backends."""
+    b = "tkbox_nb.backends."
+    assert backend_order_breaks(EDGES | {(b + "firecracker", b + "qemu")}) == [
+        f"{b}firecracker imports {b}qemu (a backend imports another)"]
+    assert backend_order_breaks(EDGES | {(b + "microvm", b + "warm_start")}) == [
+        f"{b}microvm imports {b}warm_start"]
+    assert backend_order_breaks(EDGES, {**MODULES, b + "newvm": None}) == [f"{b}newvm has no tier in BACKEND_TIERS"]
+
+
 MAX_LINES = 450
 
 
