@@ -60,35 +60,35 @@ class PatchReader:
         self.received += len(data)
         if self.received > self.max_stream_bytes:
             raise ProtocolError(f"a patch stream over {self.max_stream_bytes} bytes")
+        if self._buf:  # a header cut by the last feed: joined once with these bytes (it is at most 64 KiB)
+            data = bytes(self._buf) + bytes(data)
+            self._buf.clear()
         view = memoryview(data)
+        pos, end = 0, len(view)  # one pass with an offset: no copy of what is left after each entry
         out: list[Entry] = []
         while True:
             if self._header is not None:  # inside an entry's content
-                take = min(self._left, len(view))
+                take = min(self._left, end - pos)
                 if self._keep is not None:
-                    self._keep += view[:take]
-                view = view[take:]
+                    self._keep += view[pos:pos + take]
+                pos += take
                 self._left -= take
                 if self._left:
                     return out
                 out.append(self._finish())
                 continue
-            if not len(view) and not self._buf:
+            if end - pos < HEADER.size:
+                self._buf += view[pos:]
                 return out
-            self._buf += view
-            view = memoryview(b"")
-            if len(self._buf) < HEADER.size:
-                return out
-            (length,) = HEADER.unpack_from(self._buf)
+            (length,) = HEADER.unpack_from(view, pos)
             if not 0 < length <= MAX_HEADER:
                 raise ProtocolError(f"a patch entry header of {length} bytes (at most {MAX_HEADER})")
-            if len(self._buf) < HEADER.size + length:
+            if end - pos < HEADER.size + length:
+                self._buf += view[pos:]
                 return out
-            head = bytes(self._buf[HEADER.size:HEADER.size + length])
-            rest = bytes(self._buf[HEADER.size + length:])
-            self._buf.clear()
+            head = bytes(view[pos + HEADER.size:pos + HEADER.size + length])
+            pos += HEADER.size + length
             self._start(parse_header(head))
-            view = memoryview(rest)
 
     def _start(self, header: dict) -> None:
         self.entries += 1
