@@ -4,9 +4,9 @@ Every path is walked from a directory descriptor of the workspace root, one comp
 and O_DIRECTORY: a symlink anywhere (made by the box or already on the host) stops the file, never followed. A file
 is applied only if the host copy is still what the box started from (its `base` digest), so a change made on the
 host meanwhile is never overwritten. Applying has two phases: every accepted file is first written beside its
-target (a temporary name in the same directory; one syncfs flushes them all), then all are renamed into
-place; a failure while staging
-(a full disk) removes every staged file and every directory made for them, so the workspace is as it was.
+target (a temporary name in the same directory; one syncfs flushes them all), then all are renamed into place; a
+failure while staging (a full disk), or an apply called off between the phases (`Staging.abort`), removes every
+staged file and every directory made for them, so the workspace is as it was.
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ class _Dirs:
 
     def close(self) -> None:
         self.drop()
-        os.close(self.root_fd)
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
 
 
 def _current(dir_fd: int, name: str) -> str | None:
@@ -138,38 +140,71 @@ def apply_changes(root: str, changes: list[FileChange]) -> list[Outcome]:
     """Apply `changes` (each already allowed) to the workspace at `root`; one Outcome per change. A change whose
     host file moved on, or whose path meets a symlink or a non-directory on the host, is refused alone. Raises
     ApplyError, with nothing changed, if staging fails."""
-    dirs = _Dirs(root)
-    staged: list[tuple[str, str, str | None]] = []  # (directory, name, temporary name or None for an unlink)
-    outcomes: dict[int, Outcome] = {}
-    try:
-        for i, ch in enumerate(changes):
-            why = path_problem(ch.path) or (path_problem(ch.source) if ch.op == "rename" else None)
-            if why:
-                outcomes[i] = Outcome(ch.path, False, why)
-                continue
-            try:
-                staged.extend(_stage(dirs, ch))
-            except _Refused as e:
-                outcomes[i] = Outcome(ch.path, False, str(e))
-            except OSError as e:
-                _unstage(dirs, staged)
-                raise ApplyError(f"nothing applied: {e.strerror or e} while writing beside {ch.path!r}") from None
-        _syncfs(dirs.root_fd)  # every staged file on disk before any becomes visible (one flush, not one per file)
-        touched = set()
-        for dirpath, name, tmp in staged:  # every file is staged: now each becomes visible in turn
-            dfd = dirs.get(dirpath, False)
-            if tmp is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=dfd)
-            else:
-                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            touched.add(dirpath)
-        _syncfs(dirs.root_fd)
-        for i, ch in enumerate(changes):
-            outcomes.setdefault(i, Outcome(ch.path, True))
-        return [outcomes[i] for i in range(len(changes))]
-    finally:
-        dirs.close()
+    staging = Staging(root, changes)
+    staging.stage()
+    return staging.commit()
+
+
+class Staging:
+    """One apply in its two phases, which a caller may hold apart: `stage()` writes every file beside its target
+    (nothing visible changes yet), then `commit()` makes them all visible, or `abort()` removes what was staged and
+    the directories made for it. The patch door stages while the signer records the files' results and the patch's
+    summary, and commits only once the summary is allowed."""
+
+    def __init__(self, root: str, changes: list[FileChange]):
+        self.changes = changes
+        self.dirs = _Dirs(root)
+        self.staged: list[tuple[str, str, str | None]] = []  # (directory, name, temporary name or None: an unlink)
+        self.outcomes: dict[int, Outcome] = {}
+
+    def stage(self) -> None:
+        """Write every change beside its target. Raises ApplyError, with everything staged removed, on a failure
+        that is not one file's own (a full disk, a read-only workspace)."""
+        try:
+            for i, ch in enumerate(self.changes):
+                why = path_problem(ch.path) or (path_problem(ch.source) if ch.op == "rename" else None)
+                if why:
+                    self.outcomes[i] = Outcome(ch.path, False, why)
+                    continue
+                try:
+                    self.staged.extend(_stage(self.dirs, ch))
+                except _Refused as e:
+                    self.outcomes[i] = Outcome(ch.path, False, str(e))
+                except OSError as e:
+                    raise ApplyError(f"nothing applied: {e.strerror or e} while writing beside {ch.path!r}") from None
+        except BaseException:  # ApplyError or anything else: nothing stays staged
+            self.abort()
+            raise
+
+    def commit(self) -> list[Outcome]:
+        """Every staged file on disk, then each made visible in turn; one Outcome per change."""
+        dirs = self.dirs
+        try:
+            _syncfs(dirs.root_fd)  # every staged file on disk before any becomes visible (one flush, not one a file)
+            for dirpath, name, tmp in self.staged:
+                dfd = dirs.get(dirpath, False)
+                if tmp is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                else:
+                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            self.staged = []
+            _syncfs(dirs.root_fd)
+            for i, ch in enumerate(self.changes):
+                self.outcomes.setdefault(i, Outcome(ch.path, True))
+            return [self.outcomes[i] for i in range(len(self.changes))]
+        finally:
+            dirs.close()
+
+    def abort(self) -> None:
+        """Remove every staged file and every directory made for them: the workspace is as it was."""
+        if self.dirs.root_fd < 0:
+            return
+        try:
+            _unstage(self.dirs, self.staged)
+            self.staged = []
+        finally:
+            self.dirs.close()
 
 
 def _stage(dirs: _Dirs, ch: FileChange) -> list:

@@ -263,3 +263,42 @@ def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
     assert not different.equivalent
     # the command that wrote it (commands are compared too) and out.txt (keep.txt is patch #1)
     assert [d["what"] for d in different.as_dict()["differences"]] == ["command argv #1", "patch #2"]
+
+
+def test_a_signer_lost_while_files_are_staged_leaves_the_workspace_as_it_was(private_signer, workspace, tmp_path):
+    """The allowed files are written beside their targets while the signer records their results and the summary
+    (doors/patch.py, _StageBehind); if the signer is lost before the summary is allowed, nothing becomes visible and
+    every staged file and every directory made for them is removed."""
+    import signal
+    import threading
+    import time
+
+    from tkbox_nb.errors import TkboxError
+    before = snapshot(workspace)
+    box = Box(backend="bwrap", home=private_signer.home, workspace=workspace, bundle_path=tmp_path / "lost.tkb",
+              policy=AUTO).start()
+    box.collect_patch_at_stop = False
+    box.run(["python3", "-c", "import os\nfor i in range(3000):\n d = 'n%02d' % (i // 100)\n"
+                              " os.makedirs(d, exist_ok=True)\n open(f'{d}/f%04d' % i, 'w').write(str(i))\n"])
+    killed = threading.Event()
+
+    def kill_once_staging_shows():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed.is_set():
+            for top, _dirs, names in os.walk(workspace):
+                if any(".tkbox-" in n for n in names):  # a file is staged: the signer is still recording
+                    os.kill(private_signer.pid(), signal.SIGKILL)
+                    killed.set()
+                    return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=kill_once_staging_shows)
+    watcher.start()
+    with pytest.raises(TkboxError):
+        box.patch()
+    watcher.join()
+    assert killed.is_set()  # the kill landed while files were staged, before the summary was allowed
+    assert snapshot(workspace) == before  # no staged file, no directory made for them, nothing applied
+    with pytest.raises(Exception):
+        box.stop()
+    private_signer.ensure()

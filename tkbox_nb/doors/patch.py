@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from .. import protocol as p
 from ..errors import TkboxError
 from ..patch_diff import DiffFile, render
 from ..recorder import sha256_digest
-from ..workspace_writer import ApplyError, FileChange, apply_changes, current_digest
+from ..workspace_writer import ApplyError, FileChange, Staging, current_digest
 from . import patch_rules as rules
 from .patch_reader import Entry, PatchReader
 
@@ -208,17 +209,24 @@ class PatchDoor:
                 done.append((crossing, "ok", {}, None))
             patch.files.append(fd)
             pending.append((fd, change))
-        rec.complete_many(done)
-        patch.diff = render(list(self.accepted.values()))
-        if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
-            return patch
-        s = rec.decide("patch", "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
-                                            "refused": len(patch.refused), "apply": mode},
-                       {"diff": patch.diff})
-        if not s.allowed:
-            raise TkboxError(f"the patch summary was refused ({', '.join(s.rule_ids)}); nothing applied")
-        (rec.spool / "patch.diff").write_bytes(patch.diff)
-        self._apply(pending, mode)
+        # Each allowed file is written beside its target (invisible) while the signer records the results and the
+        # summary; it becomes visible only once the summary is allowed, and is removed if it is not.
+        stager = _StageBehind(self.box.workspace, pending) if mode == "auto" else None
+        try:
+            rec.complete_many(done)
+            patch.diff = render(list(self.accepted.values()))
+            if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
+                return patch
+            s = rec.decide("patch", "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
+                                                "refused": len(patch.refused), "apply": mode},
+                           {"diff": patch.diff})
+            if not s.allowed:
+                raise TkboxError(f"the patch summary was refused ({', '.join(s.rule_ids)}); nothing applied")
+            (rec.spool / "patch.diff").write_bytes(patch.diff)
+            self._apply(pending, mode, stager)
+        finally:
+            if stager is not None:
+                stager.abort()  # whatever was not committed (a refused summary, a lost signer) leaves no trace
         not_applied = [{"path": f.path, "reason": f.apply_reason[:200]} for f, c in pending
                        if c is not None and not f.applied]
         rec.complete(s, "ok" if mode != "auto" or not not_applied else "error",
@@ -226,20 +234,56 @@ class PatchDoor:
                       "not_applied_count": len(not_applied)})
         return patch
 
-    def _apply(self, pending: list[tuple], mode: str) -> None:
-        """Write the allowed files in auto mode (all staged, then renamed); say why not otherwise."""
-        workspace = self.box.workspace
-        changes = [c for _, c in pending if c is not None]
+    def _apply(self, pending: list[tuple], mode: str, stager: "_StageBehind | None") -> None:
+        """Make the staged files visible in auto mode; say why not otherwise."""
         outcomes = {}
         why = {"never": "apply = never (bundle only)", "review": "apply = review: `tkbox apply BUNDLE`"}.get(mode)
-        if mode == "auto" and workspace is None:
+        if mode == "auto" and self.box.workspace is None:
             why = "no host workspace"
-        elif mode == "auto" and changes:
+        elif stager is not None and stager.changes:
             try:
-                outcomes = {id(c): o for c, o in zip(changes, apply_changes(str(workspace), changes))}
+                outcomes = {id(c): o for c, o in zip(stager.changes, stager.commit())}
             except ApplyError as e:
                 why = str(e)
         for fd, change in pending:
             if change is not None:
                 o = outcomes.get(id(change))
                 fd.applied, fd.apply_reason = (o.applied, o.reason) if o else (False, why or "")
+
+
+class _StageBehind:
+    """A patch's allowed files staged (workspace_writer.Staging.stage) on a thread of their own, while the door
+    goes on signing; `commit` waits for it and makes them visible, `abort` removes whatever is still staged."""
+
+    def __init__(self, workspace: Path | None, pending: list[tuple]):
+        self.changes = [c for _, c in pending if c is not None] if workspace is not None else []
+        self.error: BaseException | None = None
+        self._staging: Staging | None = None
+        self._thread = threading.Thread(target=self._stage, args=(str(workspace),), name="tkbox-patch-stage",
+                                        daemon=True)
+        if self.changes:
+            self._thread.start()
+
+    def _stage(self, workspace: str) -> None:
+        try:
+            try:
+                self._staging = Staging(workspace, self.changes)
+            except OSError as e:
+                raise ApplyError(f"nothing applied: the workspace cannot be opened: {e.strerror or e}") from None
+            self._staging.stage()
+        except BaseException as e:  # ApplyError (nothing staged is left), or a bug: raised again by commit
+            self.error = e
+
+    def commit(self) -> list:
+        self._thread.join()
+        staging, self._staging = self._staging, None
+        if self.error is not None:
+            raise self.error
+        return staging.commit()
+
+    def abort(self) -> None:
+        if self._thread.is_alive() or self._staging is not None:
+            self._thread.join()
+            if self._staging is not None:
+                self._staging.abort()
+                self._staging = None
