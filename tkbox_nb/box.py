@@ -1,9 +1,9 @@
 """Box: one box and one signed run, from start to a written `.tkb`.
 
-The exec door lives here: before a command or cell goes in, the recorder gets a signed decision under the box
-policy; nothing runs without a signed allow; when it ends, its result is signed and its content spooled for the
-bundle. Anything the box does outside the protocol, a limit it reaches, or a signer that stops answering ends the
-box fail-closed, and the reason is recorded in the run's last record and the box manifest.
+A Box starts its backend, opens its run, and composes its doors (exec, egress, model, patch, and the host end of
+its kernel), which see it only as a DoorContext (doors/context.py). Anything the box does outside the protocol, a
+limit it reaches, or a signer that stops answering ends the box fail-closed, and the reason is recorded in the run's
+last record and the box manifest.
 """
 
 from __future__ import annotations
@@ -21,21 +21,15 @@ from .backends import BoxSpec, get_backend
 from .box_kernel import BoxKernel, Cell
 from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
+from .doors.exec import CommandResult, ExecDoor
 from .doors.patch import Patch, PatchDoor
-from .errors import DoorRefused, TkboxError
+from .errors import BoxEnded, DoorRefused, TkboxError
 from .policy import Policy
 from .recorder import Crossing, RunRecorder
 from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
 
-
-
-@dataclass
-class CommandResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
 
 
 @dataclass
@@ -74,12 +68,6 @@ def egress_env(port: int = 3128) -> dict[str, str]:
     return env
 
 
-class BoxEnded(TkboxError):
-    """The box is gone (a limit, a protocol violation, the signer lost); the reason is recorded in its run."""
-
-    exit_code = 1
-
-
 class Box:
     """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`.
 
@@ -109,6 +97,7 @@ class Box:
         self.ended: str | None = None
         self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
         self._kernel: BoxKernel | None = None
+        self.exec_door = ExecDoor(self)
         self.patch_door: PatchDoor | None = None
         self.last_patch: Patch | None = None
         self.bindings = _bindings(self.policy, secrets or {})
@@ -285,56 +274,18 @@ class Box:
         if self.recorder is None or self.running is None:
             raise BoxEnded("the box is not started")
 
-    # -- the exec door -------------------------------------------------------------------------------------------
-    def _decide(self, kind: str, facts: dict, content: dict[str, bytes]):
-        crossing = self.recorder.decide("exec", kind, facts, content)
-        if not crossing.allowed:
-            if self.recorder.broken:  # the signer is gone: the box goes too
-                self.fail_closed(f"signer lost: {self.recorder.broken}")
-            why = crossing.verdict.reason if not crossing.verdict.allowed else crossing.reason
-            raise DoorRefused(f"exec refused ({', '.join(crossing.rule_ids) or crossing.decision}): {why}",
-                              crossing.rule_ids)
-        return crossing
-
+    # -- the exec door (doors/exec.py) ----------------------------------------------------------------------------
     def run(self, argv: list[str], stdin: bytes | None = None, timeout: float | None = None,
             cwd: str | None = None, env: dict[str, str] | None = None) -> CommandResult:
         """Run `argv` in the box (after a signed allow) and return its exit status and output. `cwd` (default
         /workspace) and `timeout` are recorded; of `env`, only the names are (never the values)."""
         self._check_alive()
-        if not (isinstance(argv, (list, tuple)) and argv and all(isinstance(a, str) for a in argv)):
-            raise TkboxError("argv must be a non-empty list of strings")
-        if cwd is not None and not (isinstance(cwd, str) and cwd.startswith("/") and "\0" not in cwd):
-            raise TkboxError("cwd must be an absolute path in the box")
-        if env is not None and not (isinstance(env, dict) and all(
-                isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v
-                for k, v in env.items())):
-            raise TkboxError("env must map variable names to strings")
-        facts: dict[str, Any] = {"argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
-                                 **({"env_names": sorted(env)} if env else {})}
-        if timeout is not None:  # an integral float as an int: the record's canonical JSON has one form for it
-            facts["timeout_s"] = int(timeout) if float(timeout).is_integer() else float(timeout)
-        crossing = self._decide("command", facts, {"stdin": stdin} if stdin else {})
-        timeout = timeout if timeout is not None else self.policy.get("exec", "timeout_s")
-        limit = self.policy.get("exec", "max_output_bytes")
-        out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
-        request = {"kind": "command", "argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
-                   **({"env": dict(env)} if env else {})}
-        body = self.exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
-        code = body.get("exit_code")
-        if not isinstance(code, int) or isinstance(code, bool):
-            self.fail_closed("the box answered a command without an integer exit status")
-            raise BoxEnded(f"the box has ended: {self.ended}")
-        stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
-        self.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
-                               {"stdout": stdout, "stderr": stderr})
-        return CommandResult(code, stdout, stderr)
+        return self.exec_door.run(argv, stdin, timeout, cwd, env)
 
     def decide_cell(self, code: str) -> "Crossing":
         """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box)."""
         self._check_alive()
-        if not isinstance(code, str):
-            raise TkboxError("code must be a string")
-        return self._decide("cell", {}, {"code": code.encode("utf-8")})
+        return self.exec_door.decide_cell(code)
 
     def kernel(self) -> BoxKernel:
         """The box's Jupyter kernel (a real ipykernel in the box), started on first use."""
@@ -436,11 +387,3 @@ class Box:
                     reason = f"the box died: {self.running.exit_reason()}"
                 self.fail_closed(reason)
                 raise BoxEnded(f"the box has ended: {self.ended}")
-
-
-def _append(out: dict[int, bytearray], channel: int, data: bytes, limit: int) -> None:
-    if channel not in out:
-        raise p.ProtocolError(f"command output on channel {channel}")
-    if len(out[p.CH_STDOUT]) + len(out[p.CH_STDERR]) + len(data) > limit:
-        raise p.ProtocolError(f"command output over exec.max_output_bytes ({limit})")
-    out[channel] += data

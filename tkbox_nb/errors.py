@@ -19,6 +19,12 @@ class SignerError(TkboxError):
     """The machine signer could not be started, reached or read."""
 
 
+class BoxEnded(TkboxError):
+    """The box is gone (a limit, a protocol violation, the signer lost); the reason is recorded in its run."""
+
+    exit_code = 1
+
+
 class DoorRefused(TkboxError):
     """A crossing the door refused: by policy, by an invariant no policy lifts, or because the signer is gone."""
 

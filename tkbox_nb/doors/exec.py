@@ -1,0 +1,91 @@
+"""The exec door: commands and cells into the box, each only after a signed allow.
+
+Before a command or a cell goes in, the run gets a signed decision under the box policy; nothing runs without a
+signed allow. A command's exit status and output come back strictly (integer status, stdout and stderr only, at
+most `exec.max_output_bytes` together) and are signed as its result, with the output spooled for the bundle. A
+cell's result is signed by the host end of the box's kernel (box_kernel.py), which alone knows when it has ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol as p
+from ..errors import BoxEnded, DoorRefused, TkboxError
+
+if TYPE_CHECKING:
+    from ..recorder import Crossing
+    from .context import DoorContext
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class ExecDoor:
+    """The exec door of one box, which it sees as a DoorContext."""
+
+    def __init__(self, box: "DoorContext"):
+        self.box = box
+
+    def decide(self, kind: str, facts: dict, content: dict[str, bytes]) -> "Crossing":
+        """A signed allow for one crossing, or DoorRefused; a refusal because the signer is gone ends the box."""
+        box = self.box
+        crossing = box.recorder.decide("exec", kind, facts, content)
+        if not crossing.allowed:
+            if box.recorder.broken:  # the signer is gone: the box goes too
+                box.fail_closed(f"signer lost: {box.recorder.broken}")
+            why = crossing.verdict.reason if not crossing.verdict.allowed else crossing.reason
+            raise DoorRefused(f"exec refused ({', '.join(crossing.rule_ids) or crossing.decision}): {why}",
+                              crossing.rule_ids)
+        return crossing
+
+    def run(self, argv: list[str], stdin: bytes | None = None, timeout: float | None = None,
+            cwd: str | None = None, env: dict[str, str] | None = None) -> CommandResult:
+        """Run `argv` in the box after a signed allow; its exit status and output, signed as its result."""
+        if not (isinstance(argv, (list, tuple)) and argv and all(isinstance(a, str) for a in argv)):
+            raise TkboxError("argv must be a non-empty list of strings")
+        if cwd is not None and not (isinstance(cwd, str) and cwd.startswith("/") and "\0" not in cwd):
+            raise TkboxError("cwd must be an absolute path in the box")
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v
+                for k, v in env.items())):
+            raise TkboxError("env must map variable names to strings")
+        facts: dict[str, Any] = {"argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
+                                 **({"env_names": sorted(env)} if env else {})}
+        if timeout is not None:  # an integral float as an int: the record's canonical JSON has one form for it
+            facts["timeout_s"] = int(timeout) if float(timeout).is_integer() else float(timeout)
+        crossing = self.decide("command", facts, {"stdin": stdin} if stdin else {})
+        box = self.box
+        timeout = timeout if timeout is not None else box.policy.get("exec", "timeout_s")
+        limit = box.policy.get("exec", "max_output_bytes")
+        out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
+        request = {"kind": "command", "argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
+                   **({"env": dict(env)} if env else {})}
+        body = box.exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
+        code = body.get("exit_code")
+        if not isinstance(code, int) or isinstance(code, bool):
+            box.fail_closed("the box answered a command without an integer exit status")
+            raise BoxEnded(f"the box has ended: {box.ended}")
+        stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
+        box.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
+                              {"stdout": stdout, "stderr": stderr})
+        return CommandResult(code, stdout, stderr)
+
+    def decide_cell(self, code: str) -> "Crossing":
+        """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box)."""
+        if not isinstance(code, str):
+            raise TkboxError("code must be a string")
+        return self.decide("cell", {}, {"code": code.encode("utf-8")})
+
+
+def _append(out: dict[int, bytearray], channel: int, data: bytes, limit: int) -> None:
+    if channel not in out:
+        raise p.ProtocolError(f"command output on channel {channel}")
+    if len(out[p.CH_STDOUT]) + len(out[p.CH_STDERR]) + len(data) > limit:
+        raise p.ProtocolError(f"command output over exec.max_output_bytes ({limit})")
+    out[channel] += data
