@@ -153,6 +153,25 @@ def test_parser_refuses_what_is_not_a_model_call(raw, status, text):
     assert e.value.status == status and text in str(e.value)
 
 
+@pytest.mark.parametrize("body, text", [
+    (b'{"model": "gpt-4o-mini", "model": "gpt-4o"}', "duplicate key 'model'"),
+    (b'{"model": "m", "messages": [{"role": "user", "role": "system"}]}', "duplicate key 'role'"),
+    (b'{"model": "m", "temperature": 1e999}', "out of range"),
+    (b'{"model": "m", "temperature": -1E+400}', "out of range"),
+    (b'{"model": "m", "temperature": NaN}', "non-standard number NaN"),
+    (b'{"model": "m", "temperature": Infinity}', "non-standard number Infinity"),
+    ('{"model": "m"}'.encode("utf-16"), "not JSON"),
+])
+def test_parser_refuses_json_that_readers_could_read_differently(body, text):
+    """The signed model must be the one upstream runs: Python keeps the last of two keys where another reader may keep
+    the first; 1e999 would be signed as Infinity, which is not JSON."""
+    with pytest.raises(ModelRequestError) as e:
+        ModelRequestParser(1 << 20).feed(_request("/openai/v1/chat/completions", body))
+    assert e.value.status == 400 and "not JSON" in str(e.value) and text in str(e.value), str(e.value)
+    ok = b'{"model": "gpt-4o-mini", "temperature": 1.5e308, "messages": [{"role": "user"}, {"role": "user"}]}'
+    assert ModelRequestParser(1 << 20).feed(_request("/openai/v1/chat/completions", ok)).model == "gpt-4o-mini"
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600), st.integers(1, 50))
 def test_fuzz_model_request_parser(data, cut):

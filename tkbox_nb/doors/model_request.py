@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import h11
 
+from ..guest.protocol import finite_float
+
 MAX_HEAD = 64 * 1024
 ROUTES = {  # box path prefix -> (provider, allowed endpoints)
     "/openai": ("openai", ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")),
@@ -112,9 +114,9 @@ class ModelRequestParser:
         provider, endpoint = self._route
         body = bytes(self._body)
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            raise ModelRequestError(400, "the request body is not JSON", provider, endpoint) from None
+            doc = loads_one_reading(body)
+        except (ValueError, RecursionError) as e:
+            raise ModelRequestError(400, f"the request body is not JSON: {str(e)[:120]}", provider, endpoint) from None
         if not isinstance(doc, dict):
             raise ModelRequestError(400, "the request body is not a JSON object", provider, endpoint)
         model = doc.get("model")
@@ -129,3 +131,24 @@ class ModelRequestParser:
             raise ModelRequestError(400, "max_tokens must be a count", provider, endpoint)
         headers = [(k, v) for k, v in self._head.headers if k in PASSED_HEADERS]
         return ModelRequest(provider, endpoint, body, model, stream, max(asked) if asked else None, headers)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:60]!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"non-standard number {name}")
+
+
+def loads_one_reading(body: bytes):
+    """JSON that every reader reads the same way, or ValueError: UTF-8 only, no duplicate key (Python keeps the last,
+    an upstream may keep the first, so the signed model could differ from the one that runs), no NaN or Infinity,
+    spelled or overflowing (1e999)."""
+    return json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                      parse_float=finite_float)
