@@ -1,5 +1,5 @@
-"""The egress door's pure checks: the address table (a test per row), embedded IPv4 forms, IP literal spellings,
-host name validation and the proxy request parser."""
+"""The egress door's pure checks: the always-refused ranges written out here (and a test per row of the code's
+table), embedded IPv4 forms, IP literal spellings, host name validation and the proxy request parser."""
 
 from __future__ import annotations
 
@@ -30,6 +30,50 @@ def test_always_refused_row_cannot_be_allowed(net, why):
     cls, reason = classify(addr, (ipaddress.ip_network(net), ipaddress.ip_network("0.0.0.0/0"),
                                   ipaddress.ip_network("::/0")))
     assert cls == "always" and str(addr) in reason
+
+
+# What the door promises never to dial, written out here and not read from the code's table (ALWAYS_REFUSED), so a row
+# deleted or narrowed there fails a test here. Each range with its first and last address and one inside; the single
+# metadata addresses with the word the refusal must name.
+NEVER_DIALLED = {
+    "169.254.169.254/32": "metadata",   # AWS, GCP, Azure IMDS, OpenStack
+    "169.254.170.2/32": "metadata",     # AWS ECS task metadata
+    "168.63.129.16/32": "metadata",     # Azure wire server (otherwise a public address)
+    "100.100.100.200/32": "metadata",   # Alibaba Cloud
+    "192.0.0.192/32": "metadata",       # Oracle Cloud (otherwise in 192.0.0.0/24, which allow_cidrs could lift)
+    "fd00:ec2::254/128": "metadata",    # AWS IMDS over IPv6
+    "0.0.0.0/8": "this network",
+    "10.0.0.0/8": "private",
+    "172.16.0.0/12": "private",
+    "192.168.0.0/16": "private",
+    "100.64.0.0/10": "CGNAT",
+    "127.0.0.0/8": "loopback",
+    "169.254.0.0/16": "link-local",
+    "224.0.0.0/4": "multicast",
+    "240.0.0.0/4": "reserved",          # and 255.255.255.255, broadcast
+    "::/128": "unspecified",
+    "::1/128": "loopback",
+    "fc00::/7": "unique-local",
+    "fe80::/10": "link-local",
+    "fec0::/10": "site-local",
+    "ff00::/8": "multicast",
+    "64:ff9b:1::/48": "NAT64",
+}
+EVERYTHING = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+
+
+@pytest.mark.parametrize("net", sorted(NEVER_DIALLED))
+def test_every_always_refused_range_is_refused_whatever_the_policy(net):
+    network = ipaddress.ip_network(net)
+    inside = {network[0], network[-1], network[network.num_addresses // 2]}
+    policy = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0", "::/0"]\n')
+    for addr in sorted(inside):
+        cls, why = classify(addr, EVERYTHING + (network,))
+        assert cls == "always" and str(addr) in why and NEVER_DIALLED[net] in why, (addr, cls, why)
+        host = str(addr)
+        v = policy.decide({"door": "egress", "kind": "connect", "host": host, "port": 443, "address": host,
+                           "addresses": [host]})
+        assert (v.verdict, v.rule) == ("deny", "egress.always"), (addr, v)
 
 
 @pytest.mark.parametrize("net,why", SPECIAL)
@@ -77,7 +121,8 @@ def test_names_are_normalized_to_one_spelling():
 
 
 @pytest.mark.parametrize("name", ["metadata.google.internal", "localhost", "a.localhost", "metadata",
-                                  "instance-data.ec2.internal"])
+                                  "instance-data.ec2.internal", "metadata.goog", "metadata.azure.com",
+                                  "x.metadata.google.internal", "localhost.localdomain", "ip6-localhost"])
 def test_metadata_and_local_names_are_refused_whatever_the_policy(name):
     policy = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0"]\n')
     v = policy.decide({"door": "egress", "kind": "connect", "host": name, "port": 80, "addresses": ["1.1.1.1"]})
