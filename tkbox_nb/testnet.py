@@ -28,6 +28,27 @@ WEB_SERVER = textwrap.dedent('''
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            if self.path.startswith(("/gzip-echo", "/negotiated-echo", "/gzip-te-echo")):
+                # the request's headers echoed gzipped: always, as the client asks (Accept-Encoding), or as a transfer
+                # coding (HTTP/1.1 "Transfer-Encoding: gzip, chunked")
+                import gzip
+                body = "".join(f"{k}: {v}\\n" for k, v in self.headers.items()).encode()
+                gzipped = (self.path.startswith(("/gzip-echo", "/gzip-te-echo"))
+                           or "gzip" in self.headers.get("Accept-Encoding", ""))
+                if self.path.startswith("/gzip-te-echo"):
+                    data = gzip.compress(body)
+                    self.close_connection = True
+                    head = b"HTTP/1.1 200 OK\\r\\nTransfer-Encoding: gzip, chunked\\r\\nConnection: close\\r\\n\\r\\n"
+                    self.wfile.write(head + b"%x\\r\\n" % len(data) + data + b"\\r\\n0\\r\\n\\r\\n")
+                    return
+                body = gzip.compress(body) if gzipped else body
+                self.send_response(200)
+                if gzipped:
+                    self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path.startswith("/echo-headers"):
                 body = "".join(f"{k}: {v}\\n" for k, v in self.headers.items()).encode()
                 self.send_response(200)

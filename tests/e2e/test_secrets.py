@@ -225,3 +225,49 @@ source = "env:TKB_TEST_API_KEY"
     assert [(c.args["host"], c.decision) for c in swaps] == [(host, "allow")] * 2
     misuses = [c.args["where"] for c in crossings if c.door == "secrets" and c.args["kind"] == "misuse"]
     assert sorted(misuses) == ["header X-Other"] * 2, misuses
+
+
+GZIP_PROBE = """import gzip, os, urllib.error, urllib.request
+req = urllib.request.Request('https://api.tkb.test:8443{path}', headers={{
+    'Authorization': 'Bearer ' + os.environ['API_KEY'], 'Accept-Encoding': 'gzip, deflate, br'}})
+try:
+    r = urllib.request.urlopen(req, timeout=20)
+    status, headers, body = r.status, str(r.headers), r.read()
+except urllib.error.HTTPError as e:
+    status, headers, body = e.code, str(e.headers), e.read()
+except Exception as e:
+    status, headers, body = 0, '', repr(e).encode()
+print('status', status)
+print(headers)
+print(repr(body))
+print(body.decode('latin-1'))
+if body[:2] == b'\\x1f\\x8b':
+    print(gzip.decompress(body).decode('latin-1'))
+"""
+
+
+def test_a_bound_host_answering_gzip_is_refused_and_the_box_never_sees_the_value(box):
+    """The box asks for gzip; the door asks the bound host for identity. A host that gzips its echo of the bound header
+    whatever it is asked (as a content coding or a transfer coding) would carry the value past a scrubber of raw
+    bytes: the box gets a 502 naming the coding, never a byte of the response; the bundle holds no byte of the value;
+    the connection's signed end says why. A host that honours Accept-Encoding answers in identity, scrubbed."""
+    gzipped = _stdout(box.run(["python3", "-c", GZIP_PROBE.format(path="/gzip-echo")]))
+    transfer = _stdout(box.run(["python3", "-c", GZIP_PROBE.format(path="/gzip-te-echo")]))
+    negotiated = _stdout(box.run(["python3", "-c", GZIP_PROBE.format(path="/negotiated-echo")]))
+    assert "status 502" in gzipped and "Content-Encoding: gzip cannot be scrubbed" in gzipped, gzipped
+    assert "status 502" in transfer and "Transfer-Encoding" in transfer, transfer
+    assert "status 200" in negotiated and re.search(r"(?im)^accept-encoding: identity$", negotiated), negotiated
+    assert "Bearer " + "*" * len(VALUE) in negotiated and "content-encoding" not in negotiated.lower(), negotiated
+    for out in (gzipped, transfer, negotiated):
+        assert VALUE not in out
+    box.stop()
+    with zipfile.ZipFile(box.bundle_file) as z:
+        for name in z.namelist():
+            assert VALUE.encode() not in z.read(name), name
+    assert verify_bundle(box.bundle_file).valid
+    ends = [c.result for c in open_run(box.bundle_file).crossings()
+            if c.door == "egress" and c.args["host"] == "api.tkb.test" and c.result]
+    errors = sorted(r.get("error", "") for r in ends)
+    assert len(ends) == 3 and errors[0] == "", errors  # the negotiated one ended well
+    assert errors[1].startswith("refused by the secrets door: Content-Encoding: gzip"), errors
+    assert errors[2].startswith("refused by the secrets door:") and "Transfer-Encoding" in errors[2], errors

@@ -5,7 +5,10 @@ box's side of TLS runs over the door stream with `ssl.SSLObject` (memory BIOs, n
 normal verified TLS socket (the host's trust store, or the policy's `egress.upstream_ca_file`). HTTP/1.1 on both sides
 is h11. Per request: `secrets.rewrite_request` swaps the placeholder in the bound header; each swap and each misuse is
 a signed crossing of the secrets door; a refused misuse is answered 403 and nothing goes upstream. Each response is
-scrubbed of every value before the box sees it.
+scrubbed of every value before the box sees it, so it must come in bytes the scrubber reads: every request goes
+upstream with `Accept-Encoding: identity` whatever the box asked, and a response in any other content coding (or a
+transfer coding other than chunked) ends the connection, refused, before any of it reaches the box: a gzipped echo of
+the bound header would carry the value past a scrubber of raw bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,25 @@ IDLE_S = 300.0
 
 class Closed(Exception):
     pass
+
+
+class Unscrubbable(Exception):
+    """A response from a bound host that the scrubber cannot read; its connection ends with this reason."""
+
+
+def identity_only(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request's headers with whatever Accept-Encoding the box sent replaced by `identity`."""
+    return [(k, v) for k, v in headers if k.lower() != b"accept-encoding"] + [(b"accept-encoding", b"identity")]
+
+
+def unscrubbable_coding(headers) -> str:
+    """What in a response's headers keeps its body from being scrubbed as sent ("" when nothing does): a
+    Content-Encoding other than identity, or a Transfer-Encoding other than chunked."""
+    for name, readable in ((b"content-encoding", (b"", b"identity")), (b"transfer-encoding", (b"chunked",))):
+        codings = [t.strip().lower() for k, v in headers if k.lower() == name for t in v.split(b",")]
+        if any(c not in readable for c in codings):
+            return f"{name.decode().title()}: {b', '.join(codings).decode('latin-1')[:80]}"
+    return ""
 
 
 class BoxTLS:
@@ -111,13 +133,18 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
                 tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
                 return
             upstream.sendall(to_up.send(h11.Request(method=request.method, target=request.target,
-                                                    headers=rw.headers)))
+                                                    headers=identity_only(rw.headers))))
             if body:
                 upstream.sendall(to_up.send(h11.Data(data=body)))
             upstream.sendall(to_up.send(h11.EndOfMessage()))
             counts["bytes_up"] += len(body)
-            if not _relay_response(upstream, to_up, tls, from_box, Scrubber(scrubber_values), counts):
-                return
+            try:
+                if not _relay_response(upstream, to_up, tls, from_box, Scrubber(scrubber_values), counts):
+                    return
+            except Unscrubbable as e:
+                if from_box.our_state is h11.SEND_RESPONSE:  # nothing of the response has reached the box
+                    tls.send(_answer(from_box, 502, f"tkbox secrets door: refused the response from {host}: {e}\n"))
+                raise
             if from_box.our_state is h11.DONE and from_box.their_state is h11.DONE and \
                     to_up.our_state is h11.DONE and to_up.their_state is h11.DONE:
                 from_box.start_next_cycle()
@@ -173,12 +200,20 @@ def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Bindin
 def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.Connection, scrubber: Scrubber,
                     counts: dict) -> bool:
     while True:
-        event = to_up.next_event()
+        try:
+            event = to_up.next_event()
+        except h11.RemoteProtocolError as e:  # h11 reads no transfer coding but chunked: gzip is refused here too
+            if from_box.our_state is not h11.SEND_RESPONSE:
+                raise  # broken or cut short after its head: the connection ends on it
+            raise Unscrubbable(f"a response head the door cannot read to scrub ({e})") from None
         if event is h11.NEED_DATA:
             data = upstream.recv(65536)
             to_up.receive_data(data)
             continue
         if isinstance(event, (h11.Response, h11.InformationalResponse)):
+            coding = unscrubbable_coding(event.headers)
+            if coding:
+                raise Unscrubbable(f"{coding} cannot be scrubbed of secret values (the door asked for identity)")
             headers = [(k, scrubber.scrub(v)) for k, v in event.headers]
             cls = type(event)
             tls.send(from_box.send(cls(status_code=event.status_code, headers=headers, reason=event.reason)))

@@ -1,0 +1,46 @@
+"""The secrets door's pure checks on the bytes it relays: which response codings the scrubber can read, and the request
+headers a bound host gets about codings."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from tkbox_nb.doors.intercept import identity_only, unscrubbable_coding
+from tkbox_nb.doors.secrets import Scrubber
+
+VALUE = "sk-live-" + "7f3a9c" * 6
+
+
+def test_a_gzipped_echo_carries_the_value_past_a_scrubber_of_raw_bytes():
+    """Why the door refuses what it cannot read: scrubbing gzip's bytes finds nothing, and the box could inflate it."""
+    echoed = gzip.compress(b"Authorization: Bearer " + VALUE.encode())
+    scrubber = Scrubber([VALUE])
+    passed = scrubber.feed(echoed) + scrubber.flush()
+    assert VALUE.encode() in gzip.decompress(passed)
+
+
+def test_the_box_s_accept_encoding_is_replaced_by_identity():
+    sent = [(b"Host", b"api"), (b"Accept-Encoding", b"gzip, br"), (b"accept-encoding", b"zstd"), (b"X", b"y")]
+    assert identity_only(sent) == [(b"Host", b"api"), (b"X", b"y"), (b"accept-encoding", b"identity")]
+    assert identity_only([(b"Host", b"api")]) == [(b"Host", b"api"), (b"accept-encoding", b"identity")]
+
+
+@pytest.mark.parametrize("headers", [[], [(b"content-encoding", b"identity")], [(b"Content-Encoding", b"")],
+                                     [(b"transfer-encoding", b"chunked")], [(b"content-type", b"application/gzip")]])
+def test_a_response_the_scrubber_can_read(headers):
+    assert unscrubbable_coding(headers) == ""
+
+
+@pytest.mark.parametrize("headers, named", [
+    ([(b"content-encoding", b"gzip")], "Content-Encoding: gzip"),
+    ([(b"Content-Encoding", b"GZIP")], "Content-Encoding: gzip"),
+    ([(b"content-encoding", b"identity, br")], "Content-Encoding: identity, br"),
+    ([(b"content-encoding", b"identity"), (b"content-encoding", b"deflate")], "Content-Encoding: identity, deflate"),
+    ([(b"content-encoding", b"zstd")], "Content-Encoding: zstd"),
+    ([(b"transfer-encoding", b"gzip, chunked")], "Transfer-Encoding: gzip, chunked"),
+    ([(b"transfer-encoding", b"identity")], "Transfer-Encoding: identity"),
+])
+def test_a_response_in_any_other_coding_is_named(headers, named):
+    assert unscrubbable_coding(headers) == named
