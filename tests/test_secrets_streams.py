@@ -1,5 +1,5 @@
-"""The secrets door's pure checks on the bytes it relays: which response codings the scrubber can read, and the request
-headers a bound host gets about codings."""
+"""The secrets door's pure checks on the bytes it relays: which response codings the scrubber can read, the request
+headers a bound host gets about codings, and placeholders found in a plain-HTTP body however it is split."""
 
 from __future__ import annotations
 
@@ -44,3 +44,26 @@ def test_a_response_the_scrubber_can_read(headers):
 ])
 def test_a_response_in_any_other_coding_is_named(headers, named):
     assert unscrubbable_coding(headers) == named
+
+
+def _bindings():
+    from tkbox_nb.doors.secrets import Binding
+    return [Binding("API_KEY", ["api.tkb.test"], "Authorization", "Bearer {value}", "env:X"),
+            Binding("OTHER", ["other.example"], "X-Key", "{value}", "env:Y")]
+
+
+def test_a_placeholder_in_a_plain_http_body_is_found_wherever_the_pieces_split_it():
+    from tkbox_nb.doors.secrets import PlaceholderWatch
+    api, other = _bindings()
+    body = b"x" * 70 + api.placeholder.encode() + b"y" * 5 + other.placeholder.encode() + b"z" * 3
+    for cut in range(1, len(body)):
+        for second in (cut, min(len(body), cut + 7)):
+            watch = PlaceholderWatch("api.tkb.test", [api, other])
+            found = watch.feed(body[:cut]) + watch.feed(body[cut:second]) + watch.feed(body[second:])
+            assert found == [("API_KEY", "body (plain http)"), ("OTHER", "body (plain http) to api.tkb.test")]
+    one_by_one = PlaceholderWatch("api.tkb.test", [api, other])
+    assert [f for i in range(len(body)) for f in one_by_one.feed(body[i:i + 1])] == \
+        [("API_KEY", "body (plain http)"), ("OTHER", "body (plain http) to api.tkb.test")]
+    again = PlaceholderWatch("api.tkb.test", [api])
+    assert again.feed(api.placeholder.encode()) and not again.feed(api.placeholder.encode())  # each named once
+    assert PlaceholderWatch("api.tkb.test", [api]).feed(api.placeholder.encode()[:-1] + b"!") == []

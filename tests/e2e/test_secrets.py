@@ -271,3 +271,58 @@ def test_a_bound_host_answering_gzip_is_refused_and_the_box_never_sees_the_value
     assert len(ends) == 3 and errors[0] == "", errors  # the negotiated one ended well
     assert errors[1].startswith("refused by the secrets door: Content-Encoding: gzip"), errors
     assert errors[2].startswith("refused by the secrets door:") and "Transfer-Encoding" in errors[2], errors
+
+
+PLAIN_BODY = """import http.client, os, time, urllib.parse
+proxy = urllib.parse.urlsplit(os.environ.get('http_proxy') or os.environ['HTTP_PROXY'])
+ph = os.environ['API_KEY'].encode()
+body = b'a' * 100 + ph + b'b' * 100
+cut = 100 + len(ph) // 2
+c = http.client.HTTPConnection(proxy.hostname, proxy.port, timeout=20)
+c.putrequest('POST', 'http://web.tkb.test:8080/echo', skip_host=True, skip_accept_encoding=True)
+c.putheader('Host', 'web.tkb.test:8080')
+c.putheader('Content-Length', str(len(body)))
+c.endheaders()
+for part in (body[:cut], body[cut:]):  # the placeholder split over two sends, after the head
+    time.sleep(0.5)
+    c.send(part)
+r = c.getresponse()
+print(r.status, r.read().decode())
+"""
+
+
+def test_a_placeholder_in_a_plain_http_body_is_flagged_and_each_record_says_whether_it_came_over_tls(box):
+    """The body of a plain-HTTP request (sent after its head, the placeholder split between two sends) is checked as
+    the headers are: the placeholder goes out as itself, flagged; a misuse over plain HTTP is signed `tls: false`, and
+    a swap and a body misuse over the intercepted TLS `tls: true`."""
+    out = _stdout(box.run(["python3", "-c", PLAIN_BODY]))
+    assert out.startswith("200 POST /echo") and re.search(r"a{100}tkbox-ph-[0-9a-f]{32}b{100}", out), out
+    tls = _stdout(box.run(["python3", "-c", "import os, urllib.request\n"
+                           "req = urllib.request.Request('https://api.tkb.test:8443/echo', data=os.environ['API_KEY']"
+                           ".encode(), headers={'Authorization': 'Bearer ' + os.environ['API_KEY']})\n"
+                           "print(urllib.request.urlopen(req, timeout=20).read().decode())"]))
+    assert VALUE not in out + tls
+    box.stop()
+    assert verify_bundle(box.bundle_file).valid
+    secrets = [c for c in open_run(box.bundle_file).crossings() if c.door == "secrets" and c.args["kind"] != "bind"]
+    stated = sorted((c.args["kind"], c.args.get("where", ""), c.args["tls"], c.decision) for c in secrets)
+    assert stated == [("misuse", "body", True, "flag"), ("misuse", "body (plain http) to web.tkb.test", False, "flag"),
+                      ("swap", "", True, "allow")], stated
+
+
+def test_a_placeholder_in_a_plain_http_body_can_be_refused_and_ends_the_connection(signer, net, tmp_path,
+                                                                                    monkeypatch):
+    """Refused by the binding: the send that completes the placeholder never goes upstream; the box gets the door's
+    403 naming the rule instead of the echo; the refusal is signed and is the connection's signed end."""
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    bundle = tmp_path / "plain.tkb"
+    with Box(backend="bwrap", policy=secrets_policy(net, misuse="refuse"), bundle_path=bundle) as b:
+        out = _stdout(b.run(["python3", "-c", PLAIN_BODY]))
+    assert out.startswith("403 tkbox secrets door: refused") and "secrets.misuse" in out, out
+    assert "POST /echo" not in out  # the upstream never answered: it never had the whole body
+    crossings = open_run(bundle).crossings()
+    misuses = [c for c in crossings if c.door == "secrets" and c.args["kind"] == "misuse"]
+    assert [(c.args["where"], c.args["tls"], c.decision) for c in misuses] == \
+        [("body (plain http) to web.tkb.test", False, "deny")]
+    ends = [c.result for c in crossings if c.door == "egress" and c.args["host"] == "web.tkb.test"]
+    assert len(ends) == 1 and ends[0]["error"].startswith("refused by the secrets door: secrets.misuse"), ends

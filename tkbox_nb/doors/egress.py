@@ -112,20 +112,24 @@ class EgressDoor:
                 why = crossing.verdict.reason or crossing.reason
                 return self._answer(stream, 403, f"tkbox egress door: refused by {crossing.verdict.rule} "
                                                  f"({rules}): {why}\n")
+            watch = None
             if self.box.bindings:
-                from .secrets import bound_for, rewrite_request
+                from .secrets import PlaceholderWatch, bound_for, rewrite_request
                 bound = bound_for(crossing.args["host"], self.box.bindings)
                 if req.tunnel and bound:
                     return self._relay_bound(stream, req, crossing, address, bound)
                 if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
                     from .intercept import record_secret_crossings
+                    watch = PlaceholderWatch(crossing.args["host"], self.box.bindings)  # the body, as it comes
                     rw = rewrite_request(crossing.args["host"], req.target.encode(), req.headers, self.box.bindings,
                                          tls=False)
-                    refused = record_secret_crossings(self.box, crossing.args["host"], self.box.bindings, rw)
+                    rw.misuses += watch.feed(req.rest)
+                    refused = record_secret_crossings(self.box, crossing.args["host"], self.box.bindings, rw,
+                                                      tls=False)
                     if refused:
                         self.box.recorder.complete(crossing, "error", {"error": "refused by the secrets door"})
                         return self._answer(stream, 403, f"tkbox secrets door: refused: {refused}\n")
-            self._relay(stream, req, crossing, address)
+            self._relay(stream, req, crossing, address, watch)
         except ProxyRequestError as e:
             self._answer(stream, e.status, f"tkbox egress door: {e}\n")
         except (StreamClosed, OSError):
@@ -159,7 +163,9 @@ class EgressDoor:
             self.box.fail_closed(f"signer lost: {self.box.recorder.broken}")
         return crossing, address
 
-    def _relay(self, stream: Stream, req: ProxyRequest, crossing, address: str) -> None:
+    def _relay(self, stream: Stream, req: ProxyRequest, crossing, address: str, watch=None) -> None:
+        """Dial the checked address and relay both ways; on plain HTTP with secrets bound, every byte the box sends
+        after the head goes through `watch` first, and a refused placeholder ends the connection before it goes."""
         conn, sid = self.box.conn, stream.sid
         started = time.monotonic()
         try:
@@ -170,6 +176,7 @@ class EgressDoor:
             return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
         upstream.settimeout(None)
         counts = {"bytes_up": 0, "bytes_down": 0}
+        refused: list[str] = []  # set by the upload thread when the secrets door refuses what the box sent
         try:
             if req.tunnel:
                 conn.send_data(sid, p.CH_BYTES, b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -179,7 +186,8 @@ class EgressDoor:
             if first:
                 upstream.sendall(first)
                 counts["bytes_up"] += len(first)
-            up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts), daemon=True)
+            up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts, watch, refused,
+                                                                      crossing.args["host"]), daemon=True)
             up.start()
             pipe = None
             if SplicePipe.usable() and conn.can_splice():
@@ -201,6 +209,14 @@ class EgressDoor:
         except (OSError, StreamClosed) as e:
             counts["error"] = str(e)[:200]
         finally:
+            if refused:
+                counts["error"] = f"refused by the secrets door: {refused[0]}"[:300]
+                if not counts["bytes_down"]:  # the upstream answered nothing: the box gets why
+                    try:
+                        conn.send_data(sid, p.CH_BYTES, _answer_bytes(403, f"tkbox secrets door: refused: "
+                                                                           f"{refused[0]}\n"))
+                    except (OSError, StreamClosed):
+                        pass
             upstream.close()
             try:
                 conn.close(sid)
@@ -249,11 +265,25 @@ class EgressDoor:
         self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
                                    dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
 
-    def _box_to_upstream(self, stream: Stream, upstream: socket.socket, counts: dict) -> None:
+    def _box_to_upstream(self, stream: Stream, upstream: socket.socket, counts: dict, watch=None,
+                         refused: list | None = None, host: str = "") -> None:
         while True:
             event = stream.get()
             if event[0] != "data" or event[1] != p.CH_BYTES:
                 break
+            found = watch.feed(event[2]) if watch is not None else []
+            if found:  # signed before these bytes go; refused: they never do, and the connection ends
+                from .intercept import record_secret_crossings
+                from .secrets import Rewrite
+                why = record_secret_crossings(self.box, host, self.box.bindings, Rewrite(headers=[], misuses=found),
+                                              tls=False)
+                if why:
+                    refused.append(why)
+                    try:  # wakes the download; the upstream sees no end of the body, so it never answers it
+                        upstream.shutdown(socket.SHUT_RD)
+                    except OSError:
+                        pass
+                    return
             try:
                 upstream.sendall(event[2])
             except OSError:
@@ -265,11 +295,16 @@ class EgressDoor:
             pass
 
     def _answer(self, stream: Stream, status: int, body: str) -> None:
-        data = body.encode("utf-8", "replace")
-        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
         try:
-            self.box.conn.send_data(stream.sid, p.CH_BYTES, head + data)
+            self.box.conn.send_data(stream.sid, p.CH_BYTES, _answer_bytes(status, body))
             self.box.conn.close(stream.sid)
         except (StreamClosed, OSError):
             pass
+
+
+def _answer_bytes(status: int, body: str) -> bytes:
+    """A whole HTTP/1.1 answer from the door to the box (the connection closes after it)."""
+    data = body.encode("utf-8", "replace")
+    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    return head + data

@@ -128,7 +128,7 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
                 return
             rw = rewrite_request(host, request.target, list(request.headers.raw_items()), bindings, tls=True)
             rw.misuses += misuses_in(body, bindings, "body")
-            refused = record_secret_crossings(box, host, bindings, rw)
+            refused = record_secret_crossings(box, host, bindings, rw, tls=True)
             if refused:
                 tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
                 return
@@ -181,14 +181,15 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
             return None, b""
 
 
-def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Binding], rw) -> str:
-    """Sign each swap and misuse; the reason of the first refusal, or ""."""
+def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Binding], rw, tls: bool) -> str:
+    """Sign each swap and misuse (`tls`: whether the request came over the intercepted TLS); the reason of the first
+    refusal, or ""."""
     by_name = {b.name: b for b in bindings}
     for kind, items in (("misuse", rw.misuses), ("swap", rw.swaps)):
         for name, detail in items:
             b = by_name[name]
             facts = {"name": name, "binding_hosts": b.hosts, "binding_header": b.header,
-                     "binding_misuse": b.misuse, "host": host, "tls": True}
+                     "binding_misuse": b.misuse, "host": host, "tls": tls}
             facts.update({"where": detail} if kind == "misuse" else {"header": detail})
             crossing = box.recorder.decide("secrets", kind, facts)
             if not crossing.allowed:

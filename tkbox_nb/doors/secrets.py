@@ -111,6 +111,29 @@ def misuses_in(data: bytes, bindings: list[Binding], where: str) -> list[tuple[s
     return [(b.name, where) for b in bindings if b.placeholder.encode() in data]
 
 
+class PlaceholderWatch:
+    """Finds placeholders in bytes the box sends in pieces on plain HTTP (a request's body, and anything after it),
+    across the pieces' boundaries: a small tail of each piece is kept for the next. Each binding is named once, the
+    first time its placeholder is seen, as a misuse (never swapped: the value never goes out without TLS)."""
+
+    def __init__(self, host: str, bindings: list[Binding]):
+        self.host, self.bindings = host, bindings
+        self.keep = max((len(b.placeholder) for b in bindings), default=1) - 1
+        self._tail, self._named = b"", set()
+
+    def feed(self, data: bytes) -> list[tuple[str, str]]:
+        """(binding name, where) for each placeholder first completed by `data`."""
+        window = self._tail + bytes(data)
+        self._tail = window[-self.keep:] if self.keep > 0 else b""
+        found = []
+        for b in self.bindings:
+            if b.name not in self._named and b.placeholder.encode("ascii") in window:
+                self._named.add(b.name)
+                where = "body (plain http)"
+                found.append((b.name, where if host_matches(self.host, b.hosts) else f"{where} to {self.host}"))
+        return found
+
+
 class Scrubber:
     """Removes secret values from a byte stream (a response on its way into the box), across chunk boundaries:
     each value becomes as many `*` (so lengths, and Content-Length, stay right)."""
