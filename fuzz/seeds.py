@@ -44,6 +44,14 @@ KERNEL_MESSAGES = [
     kernel_message("iopub", "execute_input", {"code": "1 + 1", "execution_count": 1}),
     kernel_message("iopub", "comm_open", {"comm_id": "c1", "target_name": "jupyter.widget", "data": {"state": {}}}),
     kernel_message("iopub", "comm_msg", {"comm_id": "c1", "data": {"method": "update"}}, ["AAEC"]),
+    kernel_message("iopub", "display_data", {"data": {"text/html": "<img src=x onerror=alert(1)><script>x</script>",
+                                                      "text/markdown": "[a](javascript:x)", "image/svg+xml": "<svg/>",
+                                                      "Text/HTML": "<b onclick=x>b</b>"}, "metadata": {}}),
+    kernel_message("iopub", "comm_open", {"comm_id": "c2", "target_name": "jupyter.widget", "data": {"state": {
+        "_model_name": "OutputModel", "description_allow_html": True, "outputs": [
+            {"output_type": "display_data", "data": {"text/html": "<script>x</script>"}, "metadata": {}}]}}}),
+    kernel_message("iopub", "comm_open", {"comm_id": "c3", "target_name": "jupyter.widget", "data": {"state": {
+        "_model_name": "HTMLModel", "value": "<img src=x onerror=alert(1)>"}}}),
     kernel_message("shell", "execute_reply", {"status": "ok", "execution_count": 1, "payload": [
         {"source": "set_next_input", "text": "%%box_policy", "replace": False},
         {"source": "page", "data": {"text/plain": "help", "text/html": "<i>h</i>"}, "start": 0}]}),

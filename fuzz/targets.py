@@ -16,6 +16,7 @@ import hashlib
 import io
 import ipaddress
 import json
+import re
 import ssl
 import zipfile
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from cryptography.x509.oid import NameOID
 
 from tkbox_nb import protocol as p
 from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
-from tkbox_nb.box_messages import JAVASCRIPT_MIME, check_box_message
+from tkbox_nb.box_messages import check_box_message, names_host_magic
+from tkbox_nb.box_outputs import ALLOWED as ALLOWED_MIME
+from tkbox_nb.box_outputs import BOX_PROMPT
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
 from tkbox_nb.doors.box_ca import BoxCA
@@ -265,9 +268,10 @@ def _set_path(obj: Any, path: tuple, value: Any) -> None:
 @target("box-message", lambda: [b"\x00" + json.dumps(m).encode() for m in seeds.KERNEL_MESSAGES]
         + [bytes([1 + 2 * i, f]) + b"\x04\x05hello" for i in range(len(seeds.KERNEL_MESSAGES)) for f in (0, 1, 5)])
 def box_message(data: bytes) -> None:
-    """check_box_message: a message passes, is dropped whole, or raises ProtocolError; what passes holds no
-    JavaScript and no execute_reply payload but the pager's text, gives its notebook output, and can be sent on as
-    UTF-8 JSON."""
+    """check_box_message: a message passes, is dropped whole, or raises ProtocolError; what passes holds no MIME
+    type outside the allowlist and no script in its HTML or Markdown, no execute_reply payload but the pager's text,
+    a set_next_input that names no host magic and ask_exit, a prompt the host's cannot be taken for, gives its notebook
+    output, and can be sent on as UTF-8 JSON."""
     inp = Input(data)
     mode = inp.byte()
     if mode & 1:  # a real message with one field replaced
@@ -284,11 +288,28 @@ def box_message(data: bytes) -> None:
         return
     bundles = [m.content.get("data")] if m.msg_type in ("display_data", "update_display_data", "execute_result",
                                                        "inspect_reply") else []
+    state = (m.content.get("data") or {}).get("state") if m.msg_type in ("comm_open", "comm_msg") else None
+    if isinstance(state, dict):
+        assert state.get("description_allow_html", False) is False
+        bundles += [o.get("data") for o in state.get("outputs", []) if isinstance(state.get("outputs"), list)
+                    and isinstance(o, dict)] if "Output" in str(state.get("_model_name")) else []
     for b in bundles:
-        assert b is None or not any(k in JAVASCRIPT_MIME or "javascript" in k.lower() for k in b)
+        assert b is None or set(b) <= ALLOWED_MIME, sorted(b)
+        for key in ("text/html", "text/markdown"):
+            text = (b or {}).get(key, "").lower()
+            assert "<script" not in text and not re.search(r"<[^>]*\son[a-z]*\s*=", text), text
+            assert "javascript:" not in text, text
     if m.msg_type == "execute_reply":
-        assert all(set(x) == {"source", "data", "start"} and x["source"] == "page" and set(x["data"]) == {"text/plain"}
-                   for x in m.content["payload"])
+        for x in m.content["payload"]:
+            if x["source"] == "set_next_input":
+                assert set(x) == {"source", "text", "replace"} and not names_host_magic(x["text"])
+            elif x["source"] == "ask_exit":
+                assert set(x) == {"source", "keepkernel"}
+            else:
+                assert set(x) == {"source", "data", "start"} and x["source"] == "page" \
+                    and set(x["data"]) == {"text/plain"}
+    if m.msg_type == "input_request":
+        assert m.content["prompt"].startswith(BOX_PROMPT)
     out = m.as_output()
     _utf8(m.wire())
     if out is not None:

@@ -22,11 +22,131 @@ def message(channel="iopub", msg_type="display_data", content=None, **over):
     return msg
 
 
-def test_well_formed_display_passes_with_every_mime_type_but_javascript():
-    m = check_box_message(message(content={"data": {"text/plain": "x", "text/html": "<b>x</b>", "image/png": "iVBO"},
-                                           "metadata": {}}))
-    assert set(m.content["data"]) == {"text/plain", "text/html", "image/png"} and not m.dropped
+def test_well_formed_display_passes_with_inert_types_and_html_that_was_already_clean():
+    m = check_box_message(message(content={"data": {"text/plain": "x", "text/html": "<b>x</b>", "image/png": "iVBO",
+                                                    "application/json": {"a": [1]}}, "metadata": {}}))
+    assert set(m.content["data"]) == {"text/plain", "text/html", "image/png", "application/json"} and not m.dropped
     assert m.as_output()["output_type"] == "display_data"
+
+
+DATAFRAME_HTML = ('<div>\n<style scoped>\n    .dataframe tbody tr th:only-of-type {vertical-align: middle;}\n</style>\n'
+                  '<table border="1" class="dataframe">\n  <thead>\n    <tr style="text-align: right;">\n'
+                  '      <th></th>\n      <th>a</th>\n    </tr>\n  </thead>\n  <tbody>\n    <tr>\n'
+                  '      <th>0</th>\n      <td>1</td>\n    </tr>\n  </tbody>\n</table>\n</div>')
+
+
+@pytest.mark.parametrize("msg_type", ["display_data", "update_display_data", "execute_result"])
+def test_only_inert_types_pass_and_html_and_markdown_are_sanitised(msg_type):
+    data = {"text/plain": "x",
+            "text/html": '<img src="x" onerror="alert(1)"><script>alert(2)</script><iframe src="/"></iframe>'
+                         '<form action="/"><input></form><object data="x"></object><a href="JaVaScRiPt:alert(3)">a</a>'
+                         '<a href="data:text/html,x">d</a><a href="vbscript:x">v</a><a href="https://ok.example/">ok</a>'
+                         '<b style="color:red" onclick="x">bold</b>',
+            "text/markdown": "# title\n> quoted <img src=x onerror=alert(1)>",
+            "image/svg+xml": '<svg onload="alert(1)"/>', "TEXT/JavaScript": "alert(1)", "Application/PDF": "JVBE",
+            "application/vnd.plotly.v1+json": {}, "image/jpeg": "/9j/", "text/latex": "$x$"}
+    content = {"data": data, "metadata": {}, "transient": {"display_id": "d"}, "execution_count": 1}
+    m = check_box_message(message(msg_type=msg_type, content=content))
+    out = m.content["data"]
+    assert set(out) == {"text/plain", "text/html", "text/markdown", "image/jpeg", "text/latex"}
+    html = out["text/html"].lower()
+    for bad in ("onerror", "<script", "alert(2)", "<iframe", "<form", "<input", "<object", "javascript", "data:",
+                "vbscript", "style", "onclick"):
+        assert bad not in html, bad
+    assert '<a href="https://ok.example/"' in html and "<b>bold</b>" in html
+    assert out["text/markdown"] == "# title\n> quoted <img src=\"x\">"
+    assert sorted(m.dropped) == sorted(f"{msg_type}.data:{k}" for k in (
+        "text/html (sanitised)", "text/markdown (sanitised)", "image/svg+xml", "TEXT/JavaScript", "Application/PDF",
+        "application/vnd.plotly.v1+json"))
+
+
+def test_mime_types_are_matched_whatever_their_case():
+    m = check_box_message(message(content={"data": {"Text/HTML": "<img src=x onerror=alert(1)>",
+                                                    "text/html": "<i>second</i>"}, "metadata": {}}))
+    assert m.content["data"] == {"text/html": '<img src="x">'}
+    assert m.dropped == ["display_data.data:Text/HTML (sanitised)", "display_data.data:text/html"]
+
+
+def test_a_pandas_table_keeps_its_table():
+    m = check_box_message(message(msg_type="execute_result", content={
+        "data": {"text/html": DATAFRAME_HTML}, "metadata": {}, "execution_count": 3}))
+    html = m.content["data"]["text/html"]
+    assert '<table border="1" class="dataframe">' in html and "<td>1</td>" in html and "<th>a</th>" in html
+    assert "<style" not in html and "vertical-align" not in html
+
+
+@pytest.mark.parametrize("text", ["[click](javascript:alert(1))", "[c](  JAVA&#83;cript:alert(1))",
+                                  "<javascript:alert(1)>", "![i](data:image/svg+xml;base64,PHN2Zz4=)",
+                                  "[r]: vbscript:msgbox", "$\\href{javascript:alert(1)}{x}$"])
+def test_markdown_naming_a_script_url_is_dropped(text):
+    m = check_box_message(message(content={"data": {"text/plain": "x", "text/markdown": text}, "metadata": {}}))
+    assert m.content["data"] == {"text/plain": "x"}
+    assert m.dropped == ["display_data.data:text/markdown (names a script URL)"]
+
+
+def test_prose_that_mentions_data_keeps_its_markdown():
+    m = check_box_message(message(content={"data": {"text/markdown": "Input data: 5 rows, *ok*"}, "metadata": {}}))
+    assert m.content["data"] == {"text/markdown": "Input data: 5 rows, *ok*"} and not m.dropped
+
+
+def test_the_pager_of_inspect_is_filtered_too():
+    m = check_box_message(message("shell", "inspect_reply", {"status": "ok", "found": True, "metadata": {}, "data": {
+        "text/plain": "doc", "text/html": "<p onmouseover=x>doc</p>", "image/svg+xml": "<svg/>"}}))
+    assert m.content["data"] == {"text/plain": "doc", "text/html": "<p>doc</p>"}
+
+
+def widget_open(comm_id, state):
+    return message("iopub", "comm_open", {"comm_id": comm_id, "target_name": "jupyter.widget",
+                                          "data": {"state": state, "buffer_paths": []}})
+
+
+def test_widget_state_from_the_box_is_sanitised_by_what_the_widget_renders():
+    html = check_box_message(widget_open("h", {"_model_name": "HTMLModel", "_view_name": "HTMLView",
+                                               "value": "<img src=x onerror=alert(1)><b>ok</b>",
+                                               "description": "<b>d</b>", "description_allow_html": True}))
+    state = html.content["data"]["state"]
+    assert state["value"] == '<img src="x"><b>ok</b>' and state["description_allow_html"] is False
+    assert html.dropped == ["comm_open.data.state:description_allow_html", "comm_open.data.state:value (sanitised)"]
+    # a Text model shown with the HTML view renders its value as HTML: sanitised too; a plain Text's is left alone
+    text_as_html = check_box_message(widget_open("t", {"_model_name": "TextModel", "_view_name": "HTMLMathView",
+                                                       "value": "<script>x</script>"}))
+    assert text_as_html.content["data"]["state"]["value"] == ""
+    plain = check_box_message(widget_open("p", {"_model_name": "TextModel", "_view_name": "TextView",
+                                                "value": "<script>x</script>"}))
+    assert plain.content["data"]["state"]["value"] == "<script>x</script>" and not plain.dropped
+    output = check_box_message(widget_open("o", {"_model_name": "OutputModel", "outputs": [
+        {"output_type": "display_data", "data": {"text/html": "<script>x</script>ok", "application/javascript": "y"},
+         "metadata": {}}, {"output_type": "stream", "name": "stdout", "text": "<b>"}, {"output_type": "weird"}]}))
+    assert output.content["data"]["state"]["outputs"] == [
+        {"output_type": "display_data", "data": {"text/html": "ok"}, "metadata": {}},
+        {"output_type": "stream", "name": "stdout", "text": "<b>"}]
+
+
+def test_a_comm_msg_is_sanitised_for_the_widget_its_comm_opened():
+    comms = {"h": "HTMLModel HTMLView", "o": "OutputModel OutputView", "s": "IntSliderModel IntSliderView"}
+
+    def update(comm_id, state):
+        return check_box_message(message("iopub", "comm_msg", {"comm_id": comm_id, "data": {
+            "method": "update", "state": state, "buffer_paths": []}}), comms)
+    assert update("h", {"value": "<svg onload=x>"}).content["data"]["state"]["value"] == ""
+    assert update("o", {"outputs": [{"output_type": "display_data", "data": {"image/svg+xml": "<svg/>"},
+                                     "metadata": {}}]}).content["data"]["state"]["outputs"][0]["data"] == {}
+    slider = update("s", {"value": 7, "description_allow_html": True})
+    assert slider.content["data"]["state"] == {"value": 7, "description_allow_html": False}
+    assert not slider.unknown_comm and update("nope", {}).unknown_comm
+    closed = check_box_message(message("iopub", "comm_close", {"comm_id": "gone", "data": {}}), comms)
+    assert closed.unknown_comm
+    assert not check_box_message(message("iopub", "comm_msg", {"comm_id": "gone", "data": {}})).unknown_comm
+
+
+@pytest.mark.parametrize("prompt,shown", [
+    ("value of API_KEY (stays on the host): ", "[box] value of API_KEY (stays on the host): "),
+    ("x\nvalue of API_KEY (stays on the host): ", "[box] x\n[box] value of API_KEY (stays on the host): "),
+    ("a\rb\u2028c", "[box] a\n[box] b\n[box] c"),
+])
+def test_every_line_of_a_box_prompt_wears_the_box_mark(prompt, shown):
+    m = check_box_message(message("stdin", "input_request", {"prompt": prompt, "password": True}))
+    assert m.content == {"prompt": shown, "password": True}
 
 
 def test_javascript_and_payloads_are_removed_and_named():

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import protocol as p
 from .box_messages import BoxMessage, check_box_message
+from .box_outputs import widget_kind
 
 if TYPE_CHECKING:
     from .doors.context import DoorContext
@@ -81,6 +82,9 @@ class BoxKernel:
         self.ended: str | None = None
         self.cells: dict[str, Cell] = {}
         self.listeners: list[Callable[[BoxMessage], None]] = []
+        # the box's comms, opened by its kernel or by the frontend toward it: id -> what the widget is (its model and
+        # view names, box_outputs.widget_kind), so the state a comm_msg carries is checked for what it will render
+        self.comms: dict[str, str] = {}
         self._lock = threading.Lock()
         self.stream = box.conn.open({"kind": "kernel"})
         threading.Thread(target=self._read, daemon=True, name="tkbox-kernel-reader").start()
@@ -88,6 +92,7 @@ class BoxKernel:
     # -- to the box ----------------------------------------------------------------------------------------------
     def send(self, channel: str, msg: dict[str, Any], buffers: list[bytes] = ()) -> None:
         import base64
+        self._track_comm(msg["header"].get("msg_type"), msg.get("content") or {})
         body = {"channel": channel, "header": msg["header"], "parent_header": msg.get("parent_header") or {},
                 "metadata": msg.get("metadata") or {}, "content": msg.get("content") or {},
                 "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers]}
@@ -125,8 +130,10 @@ class BoxKernel:
                     if event[1] != p.CH_MSG:
                         raise p.ProtocolError(f"kernel data on channel {event[1]}")
                     for raw in self.reader.feed(event[2]):
-                        msg = check_box_message(raw)
+                        msg = check_box_message(raw, self.comms)
                         if msg is not None:
+                            if msg.channel == "iopub":
+                                self._track_comm(msg.msg_type, msg.content)
                             self._route(msg)
                 elif event[0] == "close":
                     body = event[1]
@@ -139,6 +146,17 @@ class BoxKernel:
             reason = f"door protocol violation: {e}"
             self.box.fail_closed(reason)
         self._finish(reason)
+
+    def _track_comm(self, msg_type: Any, content: dict) -> None:
+        comm_id = content.get("comm_id")
+        if not isinstance(comm_id, str):
+            return
+        data = content.get("data") if isinstance(content.get("data"), dict) else {}
+        if msg_type == "comm_open" or (msg_type == "comm_msg" and comm_id in self.comms):
+            known = self.comms.get(comm_id, "") if msg_type == "comm_msg" else ""
+            self.comms[comm_id] = widget_kind(known, data.get("state"))
+        elif msg_type == "comm_close":
+            self.comms.pop(comm_id, None)
 
     def _route(self, msg: BoxMessage) -> None:
         if msg.channel == "bridge":

@@ -6,8 +6,11 @@ for type and size. Three outcomes: the message is well-formed and passes (maybe 
 a `ProtocolError` that ends the box.
 
 What is removed, and why (docs/threat-model.md, I14):
-- JavaScript outputs (`application/javascript` and kin) would run in the notebook's origin, where they could type
-  host-side magics (a looser `%%box_policy`) into the kernel: dropped.
+- Script in outputs (JavaScript, and HTML, SVG or Markdown that carry it) would run in the notebook's origin, where
+  it could type host-side magics (a looser `%%box_policy`) into the kernel: only an allowlist of inert MIME types
+  passes, HTML and Markdown sanitised, in outputs, the pager and widget state alike (box_outputs.py).
+- An `input_request`'s prompt is shown with `[box] ` at the start of each line, so the box cannot fake the host's
+  own password prompt (%box_secret).
 - `execute_reply` payloads act on the frontend: each keeps its plain-ipykernel meaning except where it could act on
   the host's side (`_payload`): a `set_next_input` whose text names a host-side magic (say, a `%%box_policy` that
   loosens the policy) is dropped, `page` keeps its text/plain only, unknown sources are dropped.
@@ -20,6 +23,7 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import box_outputs
 from .protocol import ProtocolError
 
 CHANNEL_TYPES: dict[str, frozenset[str]] = {
@@ -31,8 +35,6 @@ CHANNEL_TYPES: dict[str, frozenset[str]] = {
     "stdin": frozenset({"input_request"}),
     "bridge": frozenset({"ready"}),
 }
-JAVASCRIPT_MIME = frozenset({"application/javascript", "text/javascript", "application/x-javascript",
-                             "application/ecmascript", "text/ecmascript"})
 MESSAGE_KEYS = frozenset({"channel", "header", "parent_header", "metadata", "content", "buffers"})
 HEADER_STR_LIMIT = 256
 MAX_BUFFERS = 64
@@ -49,6 +51,7 @@ class BoxMessage:
     content: dict[str, Any]
     buffers: list[bytes] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    unknown_comm: bool = False  # a comm_msg or comm_close naming no comm of the box's (when it was checked)
 
     @property
     def msg_type(self) -> str:
@@ -115,16 +118,14 @@ def _header(value: Any, what: str, required: bool) -> dict:
 
 def _mimebundle(data: Any, what: str, dropped: list[str]) -> dict:
     data = _dict(data, what)
-    for mime in list(data):
+    for mime in data:
         _str(mime, f"{what} key")
-        if mime in JAVASCRIPT_MIME or "javascript" in mime.lower():
-            del data[mime]
-            dropped.append(f"{what}:{mime}")
-    return data
+    return box_outputs.mimebundle(data, what, dropped)
 
 
-def check_box_message(raw: Any) -> BoxMessage | None:
-    """The checked message, or None when its type is not one a kernel sends on its channel (dropped whole)."""
+def check_box_message(raw: Any, comms: dict[str, str] | None = None) -> BoxMessage | None:
+    """The checked message, or None when its type is not one a kernel sends on its channel (dropped whole).
+    `comms`: what each comm of the box is (`box_outputs.widget_kind`), for the widget state a comm_msg carries."""
     obj = _dict(raw, "message")
     if set(obj) != MESSAGE_KEYS:
         raise _fail(f"keys {sorted(obj)[:8]}")
@@ -148,11 +149,11 @@ def check_box_message(raw: Any) -> BoxMessage | None:
     if header["msg_type"] not in CHANNEL_TYPES[channel]:
         return None
     msg = BoxMessage(channel, header, parent, metadata, content, buffers)
-    _check_content(msg)
+    _check_content(msg, comms)
     return msg
 
 
-def _check_content(m: BoxMessage) -> None:
+def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
     c, t = m.content, m.msg_type
     if t == "status":
         if c.get("execution_state") not in ("busy", "idle", "starting"):
@@ -180,9 +181,13 @@ def _check_content(m: BoxMessage) -> None:
             raise _fail("clear_output.wait")
     elif t in ("comm_open", "comm_msg", "comm_close"):
         _str(c.get("comm_id"), f"{t}.comm_id")
-        _dict(c.get("data", {}), f"{t}.data")
+        data = _dict(c.get("data", {}), f"{t}.data")
         if t == "comm_open":
             _str(c.get("target_name"), "comm_open.target_name")
+        state = data.get("state")
+        m.unknown_comm = comms is not None and t != "comm_open" and c["comm_id"] not in comms
+        kind = box_outputs.widget_kind((comms or {}).get(c["comm_id"], "") if t != "comm_open" else "", state)
+        box_outputs.widget_state(kind, state, f"{t}.data.state", m.dropped)
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")
@@ -198,7 +203,7 @@ def _check_content(m: BoxMessage) -> None:
                 kept.append(checked)
         c["payload"] = kept
     elif t == "input_request":
-        _str(c.get("prompt"), "input_request.prompt", 4096)
+        c["prompt"] = box_outputs.box_prompt(_str(c.get("prompt"), "input_request.prompt", 4096))
         if not isinstance(c.get("password", False), bool):
             raise _fail("input_request.password")
     elif t in ("inspect_reply",):

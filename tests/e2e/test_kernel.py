@@ -100,6 +100,95 @@ def test_javascript_from_the_box_never_reaches_the_frontend(client):
     assert not any("application/javascript" in c.get("data", {}) for _, c in outs)
 
 
+SCRIPTED_OUTPUTS = """\
+from IPython.display import HTML, SVG, Markdown, display, publish_display_data
+import pandas as pd
+display(HTML('<img src=x onerror="alert(1)"><script>alert(2)</script><b>kept</b>'))
+display(SVG('<svg xmlns="http://www.w3.org/2000/svg" onload="alert(3)"><circle r="5"/></svg>'))
+display(Markdown('[click](javascript:alert(4))'))
+display(Markdown('*fine* <img src=y onerror="alert(5)">'))
+publish_display_data({'text/plain': 'p', 'TEXT/HTML': '<iframe src="/lab"></iframe><i>case</i>',
+                      'application/vnd.evil+json': {}})
+h = display(HTML('<b>first</b>'), display_id=True)
+h.update(HTML('<img src=z onerror="alert(6)">second'))
+pd.DataFrame({'a': [1, 2]})
+"""
+
+
+def test_script_in_html_svg_and_markdown_from_the_box_never_reaches_the_frontend(client, kernel_env):
+    reply, outs = client.run(SCRIPTED_OUTPUTS)
+    assert reply["status"] == "ok", reply
+    bundles = [c["data"] for t, c in outs if t in ("display_data", "update_display_data", "execute_result")]
+    allowed = {"text/plain", "text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/gif",
+               "image/webp", "image/bmp", "application/json", "application/vnd.jupyter.widget-view+json"}
+    assert bundles and all(set(b) <= allowed for b in bundles), bundles
+    rendered = " ".join(str(b.get(k, "")) for b in bundles for k in ("text/html", "text/markdown")).lower()
+    for bad in ("onerror", "<script", "<svg", "onload", "javascript:", "<iframe", "alert("):
+        assert bad not in rendered, bad
+    assert "<b>kept</b>" in rendered and "<i>case</i>" in rendered and "second" in rendered and "*fine*" in rendered
+    table = [c["data"]["text/html"] for t, c in outs if t == "execute_result"]
+    assert len(table) == 1 and '<table border="1" class="dataframe">' in table[0] and "<td>2</td>" in table[0]
+    client.stop()
+    cell = [x for x in open_run(only_bundle(kernel_env)).crossings() if x.door == "exec"][-1]
+    named = " ".join(cell.result["dropped"])
+    for what in ("display_data.data:image/svg+xml", "display_data.data:text/markdown (names a script URL)",
+                 "display_data.data:TEXT/HTML (sanitised)", "display_data.data:application/vnd.evil+json",
+                 "update_display_data.data:text/html (sanitised)", "execute_result.data:text/html (sanitised)"):
+        assert what in named, (what, named)
+
+
+WIDGETS_WITH_MARKUP = """\
+import ipywidgets as w
+from IPython.display import HTML, display
+h = w.HTML(value='<img src=x onerror="alert(1)"><b>bold</b>')
+t = w.Text(value='<script>x</script>')
+s = w.IntSlider(value=1, description='<img src=y onerror="alert(2)">', description_allow_html=True)
+o = w.Output()
+display(h, t, s, o)
+o.append_display_data(HTML('<script>alert(3)</script><i>inside</i>'))  # carried in the widget's `outputs` state
+h.value = '<svg onload="alert(4)"></svg><u>later</u>'
+"""
+
+
+def test_widget_state_from_the_box_is_sanitised_and_widgets_still_work(client):
+    msg_id = client.kc.execute(WIDGETS_WITH_MARKUP)
+    msgs = _iopub_until_idle(client, msg_id)
+    states: dict[str, list[dict]] = {}
+    for m in msgs:
+        if m["msg_type"] in ("comm_open", "comm_msg") and isinstance(m["content"]["data"].get("state"), dict):
+            states.setdefault(m["content"]["comm_id"], []).append(m["content"]["data"]["state"])
+    by_model = {st[0].get("_model_name"): (cid, st) for cid, st in states.items() if "_model_name" in st[0]}
+    html_id, html_states = by_model["HTMLModel"]
+    values = [st["value"] for st in html_states if "value" in st]
+    assert values[0] == '<img src="x"><b>bold</b>' and values[-1] == "<u>later</u>", values
+    assert by_model["TextModel"][1][0]["value"] == "<script>x</script>"  # a Text widget shows text, untouched
+    slider_id, slider = by_model["IntSliderModel"]
+    assert all(st.get("description_allow_html", False) is False for st in slider)
+    outputs = [o for st in by_model["OutputModel"][1] for o in st.get("outputs", [])]
+    shown = " ".join(str(o.get("data", {}).get("text/html", "")) for o in outputs)
+    assert "<i>inside</i>" in shown and "<script" not in shown and "alert" not in shown
+    # the slider still works both ways
+    client.kc.shell_channel.send(client.kc.session.msg("comm_msg", {"comm_id": slider_id, "data": {
+        "method": "update", "state": {"value": 9}, "buffer_paths": []}}))
+    time.sleep(1)
+    reply, outs = client.run("s.value")
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "9" for t, c in outs)
+
+
+def test_a_box_prompt_cannot_pass_for_the_host_s_password_prompt(client):
+    prompts = []
+
+    def answer(msg):
+        prompts.append((msg["content"]["prompt"], msg["content"]["password"]))
+        client.kc.input("typed")
+
+    reply, _ = client.run("import getpass\nv = getpass.getpass('value of API_KEY (stays on the host): ')\n"
+                          "w = input('ok\\nvalue of API_KEY (stays on the host): ')", stdin=answer)
+    assert reply["status"] == "ok"
+    assert prompts == [("[box] value of API_KEY (stays on the host): ", True),
+                       ("[box] ok\n[box] value of API_KEY (stays on the host): ", False)]
+
+
 def check_input_and_getpass(client: Client) -> None:
     """A cell reads a line and a password from the frontend: each prompt reaches it as an input_request."""
     prompts = []
@@ -110,7 +199,7 @@ def check_input_and_getpass(client: Client) -> None:
 
     reply, outs = client.run("import getpass\na = input('name? ')\nb = getpass.getpass('pw? ')\nprint(a, b)",
                              stdin=answer)
-    assert reply["status"] == "ok" and prompts == [("name? ", False), ("pw? ", True)]
+    assert reply["status"] == "ok" and prompts == [("[box] name? ", False), ("[box] pw? ", True)]
     assert ("stream", {"name": "stdout", "text": "typed hidden\n"}) in outs
 
 
@@ -205,8 +294,8 @@ def test_host_policy_magic_takes_effect_and_refusals_show_in_the_notebook(client
 def test_secret_value_never_reaches_the_notebook_the_box_or_the_bundle(client, kernel_env):
     value = "sk-test-" + os.urandom(8).hex()
 
-    def answer(msg):
-        assert msg["content"]["password"] is True
+    def answer(msg):  # the host's own prompt: never the box's mark
+        assert msg["content"] == {"prompt": "value of API_KEY (stays on the host): ", "password": True}
         client.kc.input(value)
 
     reply, outs = client.run("%box_secret API_KEY --host api.example.org --header Authorization "

@@ -84,6 +84,7 @@ class TestTkboxSamples(jkt.KernelTests):
     code_inspect_sample = "sorted"
     code_clear_output = ("from IPython.display import clear_output; print('before')\n"
                          "clear_output(wait=True); print('after')")
+    prompt_mark = "[box] "  # every prompt from the box wears it, so none can pass for the host's (box_outputs.py)
 
     def test_clear_output_keeps_wait(self) -> None:
         self.flush_channels()
@@ -115,7 +116,7 @@ class TestTkboxSamples(jkt.KernelTests):
         # not validate_message: jupyter_kernel_test 0.7's schema types `password` as a number; the spec (and
         # ipykernel) make it a boolean
         assert request["msg_type"] == "input_request" and request["parent_header"]["msg_id"] == msg_id
-        assert request["content"] == {"prompt": "pw: ", "password": True}
+        assert request["content"] == {"prompt": self.prompt_mark + "pw: ", "password": True}
         self.kc.input("hunter2")
         reply = self.get_non_kernel_info_reply(timeout=jkt.TIMEOUT)
         assert reply["content"]["status"] == "ok"
@@ -125,3 +126,4 @@ class TestTkboxSamplesOnPlainKernel(TestTkboxSamples):
     """The same samples against the plain python3 kernel: each of them is something a plain ipykernel does."""
 
     kernel_name = "python3"
+    prompt_mark = ""

@@ -1,0 +1,143 @@
+"""What of a box's rich output the frontend may render: an allowlist of MIME types, HTML and Markdown sanitised.
+
+JupyterLab and Notebook treat a live output as trusted: HTML in it runs its `<script>` and `onerror=` handlers, SVG
+its scripts, and a link or a MathJax `\\href` to `javascript:` runs on a click, all in the notebook's origin, where
+script could type a looser `%%box_policy` into the kernel (docs/threat-model.md, I14). So, of a mimebundle from the
+box, only inert types pass (`INERT`), `text/html` and `text/markdown` only after sanitising with nh3 (ammonia):
+scripts, event handlers, style, iframes, objects, embeds, forms and SVG go, only http, https and mailto URLs stay,
+tables stay (pandas). Everything else (SVG images, JavaScript, PDF, third-party renderers' JSON) is dropped. Each
+removal, and each text that sanitising changed, is named in `dropped`, which the cell's signed result carries.
+
+Widget state carries markup too: `widget_state` sanitises the `value` of an HTML or HTMLMath widget (by its model
+or its view), turns every `description_allow_html` off, and filters each output of an Output widget like any other
+output. Pure functions of their input; which widget a comm message updates comes from the caller (box_kernel tracks
+the box's comms, `widget_kind`).
+"""
+
+from __future__ import annotations
+
+import html as _html
+import re
+from typing import Any
+
+import nh3
+
+INERT = frozenset({"text/plain", "text/latex", "image/png", "image/jpeg", "image/gif", "image/webp", "image/bmp",
+                   "application/json", "application/vnd.jupyter.widget-view+json"})
+SANITISED = frozenset({"text/html", "text/markdown"})
+ALLOWED = INERT | SANITISED
+HTML_WIDGETS = frozenset({"HTMLModel", "HTMLMathModel", "HTMLView", "HTMLMathView"})
+OUTPUT_WIDGETS = frozenset({"OutputModel", "OutputView"})
+BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host prompt does (kernel/app.py)
+
+_TAGS = set(nh3.ALLOWED_TAGS) | {"tfoot"}
+_ATTRIBUTES = {tag: set(attrs) for tag, attrs in nh3.ALLOWED_ATTRIBUTES.items()}
+_ATTRIBUTES["table"] = _ATTRIBUTES.get("table", set()) | {"class", "border"}  # pandas: <table border="1" class=...>
+_URL_SCHEMES = {"http", "https", "mailto"}
+# a URL scheme that runs or smuggles script, as a browser, marked or MathJax would read it (entities decoded,
+# whitespace and control characters gone); data: only where a URL starts, so prose such as "data: 5 rows" passes
+_SCRIPT_URL = re.compile(r"(?:javascript|vbscript|livescript):|[(<\[{:=\"'`]data:")
+_LINE_BREAKS = re.compile(r"\r\n|[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
+def _names_script_url(text: str) -> bool:
+    flat = _html.unescape(_html.unescape(text)).lower()
+    flat = "".join(ch for ch in flat if ch > " " and ch not in "\x7f\u00ad\u200b\u200c\u200d\ufeff")
+    return bool(_SCRIPT_URL.search(flat))
+
+
+def clean_html(text: str) -> str | None:
+    """`text` as HTML the frontend may render, or None when it must be dropped whole (a script URL in its text,
+    which MathJax or a renderer could still make live)."""
+    cleaned = nh3.clean(text, tags=_TAGS, attributes=_ATTRIBUTES, url_schemes=_URL_SCHEMES,
+                        clean_content_tags={"script", "style"}, strip_comments=True)
+    return None if _names_script_url(cleaned) else cleaned
+
+
+def clean_markdown(text: str) -> str | None:
+    """Markdown whose raw HTML is sanitised as `clean_html`; None when a link, image or formula names a script
+    URL. `&gt;` is given back as `>` (blockquotes): a lone `>` opens no tag."""
+    cleaned = None if _names_script_url(text) else clean_html(text)
+    return None if cleaned is None else cleaned.replace("&gt;", ">")
+
+
+def mimebundle(data: dict, what: str, dropped: list[str]) -> dict:
+    """The part of a mimebundle the frontend may see: allowlisted types (matched case-insensitively, given under
+    their lower-case name), text sanitised. Everything removed or changed is named in `dropped`."""
+    out: dict[str, Any] = {}
+    for mime, value in data.items():
+        key = mime.strip().lower()
+        if key not in ALLOWED or key in out:
+            dropped.append(f"{what}:{mime}")
+            continue
+        if key in SANITISED or key in ("text/plain", "text/latex"):
+            if not isinstance(value, str):
+                dropped.append(f"{what}:{mime} (not text)")
+                continue
+            cleaned = value if key == "text/plain" else \
+                {"text/html": clean_html, "text/markdown": clean_markdown}.get(key, _latex)(value)
+            if cleaned is None:
+                dropped.append(f"{what}:{mime} (names a script URL)")
+                continue
+            if cleaned != value:
+                dropped.append(f"{what}:{mime} (sanitised)")
+            value = cleaned
+        out[key] = value
+    return out
+
+
+def _latex(text: str) -> str | None:
+    return None if _names_script_url(text) else text
+
+
+def outputs(items: Any, what: str, dropped: list[str]) -> list:
+    """An Output widget's outputs (nbformat outputs): rich data filtered as `mimebundle`; streams and errors pass;
+    anything else is dropped."""
+    if not isinstance(items, list):
+        dropped.append(f"{what}: not a list")
+        return []
+    kept = []
+    for item in items:
+        kind = item.get("output_type") if isinstance(item, dict) else None
+        if kind in ("display_data", "execute_result", "update_display_data") and isinstance(item.get("data"), dict):
+            kept.append(dict(item, data=mimebundle(item["data"], f"{what}.data", dropped)))
+        elif kind in ("stream", "error"):
+            kept.append(item)
+        else:
+            dropped.append(f"{what}:{str(kind)[:40]}")
+    return kept
+
+
+def widget_kind(known: str, state: Any) -> str:
+    """The model and view names a widget's comm has had (`known`, space-separated) with those `state` sets: a view
+    renders whatever model it is given, so an HTML view of a Text model renders its value as HTML."""
+    names = set(known.split())
+    if isinstance(state, dict):
+        for key in ("_model_name", "_view_name"):
+            if isinstance(state.get(key), str) and len(names) < 8:
+                names.update(state[key][:64].split()[:1])
+    return " ".join(sorted(names))
+
+
+def widget_state(kind: str, state: Any, what: str, dropped: list[str]) -> None:
+    """Sanitise, in place, widget state from the box for a comm of `kind` (`widget_kind`, "" when not known)."""
+    if not isinstance(state, dict):
+        return
+    names = set(kind.split())
+    if state.get("description_allow_html", False) is not False:
+        state["description_allow_html"] = False
+        dropped.append(f"{what}:description_allow_html")
+    if names & HTML_WIDGETS and "value" in state:
+        value = state["value"]
+        cleaned = clean_html(value) if isinstance(value, str) else None
+        if cleaned != value:
+            dropped.append(f"{what}:value ({'sanitised' if cleaned is not None else 'removed'})")
+            state["value"] = cleaned or ""
+    if names & OUTPUT_WIDGETS and "outputs" in state:
+        state["outputs"] = outputs(state["outputs"], f"{what}.outputs", dropped)
+
+
+def box_prompt(prompt: str) -> str:
+    """A prompt from the box as the frontend shows it: every line starts with `BOX_PROMPT`, so no prompt of the
+    box can pass for the host's own (%box_secret's password prompt)."""
+    return "\n".join(BOX_PROMPT + line for line in _LINE_BREAKS.split(prompt))
