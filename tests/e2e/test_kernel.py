@@ -189,6 +189,43 @@ def test_a_box_prompt_cannot_pass_for_the_host_s_password_prompt(client):
                        ("[box] ok\n[box] value of API_KEY (stays on the host): ", False)]
 
 
+def test_a_comm_message_from_the_box_naming_a_comm_it_does_not_hold_is_refused_and_signed(client, kernel_env):
+    msg_id = client.kc.execute(
+        "k = get_ipython().kernel\n"
+        "for t in ('comm_msg', 'comm_close'):\n"
+        "    k.session.send(k.iopub_socket, t, {'comm_id': 'e' * 32, 'data': {'method': 'update', 'state': {}}},\n"
+        "                   parent=k.get_parent('shell'))\n"
+        "from comm import create_comm\nc = create_comm(target_name='tkbox.test', data={})\nc.send({'x': 1})")
+    msgs = _iopub_until_idle(client, msg_id)
+    comms = [(m["msg_type"], m["content"]["comm_id"]) for m in msgs if m["msg_type"].startswith("comm_")]
+    assert [t for t, _ in comms] == ["comm_open", "comm_msg"] and "e" * 32 not in {c for _, c in comms}
+    reply, _ = client.run("1")  # the box goes on
+    assert reply["status"] == "ok"
+    client.stop()
+    run = open_run(only_bundle(kernel_env))
+    faults = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "comm_fault"]
+    assert [(f.decision, f.args["msg_type"], f.args["comm_id"], f.args["from"]) for f in faults] == [
+        ("deny", "comm_msg", "e" * 32, "box"), ("deny", "comm_close", "e" * 32, "box")]
+    assert verify_bundle(only_bundle(kernel_env)).valid
+
+
+def test_a_frontend_comm_message_before_the_first_cell_is_refused_and_signed(kernel_env):
+    c = Client()
+    try:
+        stray = c.kc.session.msg("comm_msg", {"comm_id": "a" * 32, "data": {}})
+        c.kc.shell_channel.send(stray)  # the box is still starting: no run is open yet
+        time.sleep(0.5)
+        reply, outs = c.run("print('first')")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "first\n"}) in outs
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    exec_ = [x for x in run.crossings() if x.door == "exec"]
+    assert [(x.decision, x.args.get("kind"), x.args.get("from"), x.args.get("comm_id")) for x in exec_][0] == \
+        ("deny", "comm_fault", "frontend", "a" * 32)
+    assert verify_bundle(only_bundle(kernel_env)).valid
+
+
 def check_input_and_getpass(client: Client) -> None:
     """A cell reads a line and a password from the frontend: each prompt reaches it as an input_request."""
     prompts = []

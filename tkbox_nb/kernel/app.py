@@ -8,7 +8,7 @@ real ipykernel (guest/kernel.py); messages pass through the door stream, and eve
 What happens to each request from the frontend:
 - execute_request: host-side magics (notebook_box) are done here; any other code is decided by the exec door
   (signed) before it reaches the box, and its outputs are signed when it ends. A refusal is shown as an error.
-- comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded.
+- comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded (comms.py).
 - complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
 - kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on); a cell still waiting for the
   box to start ends, not run (box_wait.py). shutdown: the box stops and its bundle is written, then the process
@@ -40,7 +40,9 @@ from ..box_messages import BoxMessage
 from ..errors import DoorRefused, TkboxError
 from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
+from ..box_outputs import BOX_PROMPT
 from .box_wait import wait_for_box
+from .comms import CommGate
 from .host_comms import HostComms
 
 PROTOCOL_VERSION = "5.3"
@@ -89,7 +91,7 @@ class TkboxKernel:
         self._iopub_lock = threading.Lock()  # host widgets publish from other threads (the view's Verify)
         self._comm_parent: dict | None = None  # the frontend message a host comm's messages answer
         self.box_violated = False  # set when the box broke the protocol here: it is ended, its messages dropped
-        self.box_comms: set[str] = set()  # comm ids the box's kernel holds (opened by it, or by the frontend for it)
+        self.comms = CommGate(self)  # comms both ways: the box's ids are BoxKernel.comms, the host's host_comms
         self.host_comms = HostComms(self._publish_host_comm)
         self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
 
@@ -200,7 +202,7 @@ class TkboxKernel:
         elif t == "execute_request":
             self._execute(channel, idents, msg)
         elif t in COMMS:
-            self._comm(channel, idents, msg)
+            self.comms.from_frontend(channel, msg)
         elif t in FORWARDED:
             if self.kernel is None or self.kernel.ended:
                 self._answer_without_box(channel, idents, msg)
@@ -266,6 +268,7 @@ class TkboxKernel:
                     return
                 self.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = self.nb.ensure_box()
+            self.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code)
         except (DoorRefused, TkboxError) as e:
             return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
@@ -291,32 +294,6 @@ class TkboxKernel:
         widget = view(bundle)
         data = widget._repr_mimebundle_()
         self.send("iopub", "display_data", {"data": data, "metadata": {}}, header)
-
-    def _comm(self, channel: str, idents: list[bytes], msg: dict) -> None:
-        """A comm message from the frontend: to a host comm (handled here), to a comm the box holds (decided by the
-        exec door, then forwarded), a comm_open (for the box), or else refused and signed as a fault."""
-        t, content = msg["header"]["msg_type"], msg["content"]
-        comm_id = content.get("comm_id")
-        if self.host_comms.owns(comm_id) and t != "comm_open":
-            self._comm_parent = msg["header"]
-            self.host_comms.handle(msg)
-            return
-        if not self.nb.live or self.kernel is None or self.kernel.ended:
-            return  # no box: the comm's other end is gone, as with a dead kernel
-        comm_id = str(comm_id or "")[:128]
-        if (t == "comm_open" and self.host_comms.owns(comm_id)) or (t != "comm_open" and comm_id not in self.box_comms):
-            why = "a host comm's id" if self.host_comms.owns(comm_id) else "a comm the box does not hold"
-            self.nb.box.recorder.decide("exec", "comm_fault", {"msg_type": t, "comm_id": comm_id, "fault": why})
-            self._log(f"refused {t} naming {why} ({comm_id[:40]})")
-            return
-        data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
-        crossing = self.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
-        if crossing.allowed:
-            if t == "comm_open":
-                self.box_comms.add(comm_id)
-            elif t == "comm_close":
-                self.box_comms.discard(comm_id)
-            self.kernel.send(channel, msg, msg.get("buffers") or [])
 
     def _answer_without_box(self, channel: str, idents: list[bytes], msg: dict) -> None:
         header, t = msg["header"], msg["header"]["msg_type"]
@@ -347,7 +324,7 @@ class TkboxKernel:
             if msg.msg_type == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
                 self.execution_count = max(self.execution_count, msg.content["execution_count"])
             if msg.channel == "iopub":
-                if msg.msg_type in COMMS and not self._box_comm(msg):
+                if msg.msg_type in COMMS and not self.comms.from_box(msg):
                     continue
                 if msg.msg_type == "status" and msg.content.get("execution_state") == "busy" \
                         and msg.parent_id in self.busy_here:
@@ -369,21 +346,6 @@ class TkboxKernel:
             if target is not None:
                 self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
 
-    def _box_comm(self, msg) -> bool:
-        """A comm message from the box: its comm joins (or leaves) the box's; one naming a host comm is a protocol
-        violation, and ends the box (signed as its last word)."""
-        comm_id = msg.content.get("comm_id")
-        if self.host_comms.owns(comm_id):
-            self.box_violated = True
-            if self.nb.box is not None:
-                self.nb.box.fail_closed(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
-            return False
-        if msg.msg_type == "comm_open":
-            self.box_comms.add(comm_id)
-        elif msg.msg_type == "comm_close":
-            self.box_comms.discard(comm_id)
-        return True
-
     def _box_kernel_ended(self) -> None:
         """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
         reason = (self.nb.box.ended if self.nb.box is not None and self.nb.box.ended else None) or \
@@ -397,7 +359,6 @@ class TkboxKernel:
             else:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})
         self.kernel = None
-        self.box_comms.clear()
         self.busy_here.clear()
         if self.nb.box is not None and self.nb.box.ended:
             try:
@@ -415,6 +376,8 @@ class TkboxKernel:
             raise TkboxError("%box_secret: this frontend takes no input (allow_stdin is false); "
                              "use --env VAR to read the value from the host's environment")
         idents, header, _ = self.parent
+        while prompt.startswith(BOX_PROMPT):  # the box's mark: a host prompt never wears it
+            prompt = prompt[len(BOX_PROMPT):]
         self.send("stdin", "input_request", {"prompt": prompt, "password": True}, header, idents)
         stdin = self.sockets["stdin"]
         while True:

@@ -1,7 +1,7 @@
 """The host side's own comms: widgets made in the Tracekit Box kernel's host process (the run view of `%box_view`).
 
 The frontend sees one kernel, but two comm managers stand behind it: the box's (the ipykernel in the box, reached
-through the exec door) and this one. Their ids are kept apart by the kernel (app.py): a message from the frontend
+through the exec door) and this one. Their ids are kept apart by the kernel (comms.py): a message from the frontend
 naming a comm of this manager is handled here and never reaches the box; one naming a comm the box holds goes to the
 box; any other is refused and signed as a fault. The box never sees a host comm's messages (they go out on the
 frontend's iopub only), and a box message naming a host comm ends the box.
