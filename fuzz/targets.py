@@ -31,7 +31,7 @@ from tkbox_nb import protocol as p
 from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
 from tkbox_nb.box_messages import check_box_message, names_host_magic
 from tkbox_nb.box_outputs import ALLOWED as ALLOWED_MIME
-from tkbox_nb.box_outputs import BOX_PROMPT
+from tkbox_nb.box_outputs import BOX_PROMPT, HTML_WIDGETS, OUTPUT_WIDGETS, widget_kind
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
 from tkbox_nb.doors.box_ca import BoxCA
@@ -289,16 +289,22 @@ def box_message(data: bytes) -> None:
     bundles = [m.content.get("data")] if m.msg_type in ("display_data", "update_display_data", "execute_result",
                                                        "inspect_reply") else []
     state = (m.content.get("data") or {}).get("state") if m.msg_type in ("comm_open", "comm_msg") else None
+    texts = []
     if isinstance(state, dict):
         assert state.get("description_allow_html", False) is False
-        bundles += [o.get("data") for o in state.get("outputs", []) if isinstance(state.get("outputs"), list)
-                    and isinstance(o, dict)] if "Output" in str(state.get("_model_name")) else []
+        names = set(widget_kind("", state).split())
+        if names & OUTPUT_WIDGETS and "outputs" in state:
+            bundles += [o.get("data") for o in state["outputs"] if o["output_type"] not in ("stream", "error")]
+            assert all(set(o) <= {"output_type", "name", "text", "ename", "evalue", "traceback"}
+                       for o in state["outputs"] if o["output_type"] in ("stream", "error"))
+        if names & HTML_WIDGETS and "value" in state:
+            texts.append(state["value"].lower())
     for b in bundles:
         assert b is None or set(b) <= ALLOWED_MIME, sorted(b)
-        for key in ("text/html", "text/markdown"):
-            text = (b or {}).get(key, "").lower()
-            assert "<script" not in text and not re.search(r"<[^>]*\son[a-z]*\s*=", text), text
-            assert "javascript:" not in text, text
+        texts += [(b or {}).get(key, "").lower() for key in ("text/html", "text/markdown")]
+    for text in texts:
+        assert "<script" not in text and not re.search(r"<[^>]*\son[a-z]*\s*=", text), text
+        assert "javascript:" not in text, text
     if m.msg_type == "execute_reply":
         for x in m.content["payload"]:
             if x["source"] == "set_next_input":

@@ -37,6 +37,7 @@ _URL_SCHEMES = {"http", "https", "mailto"}
 # a URL scheme that runs or smuggles script, as a browser, marked or MathJax would read it (entities decoded,
 # whitespace and control characters gone); data: only where a URL starts, so prose such as "data: 5 rows" passes
 _SCRIPT_URL = re.compile(r"(?:javascript|vbscript|livescript):|[(<\[{:=\"'`]data:")
+_TEXT_OUTPUT_KEYS = frozenset({"output_type", "name", "text", "ename", "evalue", "traceback"})
 _LINE_BREAKS = re.compile(r"\r\n|[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
 
 
@@ -99,10 +100,14 @@ def outputs(items: Any, what: str, dropped: list[str]) -> list:
     kept = []
     for item in items:
         kind = item.get("output_type") if isinstance(item, dict) else None
-        if kind in ("display_data", "execute_result", "update_display_data") and isinstance(item.get("data"), dict):
-            kept.append(dict(item, data=mimebundle(item["data"], f"{what}.data", dropped)))
-        elif kind in ("stream", "error"):
-            kept.append(item)
+        if kind in ("display_data", "execute_result") and isinstance(item.get("data"), dict):
+            out = {"output_type": kind, "data": mimebundle(item["data"], f"{what}.data", dropped),
+                   "metadata": item["metadata"] if isinstance(item.get("metadata"), dict) else {}}
+            if kind == "execute_result":
+                out["execution_count"] = item.get("execution_count")
+            kept.append(out)
+        elif kind in ("stream", "error"):  # shown as text; only their own fields pass
+            kept.append({k: v for k, v in item.items() if k in _TEXT_OUTPUT_KEYS})
         else:
             dropped.append(f"{what}:{str(kind)[:40]}")
     return kept
