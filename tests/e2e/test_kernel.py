@@ -159,7 +159,7 @@ def test_widget_state_from_the_box_is_sanitised_and_widgets_still_work(client):
         if m["msg_type"] in ("comm_open", "comm_msg") and isinstance(m["content"]["data"].get("state"), dict):
             states.setdefault(m["content"]["comm_id"], []).append(m["content"]["data"]["state"])
     by_model = {st[0].get("_model_name"): (cid, st) for cid, st in states.items() if "_model_name" in st[0]}
-    html_id, html_states = by_model["HTMLModel"]
+    _, html_states = by_model["HTMLModel"]
     values = [st["value"] for st in html_states if "value" in st]
     assert values[0] == '<img src="x"><b>bold</b>' and values[-1] == "<u>later</u>", values
     assert by_model["TextModel"][1][0]["value"] == "<script>x</script>"  # a Text widget shows text, untouched

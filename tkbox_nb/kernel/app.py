@@ -37,10 +37,10 @@ import zmq
 
 from .._version import __version__
 from ..box_messages import BoxMessage
+from ..box_outputs import BOX_PROMPT
 from ..errors import DoorRefused, TkboxError
 from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox, split_host_magics
-from ..box_outputs import BOX_PROMPT
 from .box_wait import wait_for_box
 from .comms import CommGate
 from .host_comms import HostComms
