@@ -13,12 +13,34 @@ class UsageError(TkboxError):
     """Options that do not go together."""
 
 
-def _verified(bundle: str, trust: str | None) -> None:
+def _verified(bundle: str, trust: str | None, why: str = "replaying it would show unproven content") -> None:
     from .errors import BundleError
     from .verify import verify_bundle
     report = verify_bundle(bundle, trust)
     if not report.valid:
-        raise BundleError(f"{bundle} does not verify ({report.summary()}); replaying it would show unproven content")
+        raise BundleError(f"{bundle} does not verify ({report.summary()}); {why}")
+
+
+def _writable(path: str) -> None:
+    """A report's path checked before the work that makes it: its directory exists."""
+    from pathlib import Path
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise TkboxError(f"cannot write {path}: {parent} is not a directory")
+
+
+def _write_report(path: str, text: str) -> None:
+    """A report written whole or not at all (a temporary file beside it, then a rename); one line if it cannot be."""
+    from pathlib import Path
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise TkboxError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _cmd_replay(a) -> int:
@@ -76,24 +98,27 @@ def _cmd_rerun_many(a) -> int:
     if a.workspace is not None or a.env:
         raise UsageError("--workspace and --env go with one rerun (-o), not --many: a batch's workers start each "
                          "rerun from an empty workspace and send no host environment")
+    if a.html:
+        _writable(a.html)
     say = (lambda r, done, total: print(batch.progress_line(r, done, total), file=sys.stderr, flush=True)) \
         if a.json else (lambda r, done, total: print(batch.progress_line(r, done, total), flush=True))
     results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
                               policy=a.policy, trust=a.trust, backend=a.backend, verify=not a.no_verify,
                               progress=say)
     if a.html:
-        from pathlib import Path
-        Path(a.html).write_text(batch.html_report(results), encoding="utf-8")
+        _write_report(a.html, batch.html_report(results))
     print(batch.as_json(results) if a.json else "\n" + batch.table(results))
     return batch.exit_code(results)
 
 
 def _cmd_audit(a) -> int:
     from .audit import audit
+    if not a.no_verify:  # what is compared must be what was signed: a bundle edited since is not audited
+        for bundle in (a.a, a.b):
+            _verified(bundle, a.trust, "auditing it would compare unproven content")
     report = audit(a.a, a.b, a.sanitizer)
     if a.html:
-        from pathlib import Path
-        Path(a.html).write_text(report.html(), encoding="utf-8")
+        _write_report(a.html, report.html())
     print(json.dumps(report.as_dict(), indent=1) if a.json else report.table())
     return report.exit_code
 
@@ -133,4 +158,6 @@ def add_commands(sub) -> None:
     au.add_argument("--json", action="store_true")
     au.add_argument("--html", help="write a self-contained HTML report here")
     au.add_argument("--sanitizer", help="a file of REGEX<TAB>REPLACEMENT lines, applied to outputs before comparing")
+    au.add_argument("--trust", help="trust config for verifying both bundles first (default: this machine's pin)")
+    au.add_argument("--no-verify", action="store_true", help="compare without verifying the bundles first")
     au.set_defaults(fn=_cmd_audit)

@@ -101,8 +101,13 @@ def replay(bundle: str | Path, out: str | Path) -> Path:
     nb = to_notebook(open_run(bundle))
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
-    nbformat.write(nb, tmp)
-    tmp.replace(out)
+    try:
+        nbformat.write(nb, tmp)
+        tmp.replace(out)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise TkboxError(f"cannot write {out}: {e.strerror or e}") from None
     return out
 
 

@@ -139,6 +139,63 @@ def test_bad_input_is_one_line(runs, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def _made_to_look_like(src: Path, old: bytes, new: bytes, out: Path) -> Path:
+    """A copy of `src` whose disclosed content has `old` replaced by `new` (the content's digests left as they were,
+    the bundle's manifest recomputed): a forger's edit that makes a different run read like another one."""
+    import base64
+    import hashlib
+
+    from tkbox_nb.bundle import read_bundle_file, write_zip
+    files = read_bundle_file(src)
+    for name in [n for n in files if n.startswith("box/content-")]:
+        lines = files[name].split(b"\n")
+        for i, line in enumerate(lines):
+            if line.strip():
+                item = json.loads(line)
+                item["b64"] = base64.b64encode(base64.b64decode(item["b64"]).replace(old, new)).decode()
+                lines[i] = json.dumps(item).encode()
+        files[name] = b"\n".join(lines)
+    m = json.loads(files["manifest.json"])
+    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
+    files["manifest.json"] = json.dumps(m, indent=1).encode()
+    write_zip(out, files)
+    return out
+
+
+def test_a_bundle_that_does_not_verify_is_not_audited(runs, tmp_path):
+    """The stdout variant edited to print what the original printed: unverified, the audit would call the two
+    runs equivalent; it verifies both bundles first, and says which one does not verify, in one line."""
+    forged = _made_to_look_like(runs["stdout"], b"hellp", b"hello", tmp_path / "forged.tkb")
+    assert not verify_bundle(forged).valid
+    r = run_cli("audit", str(runs["original"]), str(forged), "--no-verify")
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout  # what an unverified audit would say
+    for pair in ((runs["original"], forged), (forged, runs["original"])):
+        r = run_cli("audit", *map(str, pair), "--html", str(tmp_path / "r.html"))
+        assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "r.html").exists(), r.stdout
+        assert r.stderr.startswith(f"tkbox audit: {forged} does not verify (INVALID") and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_report_that_cannot_be_written_is_one_line_and_nothing_is_left(runs, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for cmd in (["audit", str(runs["original"]), str(runs["original"]), "--html"],
+                ["replay", str(runs["original"]), "-o"]):
+        r = run_cli(*cmd, str(tmp_path / "a-file" / "out"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        assert r.stderr.strip() == f"tkbox {cmd[0]}: cannot write {tmp_path / 'a-file' / 'out'}: Not a directory"
+    # a batch's report path is checked before any rerun starts
+    r = run_cli("rerun", "--many", str(runs["original"]), "--out-dir", str(tmp_path / "reruns"), "--html",
+                str(tmp_path / "a-file" / "r.html"))
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "reruns").exists(), r.stdout
+    assert r.stderr.strip() == f"tkbox rerun: cannot write {tmp_path / 'a-file' / 'r.html'}: {tmp_path / 'a-file'} " \
+        "is not a directory"
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "r.html").mkdir()  # a directory where the report would go: its write fails, as a full disk's
+    r = run_cli("audit", str(runs["original"]), str(runs["original"]), "--html", str(tmp_path / "ro" / "r.html"))
+    assert r.returncode == 2 and r.stderr.startswith(f"tkbox audit: cannot write {tmp_path / 'ro' / 'r.html'}: ")
+    assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == ["r.html"]  # no temporary file left behind
+
+
 def test_an_honest_rerun_of_the_original_is_equivalent_and_a_changed_workspace_is_said(runs, tmp_path):
     ws = runs["original"].parent / "ws"
     env = {k: BASE[k] for k in BASE}
