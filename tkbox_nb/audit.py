@@ -2,12 +2,19 @@
 
 What is compared, each in run order and each difference naming the crossing's record number (seq) in both runs:
 - the box: the policy it started with (by hash) and the workspace it started from (by digest, when it had one);
-- the exec door, cells and commands interleaved as they were decided: a cell's code and its outputs; a command's
+- the exec door, cells and commands interleaved as they were decided: a cell's code and its outputs (consecutive
+  stream chunks of one stream merged, every MIME value of a display or result: text sanitized, binary data by digest);
+  a command's
   argv, working directory, the names of the environment it set (never values), its stdin (by digest), timeout, exit
   status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs; by digest with
   a short diff when large);
 - egress destinations and decisions, secrets used (names only), host magics, model calls (request and response by
   digest), and the patch (each file's last decision and content digest, by path).
+
+Counted and named in the coverage line but not compared (NOT_COMPARED): the host magics a rerun does not make again
+(replay.RERUN_SKIPS: %box_bundle, %box_view, %box_restart, %box_secret), and the exec door's comm messages (widget
+messages from a frontend, and the faults refused among them): a rerun has no frontend to send them, so comparing them
+would call every honest rerun of a notebook that used a widget different.
 
 The verdict is `equivalent`, `different`, or `incomparable` when neither run has any crossing of these doors (only
 the box's own start and stop): such a pair is not called equivalent (exit 3, see EXIT_*).
@@ -15,6 +22,7 @@ the box's own start and stop): such a pair is not called equivalent (exit 3, see
 
 from __future__ import annotations
 
+import base64
 import difflib
 import hashlib
 import html
@@ -26,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TkboxError
-from .replay import _outputs
+from .replay import RERUN_SKIPS, _outputs
 from .run import Crossing, Run, open_run
 
 EXIT_EQUIVALENT, EXIT_DIFFERENT, EXIT_INCOMPARABLE = 0, 1, 3
@@ -42,6 +50,9 @@ SANITIZERS: list[tuple[str, str]] = [
 ]
 # the doors compared, as (label, what one crossing of it is called): the coverage line counts these
 DOORS = ("exec cells", "exec commands", "egress", "secrets", "host magics", "model calls", "patch files")
+# crossings counted but not compared (see the module's docstring), each named by what it is
+NOT_COMPARED = ("host magics a rerun skips (" + ", ".join("%" + m for m in RERUN_SKIPS) + ")",
+                "comm messages (widgets, from a frontend)")
 
 
 @dataclass
@@ -61,6 +72,7 @@ class Audit:
     b: str
     differences: list[Difference] = field(default_factory=list)
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
+    not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -78,11 +90,14 @@ class Audit:
 
     def covered(self) -> str:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
-        return f"compared (crossings in A/B): {doors}; the starting policy and workspace"
+        left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
+        return f"compared (crossings in A/B): {doors}; the starting policy and workspace" + \
+            (f"; not compared: {left}" if left else "")
 
     def as_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "status": self.status, "equivalent": self.equivalent,
                 "coverage": {d: {"a": na, "b": nb} for d, (na, nb) in self.coverage.items()},
+                "not_compared": {d: {"a": na, "b": nb} for d, (na, nb) in self.not_compared.items()},
                 "differences": [asdict(d) for d in self.differences]}
 
     def table(self) -> str:
@@ -162,10 +177,12 @@ def _text(run: Run, digest: Any) -> str:
 def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]]) -> Item | None:
     a, r = c.args or {}, c.result or {}
     if a.get("kind") == "cell":
-        outs = _outputs(run, r.get("outputs"))
+        outs = _output_items(_outputs(run, r.get("outputs")), extra)
+        # compared one text line to a line (so a large one gets a line diff), shown on one line or by digest
+        value, shown = json.dumps(outs, indent=0), json.dumps(outs)
         return Item(c.seq, "cell", {
             "cell code": _field(f"{c.decision}: " + _text(run, a.get("code"))),
-            "cell outputs": _field(_sanitize(json.dumps([_output_text(o) for o in outs]), extra), large=True)})
+            "cell outputs": (value, shown if len(shown) <= LARGE else _field(shown, large=True)[1])})
     if a.get("kind") != "command":
         return None
     argv = a.get("argv") if isinstance(a.get("argv"), list) else []
@@ -196,7 +213,7 @@ def _one(seq: int, kind: str, value: str) -> Item:
 def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     """What audit compares, per section, each a list of items in run order."""
     out: dict[str, list[Item]] = {k: [] for k in ("box", "exec", "egress", "secrets (names only)", "host magics",
-                                                  "model calls", "patch")}
+                                                  "model calls", "patch", *NOT_COMPARED)}
     last_patch: dict[str, Item] = {}
     start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
     pol = run.box.get("policy") if isinstance(run.box.get("policy"), dict) else {}
@@ -211,6 +228,10 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
             item = _exec_item(run, c, extra)
             if item is not None:
                 out["exec"].append(item)
+            elif a.get("kind") in ("comm", "comm_fault"):
+                out[NOT_COMPARED[1]].append(_one(c.seq, "comm", f"{a.get('kind')} {a.get('msg_type')}"))
+        elif c.door == "host" and a.get("magic") in RERUN_SKIPS:
+            out[NOT_COMPARED[0]].append(_one(c.seq, "host", f"%{a.get('magic')}"))
         elif c.door == "egress":
             out["egress"].append(_one(c.seq, "egress", f"{a.get('method', '')} {a.get('host')}:{a.get('port')} "
                                                        f"{c.decision} ({a.get('rule')})"))
@@ -243,21 +264,54 @@ def _facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[str]]:
 
 
 def coverage(f: dict[str, list[Item]]) -> dict[str, int]:
+    """Crossings per compared door (DOORS), then per kind counted but not compared (NOT_COMPARED)."""
     exec_kinds = [i.kind for i in f["exec"]]
-    return dict(zip(DOORS, (exec_kinds.count("cell"), exec_kinds.count("command"), len(f["egress"]),
-                            len(f["secrets (names only)"]), len(f["host magics"]), len(f["model calls"]),
-                            len(f["patch"]))))
+    return dict(zip(DOORS + NOT_COMPARED, (
+        exec_kinds.count("cell"), exec_kinds.count("command"), len(f["egress"]), len(f["secrets (names only)"]),
+        len(f["host magics"]), len(f["model calls"]), len(f["patch"]), *(len(f[k]) for k in NOT_COMPARED))))
 
 
-def _output_text(o: dict) -> Any:
-    """What audit compares of one recorded output (read leniently: the bundle's content is not checked for form)."""
-    t = o.get("output_type")
-    if t == "stream":
-        return [str(o.get("name")), str(o.get("text"))]
-    if t == "error":
-        return ["error", str(o.get("ename")), str(o.get("evalue"))]
-    data = o.get("data") if isinstance(o.get("data"), dict) else {}
-    return [t, str(data.get("text/plain", "")), sorted(data)]
+def _is_text(mime: str) -> bool:
+    return mime.startswith("text/") or mime.endswith(("json", "xml")) or mime == "application/javascript"
+
+
+def _mime_value(mime: str, value: Any, extra: list[tuple[str, str]]) -> Any:
+    """One MIME value as compared: text sanitized, line by line; anything else (PNG, PDF...) by the digest of its
+    bytes (base64, as nbformat holds it), which no sanitizer touches."""
+    if isinstance(value, list) and all(isinstance(x, str) for x in value):
+        value = "".join(value)  # nbformat's multi-line strings
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    if _is_text(mime):
+        return _sanitize(text, extra).splitlines(keepends=True)
+    try:
+        raw = base64.b64decode(text)
+    except (ValueError, TypeError):
+        raw = text.encode("utf-8", "replace")
+    return f"sha256:{hashlib.sha256(raw).hexdigest()} ({len(raw)} bytes)"
+
+
+def _output_items(outs: list[dict], extra: list[tuple[str, str]]) -> list:
+    """What audit compares of a cell's recorded outputs (read leniently: the content is not checked for form):
+    consecutive chunks of one stream merged (how output is cut into messages is not the cell's doing), then each
+    output's type and every MIME value (_mime_value), or its error's name and value."""
+    merged: list[dict] = []
+    for o in outs:
+        if o.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream" \
+                and str(merged[-1].get("name")) == str(o.get("name")):
+            merged[-1] = {**merged[-1], "text": str(merged[-1].get("text")) + str(o.get("text"))}
+        else:
+            merged.append(o)
+    items: list = []
+    for o in merged:
+        t = o.get("output_type")
+        if t == "stream":
+            items.append([str(o.get("name")), _sanitize(str(o.get("text")), extra).splitlines(keepends=True)])
+        elif t == "error":
+            items.append(["error", str(o.get("ename")), _sanitize(str(o.get("evalue")), extra)])
+        else:
+            data = o.get("data") if isinstance(o.get("data"), dict) else {}
+            items.append([t, {str(m): _mime_value(str(m), v, extra) for m, v in sorted(data.items())}])
+    return items
 
 
 def _short_diff(a: str, b: str) -> str:
@@ -299,4 +353,5 @@ def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None
             raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
     fa, fb = facts(open_run(a), extra), facts(open_run(b), extra)
     ca, cb = coverage(fa), coverage(fb)
-    return Audit(str(a), str(b), compare(fa, fb), {d: (ca[d], cb[d]) for d in DOORS})
+    return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb),
+                 {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})

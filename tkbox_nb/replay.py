@@ -20,6 +20,9 @@ import nbformat
 from .errors import TkboxError
 from .run import Run, open_run
 
+# host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
+# audit leaves them out of its comparison, and says how many it left out
+RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret")
 KERNELSPEC = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
 
 
@@ -172,7 +175,7 @@ def rerun(bundle: str | Path, out: str | Path, policy: str | Path | None = None,
         a = c.args or {}
         if c.door == "host":
             for name, line, body in split_host_magics(_host_source(run, c))[0]:
-                if name not in ("box_bundle", "box_restart", "box_view", "box_secret"):
+                if name not in RERUN_SKIPS:
                     magics.run(name, line, body)
             continue
         try:
