@@ -6,6 +6,7 @@ The kernelspec under test is the shipped one (`kernels/tkbox`), found through JU
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import run_cli
 from jupyter_client.manager import KernelManager
 
 from tkbox_nb import open_run
@@ -829,3 +831,36 @@ def test_an_interrupt_while_a_box_starts_for_the_cell_ends_that_cell_and_later_c
     assert verify_bundle(run.path).valid and run.crossings()[0].door == "box"
     cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
     assert [run.content(x.args["code"]) for x in cells] == [b"print(globals().get('x'))"]
+
+
+def test_an_honest_rerun_of_a_notebook_with_a_widget_box_bundle_and_box_view_is_equivalent(kernel_env, tmp_path):
+    """The rerun leaves out %box_bundle and %box_view (replay.RERUN_SKIPS) and has no frontend to send comm
+    messages: the audit counts those in the original and names them as not compared, and finds the rerun
+    equivalent."""
+    c = Client()
+    reply, outs = c.run("import ipywidgets as w\ns = w.IntSlider(value=1)\ndisplay(s)")
+    [comm_id] = [m["comm_id"] for t, m in outs if t == "comm_open"
+                 and m["data"]["state"].get("_model_name") == "IntSliderModel"]
+    for cid in (comm_id, "f" * 32):  # the frontend moves the slider to where it was; a stray message is refused
+        c.kc.shell_channel.send(c.kc.session.msg("comm_msg", {"comm_id": cid, "data": {
+            "method": "update", "state": {"value": 1}, "buffer_paths": []}}))
+    time.sleep(1)
+    assert c.run(f"%box_bundle {tmp_path / 'so-far.tkb'}")[0]["status"] == "ok"
+    assert c.run("%box_view")[0]["status"] == "ok"
+    reply, outs = c.run("print('value', s.value)")
+    assert ("stream", {"name": "stdout", "text": "value 1\n"}) in outs, outs
+    c.stop()
+    original = only_bundle(kernel_env)
+    run = open_run(original)
+    assert sorted(x.args["kind"] for x in run.crossings() if x.door == "exec" and x.args["kind"] != "cell") == \
+        ["comm", "comm_fault"]
+    assert [x.args["magic"] for x in run.crossings() if x.door == "host"] == ["box_bundle", "box_view"]
+    r = run_cli("rerun", str(original), "-o", str(tmp_path / "again.tkb"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("audit", str(original), str(tmp_path / "again.tkb"))
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
+    assert "exec cells 2/2" in r.stdout and "host magics 0/0" in r.stdout, r.stdout
+    assert "not compared: host magics a rerun skips (%box_bundle, %box_restart, %box_view, %box_secret) 2/0, " \
+        "comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
+    report = json.loads(run_cli("audit", str(original), str(tmp_path / "again.tkb"), "--json").stdout)
+    assert report["not_compared"]["comm messages (widgets, from a frontend)"] == {"a": 2, "b": 0}
