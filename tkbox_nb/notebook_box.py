@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .box import Box
-from .errors import TkboxError
+from .errors import PolicyError, TkboxError
 from .policy import Policy
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
@@ -49,7 +49,19 @@ class NotebookBox:
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_dir: str | Path | None = None,
                  home: str | Path | None = None):
-        self.policy = Policy.coerce(policy if policy is not None else os.environ.get("TKBOX_POLICY") or None)
+        # a TKBOX_POLICY that does not load fails every box start closed, with its reason, until a policy that
+        # loads is set (%%box_policy): the kernel still starts, and no box runs under a policy nobody asked for
+        self.policy_error: str | None = None
+        try:
+            self.policy = Policy.coerce(policy if policy is not None else os.environ.get("TKBOX_POLICY") or None)
+        except TkboxError as e:
+            if policy is not None:
+                raise
+            self.policy = Policy.default()  # shown nowhere as in force: policy_error stops every start
+            env, reason = os.environ["TKBOX_POLICY"], " ".join(str(e).split())[:500]
+            name = f"TKBOX_POLICY={env}" if "\n" not in env and len(env) <= 300 else "TKBOX_POLICY"
+            self.policy_error = f"{name} does not load ({reason}): no box starts until a policy that loads is set " \
+                "(%%box_policy, or fix TKBOX_POLICY and restart the kernel)"
         self.backend = backend
         self.workspace = workspace
         bundle_dir = bundle_dir or os.environ.get("TKBOX_BUNDLE_DIR") or None
@@ -77,7 +89,7 @@ class NotebookBox:
         still asks for what it was started with (the same policy, secrets and replay); else it is stopped unused
         and a box is started for the cell."""
         self.early = True
-        if self.box is None and self._early is None:
+        if self.box is None and self._early is None and self.policy_error is None:
             self._start_background()
 
     def _start_background(self) -> None:
@@ -96,6 +108,8 @@ class NotebookBox:
         longer fits (the policy changed, a secret was bound) is stopped unused first."""
         if self.live:
             return
+        if self.policy_error is not None:
+            raise PolicyError(self.policy_error)
         if self.box is not None:
             self.stop("the box ended")
         early = self._early
@@ -122,6 +136,8 @@ class NotebookBox:
         started now (or after the last one ended). A box whose start failed raises its reason here."""
         if self.live:
             return self.box
+        if self.policy_error is not None:
+            raise PolicyError(self.policy_error)
         if self.box is not None:
             self.stop("the box ended")
         bundle = None
@@ -183,7 +199,7 @@ class NotebookBox:
 
     # -- what the magics do --------------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> str:
-        old, self.policy = self.policy, policy
+        old, self.policy, self.policy_error = self.policy, policy, None
         if not self.live:
             return f"policy {policy.name} ({policy.hash[:19]}...) set: the box starts with it"
         self.box.policy = policy
@@ -196,7 +212,8 @@ class NotebookBox:
         return f"policy {policy.name} ({policy.hash[:19]}...) in force for every crossing from now{note}"
 
     def status(self) -> str:
-        lines = [f"policy   {self.policy.name} ({self.policy.hash[:19]}...)"]
+        lines = [f"policy   none in force: {self.policy_error}" if self.policy_error else
+                 f"policy   {self.policy.name} ({self.policy.hash[:19]}...)"]
         if not self.live:
             lines.append("box      not started (starts with the first cell that needs it)")
         else:
@@ -312,6 +329,8 @@ class HostMagics:
         if body is not None:
             return self.nb.set_policy(Policy.from_toml(body, line or "%%box_policy"))
         if not line:
+            if self.nb.policy_error:
+                return f"# no policy in force: {self.nb.policy_error}"
             return f"# {self.nb.policy.name} ({self.nb.policy.hash})\n{self.nb.policy.source}"
         return self.nb.set_policy(Policy.load(os.path.expanduser(line)))
 

@@ -864,3 +864,44 @@ def test_an_honest_rerun_of_a_notebook_with_a_widget_box_bundle_and_box_view_is_
         "comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
     report = json.loads(run_cli("audit", str(original), str(tmp_path / "again.tkb"), "--json").stdout)
     assert report["not_compared"]["comm messages (widgets, from a frontend)"] == {"a": 2, "b": 0}
+
+
+@pytest.mark.parametrize("case", ["bad-toml", "bad-value", "missing-file", "bad-toml-no-early-box"])
+def test_a_tkbox_policy_that_does_not_load_fails_each_cell_closed_and_the_kernel_stays_up(kernel_env, tmp_path,
+                                                                                          monkeypatch, case):
+    """A bad TKBOX_POLICY used to kill the kernel before kernel_info ("Kernel died"): the kernel now starts, every
+    code cell fails with the one-line reason and no box starts, until %%box_policy sets a policy that loads; then
+    cells run in a box started with that policy."""
+    policy = tmp_path / "policy.toml"
+    if case.startswith("bad-toml"):
+        policy.write_text("[exec\ncells = true\n")
+        why = "not valid TOML"
+    elif case == "bad-value":
+        policy.write_text('[exec]\ncells = "yes please"\n')
+        why = "cells"
+    else:
+        why = "cannot read the policy"
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    if case.endswith("no-early-box"):
+        monkeypatch.setenv("TKBOX_EARLY_BOX", "0")
+    c = Client()  # kernel_info answered: the kernel is up
+    try:
+        for code in ("1 + 1", "print('again')"):
+            reply, outs = c.run(code)
+            assert reply["status"] == "error" and reply["ename"] == "PolicyError", reply
+            assert reply["evalue"].startswith(f"TKBOX_POLICY={policy} does not load (") and why in reply["evalue"]
+            assert "%%box_policy" in reply["evalue"] and "\n" not in reply["evalue"]
+            assert not any(t == "stream" for t, _ in outs), outs
+        reply, outs = c.run("%box_status")
+        assert reply["status"] == "ok" and "policy   none in force: TKBOX_POLICY=" in outs[0][1]["text"]
+        assert c.km.is_alive() and not _descendants(c.km.provisioner.process.pid), "a box started under no policy"
+        # the notebook sets a policy that loads: from then on, cells run in a box started with it
+        reply, outs = c.run("%%box_policy\n[exec]\ncells = true\n")
+        assert reply["status"] == "ok", reply
+        reply, outs = c.run("print(6 * 7)")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "42\n"}) in outs, outs
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    [start] = [x for x in run.crossings() if x.door == "box" and x.args.get("kind") == "start"]
+    assert run.box["policy"]["name"] == "%%box_policy", run.box["policy"]
