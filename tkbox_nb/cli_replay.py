@@ -79,9 +79,7 @@ def _cmd_rerun(a) -> int:
                  env=_env_values(a.env))
     for note in done.notes:
         print(f"tkbox rerun: {note}", file=sys.stderr)
-    print(f"wrote {done.path}: a new signed run, " + (f"replay_of {done.named}" if done.named else
-                                                      "naming the original in its box manifest (rerun_of): the "
-                                                      "original run is not in this machine's signer"))
+    print(f"wrote {done.path}: a new signed run, naming the original ({done.named}) in its box manifest (rerun_of)")
     print(f"compare: tkbox audit {a.bundle} {done.path}")
     return 0
 

@@ -100,15 +100,12 @@ class RunRecorder:
         self._client = self.signer.client()
         agent = {"name": self.agent, "version": __version__}
         try:
-            if self.replay_of:  # Tracekit's replay_of names a run of this signer; a foreign run is named in the box
-                try:
-                    self._run = self._client.run(agent=agent, replay_of=self.replay_of)
-                    self.box["replay_of"] = self.replay_of
-                except Exception:
-                    self.box["rerun_of"], self.replay_of = self.replay_of, None
-                    self._run = self._client.run(agent=agent)
-            else:
-                self._run = self._client.run(agent=agent)
+            # a rerun names its original in the box manifest (rerun_of), never as Tracekit's replay_of: that
+            # registers a `tracekit why` replay arm (an analyzer identity, never the agent's, with an investigation
+            # id, and by design no decisions), which a rerun is not, and the machine signer refuses it
+            if self.replay_of:
+                self.box["rerun_of"] = self.replay_of
+            self._run = self._client.run(agent=agent)
         except Exception as e:
             self._client.close()
             raise SignerError(f"the signer refused to open a run: {e}") from None

@@ -4,7 +4,7 @@
 decided them, with the run id, record sequence numbers and digests in each cell's metadata; host-side magics come back
 as the host events they were (tagged `tkbox-host`), refused cells as refused (tagged `tkbox-refused`), commands as
 markdown. `rerun` executes a replayed notebook in a fresh box under the original policy (or a given one) and names the
-original run (`replay_of`, when the signer holds it). `audit` compares two runs after sanitizing volatile values.
+original run (`rerun_of` in its box manifest). `audit` compares two runs after sanitizing volatile values.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def replay(bundle: str | Path, out: str | Path) -> Path:
 @dataclass
 class Rerun:
     path: Path  # the new bundle
-    named: str | None  # the run it names as replay_of (None: named as rerun_of in its box manifest)
+    named: str  # the original run, named as rerun_of in the new run's box manifest
     notes: list[str]  # what the rerun could not make the same (a different starting workspace)
 
 
@@ -198,6 +198,6 @@ def rerun(bundle: str | Path, out: str | Path, policy: str | Path | None = None,
     if box is None:
         raise TkboxError("the run's box did not start")
     box.bundle_path = Path(out)
-    named = box.recorder.replay_of if box.recorder else None
+    named = run.run_id
     nb.stop("rerun done")
     return Rerun(Path(out), named, notes)

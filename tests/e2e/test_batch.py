@@ -105,7 +105,7 @@ def check_results(results: list[BatchResult], originals: list[Path], out_dir: Pa
         assert r.new_bundle == str(rerun_path(p, out_dir))
         rerun = open_run(r.new_bundle)
         assert rerun.run_id != open_run(p).run_id
-        assert open_run(p).run_id in (rerun.box.get("replay_of"), rerun.box.get("rerun_of"))
+        assert rerun.box.get("rerun_of") == open_run(p).run_id and "replay_of" not in rerun.box
 
 
 def test_ten_bundles_on_two_workers_each_result_once_one_different(originals, worker_tmp, tmp_path):

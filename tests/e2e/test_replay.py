@@ -71,8 +71,9 @@ def test_rerun_writes_a_new_signed_run_naming_the_original_and_audits_equivalent
     assert r.returncode == 0, r.stderr
     again = open_run(tmp_path / "again.tkb")
     assert verify_bundle(tmp_path / "again.tkb").valid
-    assert again.box.get("replay_of") == open_run(original).run_id or \
-        again.box.get("rerun_of") == open_run(original).run_id
+    # named in its box manifest, never as Tracekit's replay_of (a `tracekit why` replay arm, which a rerun is not)
+    assert again.box.get("rerun_of") == open_run(original).run_id and "replay_of" not in again.box
+    assert f"naming the original ({open_run(original).run_id}) in its box manifest (rerun_of)" in r.stdout
     assert again.run_id != open_run(original).run_id
     audit = run_cli("audit", str(original), str(tmp_path / "again.tkb"), "--json")
     report = json.loads(audit.stdout)
