@@ -3,11 +3,10 @@
 What is compared, each in run order and each difference naming the crossing's record number (seq) in both runs:
 - the box: the policy it started with (by hash) and the workspace it started from (by digest, when it had one);
 - the exec door, cells and commands interleaved as they were decided: a cell's code and its outputs (consecutive
-  stream chunks of one stream merged, every MIME value of a display or result: text sanitized, binary data by digest);
-  a command's
-  argv, working directory, the names of the environment it set (never values), its stdin (by digest), timeout, exit
-  status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs; by digest with
-  a short diff when large);
+  chunks of one stream merged, every MIME value of a display or result: text sanitized, binary data by digest); a
+  command's argv, working directory, the names of the environment it set (never values), its stdin (by digest),
+  timeout, exit status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs;
+  by digest with a short diff when large);
 - egress destinations and decisions, secrets used (names only), host magics, model calls (request and response by
   digest), and the patch (each file's last decision and content digest, by path).
 
