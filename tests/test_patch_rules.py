@@ -17,7 +17,7 @@ from tkbox_nb.guest.patch import encode
 from tkbox_nb.guest.protocol import ProtocolError
 from tkbox_nb.patch_diff import DiffFile, render
 from tkbox_nb.policy import Policy
-from tkbox_nb.workspace_writer import FileChange, apply_changes, sha256_file_digest
+from tkbox_nb.workspace_writer import FileChange, Staging, apply_changes, sha256_file_digest
 
 
 def decide(path, op="add", type="file", size=3, policy=None, **extra):
@@ -187,6 +187,58 @@ def test_writer_refuses_a_host_file_that_moved_on_and_keeps_it(tmp_path):
     [o] = apply_changes(str(tmp_path), [FileChange("a", "modify", b"box\n", 0o644, sha256_file_digest(b"base\n"))])
     assert not o.applied and "changed since the box started" in o.reason
     assert (tmp_path / "a").read_bytes() == b"host edit\n"
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_host_edit_made_between_staging_and_commit_is_kept_and_that_file_alone_refused(tmp_path):
+    """The patch door stages while the signer records (doors/patch.py): an edit the user saves meanwhile, to a file
+    the patch modifies or deletes, is never overwritten; the other files are applied; nothing staged is left."""
+    base = sha256_file_digest(b"base\n")
+    for name in ("edited", "deleted", "kept"):
+        (tmp_path / name).write_bytes(b"base\n")
+    staging = Staging(str(tmp_path), [FileChange("edited", "modify", b"box\n", 0o644, base),
+                                      FileChange("deleted", "delete", None, 0o644, base),
+                                      FileChange("kept", "modify", b"box\n", 0o644, base), add("new/file")])
+    staging.stage()
+    (tmp_path / "edited").write_bytes(b"the user's unsaved work\n")
+    (tmp_path / "deleted").write_bytes(b"written again by the user\n")
+    out = staging.commit()
+    assert [(o.applied, o.reason) for o in out] == [
+        (False, "the host file changed while the patch was being signed"),
+        (False, "the host file changed while the patch was being signed"), (True, ""), (True, "")]
+    assert (tmp_path / "edited").read_bytes() == b"the user's unsaved work\n"
+    assert (tmp_path / "deleted").read_bytes() == b"written again by the user\n"
+    assert (tmp_path / "kept").read_bytes() == b"box\n" and (tmp_path / "new/file").read_bytes() == b"new\n"
+    assert _listing(tmp_path) == ["deleted", "edited", "kept", "new", "new/file"]  # no temporary file left
+
+
+def test_a_file_that_cannot_be_replaced_at_commit_is_refused_alone_and_leaves_nothing_staged(tmp_path):
+    """A target turned into a directory after staging: its rename fails; that file is refused with the reason, the
+    others are applied, its temporary file and a directory made only for it are removed, nothing is raised."""
+    staging = Staging(str(tmp_path), [add("out/a.txt"), add("out/b.txt"), add("only/c.txt"), add("out/d.txt")])
+    staging.stage()
+    (tmp_path / "out" / "b.txt").mkdir()
+    (tmp_path / "out" / "b.txt" / "inside").write_bytes(b"x")
+    (tmp_path / "only" / "c.txt").mkdir()
+    out = staging.commit()
+    assert [o.applied for o in out] == [True, False, False, True]
+    assert all("Is a directory" in o.reason for o in out[1:3]), out
+    assert _listing(tmp_path) == ["only", "only/c.txt", "out", "out/a.txt", "out/b.txt", "out/b.txt/inside",
+                                  "out/d.txt"]
+
+
+def test_a_staging_called_off_removes_every_staged_file_and_every_directory_made(tmp_path):
+    (tmp_path / "keep").write_bytes(b"k")
+    staging = Staging(str(tmp_path), [add("a/b/c.txt"), add("top.txt"), FileChange("keep", "delete", None, 0o644,
+                                                                                    sha256_file_digest(b"k"))])
+    staging.stage()
+    assert any(".tkbox-" in name for name in _listing(tmp_path))
+    staging.abort()
+    staging.abort()  # twice is harmless
+    assert _listing(tmp_path) == ["keep"]
 
 
 def test_writer_clamps_modes_and_writes_atomically(tmp_path):

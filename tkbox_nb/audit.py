@@ -282,10 +282,11 @@ def _mime_value(mime: str, value: Any, extra: list[tuple[str, str]]) -> Any:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     if _is_text(mime):
         return _sanitize(text, extra).splitlines(keepends=True)
-    try:
-        raw = base64.b64decode(text)
+    try:  # strictly: a lenient decode drops what is not base64, so two different values could compare equal
+        raw = base64.b64decode("".join(text.split()), validate=True)
     except (ValueError, TypeError):
-        raw = text.encode("utf-8", "replace")
+        raw = text.encode("utf-8", "surrogatepass")
+        return f"not base64, sha256:{hashlib.sha256(raw).hexdigest()} ({len(raw)} bytes)"
     return f"sha256:{hashlib.sha256(raw).hexdigest()} ({len(raw)} bytes)"
 
 

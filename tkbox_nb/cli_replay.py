@@ -24,6 +24,8 @@ def _verified(bundle: str, trust: str | None, why: str = "replaying it would sho
 def _writable(path: str) -> None:
     """A report's path checked before the work that makes it: its directory exists."""
     from pathlib import Path
+    if Path(path).name in ("", ".", ".."):
+        raise TkboxError(f"cannot write {path}: not a file name")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise TkboxError(f"cannot write {path}: {parent} is not a directory")
@@ -33,6 +35,8 @@ def _write_report(path: str, text: str) -> None:
     """A report written whole or not at all (a temporary file beside it, then a rename); one line if it cannot be."""
     from pathlib import Path
     out = Path(path)
+    if out.name in ("", ".", ".."):
+        raise TkboxError(f"cannot write {path}: not a file name")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")

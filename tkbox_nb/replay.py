@@ -103,6 +103,8 @@ def _host_source(run: Run, c) -> str:
 def replay(bundle: str | Path, out: str | Path) -> Path:
     nb = to_notebook(open_run(bundle))
     out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise TkboxError(f"cannot write {out}: not a file name")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         nbformat.write(nb, tmp)

@@ -147,14 +147,17 @@ def apply_changes(root: str, changes: list[FileChange]) -> list[Outcome]:
 
 class Staging:
     """One apply in its two phases, which a caller may hold apart: `stage()` writes every file beside its target
-    (nothing visible changes yet), then `commit()` makes them all visible, or `abort()` removes what was staged and
-    the directories made for it. The patch door stages while the signer records the files' results and the patch's
-    summary, and commits only once the summary is allowed."""
+    (nothing visible changes yet), then `commit()` makes them visible, or `abort()` removes what was staged and the
+    directories made for it. The patch door stages while the signer records the files' results and the patch's
+    summary, and commits only once the summary is allowed; so `commit` checks each host file again, just before it
+    replaces or removes it, against what staging saw: an edit made on the host meanwhile is never overwritten."""
 
     def __init__(self, root: str, changes: list[FileChange]):
         self.changes = changes
         self.dirs = _Dirs(root)
-        self.staged: list[tuple[str, str, str | None]] = []  # (directory, name, temporary name or None: an unlink)
+        # per change: (its index, [(directory, name, temporary name or None for an unlink, the digest seen then)]),
+        # a rename's new file before its source's unlink, so a failure between the two loses nothing
+        self.staged: list[tuple[int, list[tuple[str, str, str | None, str | None]]]] = []
         self.outcomes: dict[int, Outcome] = {}
 
     def stage(self) -> None:
@@ -167,34 +170,49 @@ class Staging:
                     self.outcomes[i] = Outcome(ch.path, False, why)
                     continue
                 try:
-                    self.staged.extend(_stage(self.dirs, ch))
+                    entries = _stage(self.dirs, ch)
                 except _Refused as e:
                     self.outcomes[i] = Outcome(ch.path, False, str(e))
+                    continue
                 except OSError as e:
                     raise ApplyError(f"nothing applied: {e.strerror or e} while writing beside {ch.path!r}") from None
+                self.staged.append((i, entries))
         except BaseException:  # ApplyError or anything else: nothing stays staged
             self.abort()
             raise
 
     def commit(self) -> list[Outcome]:
-        """Every staged file on disk, then each made visible in turn; one Outcome per change."""
+        """Every staged file on disk, then each change made visible in turn, if its host files are still what
+        staging saw; one Outcome per change. A change that cannot be made visible is refused alone."""
         dirs = self.dirs
+        refused: list = []  # changes refused now: their temporary files go with anything left, in abort()
         try:
             _syncfs(dirs.root_fd)  # every staged file on disk before any becomes visible (one flush, not one a file)
-            for dirpath, name, tmp in self.staged:
-                dfd = dirs.get(dirpath, False)
-                if tmp is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=dfd)
-                else:
-                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            self.staged = []
+            while self.staged:
+                i, entries = self.staged[0]
+                try:
+                    for dirpath, name, _tmp, seen in entries:
+                        if _current(dirs.get(dirpath, False), name) != seen:
+                            raise _Refused("the host file changed while the patch was being signed")
+                    for dirpath, name, tmp, _seen in entries:
+                        dfd = dirs.get(dirpath, False)
+                        if tmp is None:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(name, dir_fd=dfd)
+                        else:
+                            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except (_Refused, OSError) as e:
+                    why = str(e) if isinstance(e, _Refused) else f"{e.strerror or e} while replacing the host file"
+                    self.outcomes[i] = Outcome(self.changes[i].path, False, why)
+                    refused.append((i, entries))
+                self.staged.pop(0)
             _syncfs(dirs.root_fd)
             for i, ch in enumerate(self.changes):
                 self.outcomes.setdefault(i, Outcome(ch.path, True))
             return [self.outcomes[i] for i in range(len(self.changes))]
         finally:
-            dirs.close()
+            self.staged += refused
+            self.abort()  # the temporary files of what was not made visible go; then the descriptors are closed
 
     def abort(self) -> None:
         """Remove every staged file and every directory made for them: the workspace is as it was."""
@@ -208,18 +226,19 @@ class Staging:
 
 
 def _stage(dirs: _Dirs, ch: FileChange) -> list:
-    out = []
+    """The entries that apply `ch`: (directory, name, temporary name or None for an unlink, the digest now)."""
     dirpath, _, name = ch.path.rpartition("/")
     if ch.op == "delete":  # already gone is done; anything but what the box started from is kept
         try:
             dfd = dirs.get(dirpath, False)
         except _Refused:
-            return out
+            return []
         now = _current(dfd, name)
         if now is not None and now != ch.base:
             raise _Refused("the host file changed since the box started")
-        return out if now is None else [(dirpath, name, None)]
+        return [] if now is None else [(dirpath, name, None, now)]
     new_digest = sha256_file_digest(ch.content or b"")
+    after = []
     if ch.op == "rename":  # the source goes (if it is still what the box started from), the target comes
         sdir, _, sname = ch.source.rpartition("/")
         try:
@@ -229,11 +248,11 @@ def _stage(dirs: _Dirs, ch: FileChange) -> list:
         if source_now is not None and source_now != ch.source_base:
             raise _Refused(f"the rename source {ch.source!r} changed on the host since the box started")
         if source_now is not None:
-            out.append((sdir, sname, None))
+            after.append((sdir, sname, None, source_now))
     dfd = dirs.get(dirpath, True)
     now = _current(dfd, name)
     if now == new_digest:  # applied already
-        return out
+        return after
     if now != ch.base:
         raise _Refused("the host file changed since the box started" if now else
                        "the host file is gone since the box started")
@@ -248,7 +267,7 @@ def _stage(dirs: _Dirs, ch: FileChange) -> list:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)
         raise
-    return out + [(dirpath, name, tmp)]
+    return [(dirpath, name, tmp, now)] + after
 
 
 def _syncfs(fd: int) -> None:
@@ -265,10 +284,13 @@ def _syncfs(fd: int) -> None:
 
 
 def _unstage(dirs: _Dirs, staged: list) -> None:
-    for dirpath, _name, tmp in staged:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dirs.get(dirpath, False))
+    """Remove the temporary files of `staged` ((index, entries) pairs), then every directory made for them that is
+    empty now (rmdir: one a change was applied into stays)."""
+    for _i, entries in staged:
+        for dirpath, _name, tmp, _seen in entries:
+            if tmp is not None:
+                with contextlib.suppress(OSError, _Refused):
+                    os.unlink(tmp, dir_fd=dirs.get(dirpath, False))
     for dirpath in reversed(dirs.made):
         parent, _, part = dirpath.rpartition("/")
         with contextlib.suppress(OSError, _Refused):

@@ -194,6 +194,11 @@ def test_a_report_that_cannot_be_written_is_one_line_and_nothing_is_left(runs, t
     r = run_cli("audit", str(runs["original"]), str(runs["original"]), "--html", str(tmp_path / "ro" / "r.html"))
     assert r.returncode == 2 and r.stderr.startswith(f"tkbox audit: cannot write {tmp_path / 'ro' / 'r.html'}: ")
     assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == ["r.html"]  # no temporary file left behind
+    for cmd in (["audit", str(runs["original"]), str(runs["original"]), "--html"],
+                ["replay", str(runs["original"]), "-o"]):  # a path with no file name: one line, found by a review
+        for path in (".", str(tmp_path) + "/.."):
+            r = run_cli(*cmd, path)
+            assert r.returncode == 2 and r.stderr.strip() == f"tkbox {cmd[0]}: cannot write {path}: not a file name"
 
 
 def test_an_honest_rerun_of_the_original_is_equivalent_and_a_changed_workspace_is_said(runs, tmp_path):

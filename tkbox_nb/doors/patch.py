@@ -243,7 +243,7 @@ class PatchDoor:
         elif stager is not None and stager.changes:
             try:
                 outcomes = {id(c): o for c, o in zip(stager.changes, stager.commit())}
-            except ApplyError as e:
+            except (ApplyError, OSError) as e:  # staging failed (nothing applied), or the workspace itself did
                 why = str(e)
         for fd, change in pending:
             if change is not None:
@@ -271,8 +271,10 @@ class _StageBehind:
             except OSError as e:
                 raise ApplyError(f"nothing applied: the workspace cannot be opened: {e.strerror or e}") from None
             self._staging.stage()
-        except BaseException as e:  # ApplyError (nothing staged is left), or a bug: raised again by commit
+        except ApplyError as e:  # nothing staged is left
             self.error = e
+        except Exception as e:  # anything else is reported the same way, as the file's not being applied
+            self.error = ApplyError(f"nothing applied: {type(e).__name__} while staging: {str(e)[:200]}")
 
     def commit(self) -> list:
         self._thread.join()
