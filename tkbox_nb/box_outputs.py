@@ -29,6 +29,8 @@ SANITISED = frozenset({"text/html", "text/markdown"})
 ALLOWED = INERT | SANITISED
 HTML_WIDGETS = frozenset({"HTMLModel", "HTMLMathModel", "HTMLView", "HTMLMathView"})
 OUTPUT_WIDGETS = frozenset({"OutputModel", "OutputView"})
+MAX_WIDGET_NAMES = 8  # names a comm's kind keeps; past them, or on a name that is not text, it is ANY_WIDGET
+ANY_WIDGET = "*"  # a comm whose widget is not known: its state is sanitised as every kind's (HTML, Output)
 BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host prompt does (kernel/app.py)
 
 _TAGS = set(nh3.ALLOWED_TAGS) | {"tfoot"}
@@ -39,15 +41,24 @@ _URL_SCHEMES = {"http", "https", "mailto"}
 # whitespace and control characters gone); data: only where a URL starts, so prose such as "data: 5 rows" passes
 _SCRIPT_URL = re.compile(r"(?:javascript|vbscript|livescript):|[(<\[{:=\"'`]data:")
 _REMOTE = re.compile(r"[a-z][a-z0-9+.\-]*:|[/\\]{2}")  # a scheme, or a network path (//host, \\host)
-_ABSOLUTE = re.compile(r"[a-z][a-z0-9+.\-]*:\s*/|[(<\s:][/\\]{2}")
 _TEXT_OUTPUT_KEYS = frozenset({"output_type", "name", "text", "ename", "evalue", "traceback"})
 _LINE_BREAKS = re.compile(r"\r\n|[\r\n\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+_ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")  # a CommonMark backslash escape of ASCII punctuation
+
+
+def _flat(text: str) -> str:
+    """`text` as a browser, marked or MathJax could read a URL in it: HTML entities and Markdown backslash escapes
+    undone (nested ones too), lower case, whitespace and invisible characters gone."""
+    for _ in range(4):
+        undone = _ESCAPED.sub(r"\1", _html.unescape(text))
+        if undone == text:
+            break
+        text = undone
+    return "".join(ch for ch in text.lower() if ch > " " and ch not in "\x7f\u00ad\u200b\u200c\u200d\ufeff")
 
 
 def _names_script_url(text: str) -> bool:
-    flat = _html.unescape(_html.unescape(text)).lower()
-    flat = "".join(ch for ch in flat if ch > " " and ch not in "\x7f\u00ad\u200b\u200c\u200d\ufeff")
-    return bool(_SCRIPT_URL.search(flat))
+    return bool(_SCRIPT_URL.search(_flat(text)))
 
 
 def _local_images_only(tag: str, attr: str, value: str) -> str | None:
@@ -69,9 +80,11 @@ def clean_html(text: str) -> str | None:
 
 def clean_markdown(text: str) -> str | None:
     """Markdown whose raw HTML is sanitised as `clean_html`; None when a link, image or formula names a script
-    URL, or an image may be remote (`![`, and an absolute URL anywhere). `&gt;` is given back as `>`
+    URL, or an image may be remote: with `![` or `<img` in it, any `scheme:` or `//` anywhere (a browser fetches
+    `http:host/x` from host, with no slashes), escapes and entities undone first. `&gt;` is given back as `>`
     (blockquotes): a lone `>` opens no tag."""
-    if _names_script_url(text) or ("![" in text and _ABSOLUTE.search(_html.unescape(text).lower())):
+    flat = _flat(text)
+    if _SCRIPT_URL.search(flat) or (("![" in flat or "<img" in flat) and _REMOTE.search(flat)):
         return None
     cleaned = clean_html(text)
     return None if cleaned is None else cleaned.replace("&gt;", ">")
