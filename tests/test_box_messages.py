@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tkbox_nb.box_kernel import BoxKernel
 from tkbox_nb.box_messages import check_box_message
 from tkbox_nb.protocol import MessageReader, ProtocolError, encode_message
 
@@ -167,6 +169,42 @@ def test_a_comm_msg_is_sanitised_for_the_widget_its_comm_opened():
     closed = check_box_message(message("iopub", "comm_close", {"comm_id": "gone", "data": {}}), comms)
     assert closed.unknown_comm
     assert not check_box_message(message("iopub", "comm_msg", {"comm_id": "gone", "data": {}})).unknown_comm
+
+
+def _box_comm(comms, msg_type, comm_id, state):
+    """A comm message from the box as the host sees it: checked, then tracked as BoxKernel does."""
+    content = {"comm_id": comm_id, "data": {"state": state, "buffer_paths": []}}
+    if msg_type == "comm_open":
+        content["target_name"] = "jupyter.widget"
+    else:
+        content["data"]["method"] = "update"
+    m = check_box_message(message("iopub", msg_type, content), comms)
+    BoxKernel._track_comm(SimpleNamespace(comms=comms), m.msg_type, m.content)
+    return m
+
+
+def test_a_widget_that_names_many_models_is_still_judged_by_what_it_asks_for():
+    comms: dict[str, str] = {}
+    _box_comm(comms, "comm_open", "t", {"_model_name": "TextModel", "_view_name": "TextView", "value": "<b>"})
+    for n in range(6):  # made-up names, to fill what the comm's kind keeps
+        _box_comm(comms, "comm_msg", "t", {"_model_name": f"Fake{n}Model"})
+    m = _box_comm(comms, "comm_msg", "t", {"_view_name": "HTMLView", "value": "<img src=x onerror=alert(1)>"})
+    assert m.content["data"]["state"]["value"] == '<img src="x">'
+    assert m.dropped == ["comm_msg.data.state:value (sanitised)"]
+    # past the names a kind keeps, the comm renders as anything: a later value alone is sanitised too
+    later = _box_comm(comms, "comm_msg", "t", {"value": "<svg onload=alert(1)>", "outputs": [
+        {"output_type": "display_data", "data": {"application/javascript": "x"}, "metadata": {}}]})
+    assert later.content["data"]["state"] == {"value": "", "outputs": [
+        {"output_type": "display_data", "data": {}, "metadata": {}}]}
+    # a message that names a view of its own is judged by it, whatever the comm had
+    comms["s"] = "IntSliderModel IntSliderView"
+    m = _box_comm(comms, "comm_msg", "s", {"_view_name": "HTMLMathView", "value": "<script>x</script>"})
+    assert m.content["data"]["state"]["value"] == ""
+    # a name that is not text: the widget is not known, so its state is sanitised as any widget's
+    m = _box_comm(comms, "comm_open", "n", {"_model_name": ["HTMLModel"], "value": "<script>x</script>"})
+    assert m.content["data"]["state"]["value"] == "" and comms["n"] == "*"
+    plain = _box_comm(comms, "comm_open", "p", {"_model_name": "LinkModel", "_view_name": None, "value": "<b>"})
+    assert plain.content["data"]["state"]["value"] == "<b>" and comms["p"] == "LinkModel"
 
 
 @pytest.mark.parametrize("prompt,shown", [

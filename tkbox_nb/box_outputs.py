@@ -143,30 +143,42 @@ def outputs(items: Any, what: str, dropped: list[str]) -> list:
 
 def widget_kind(known: str, state: Any) -> str:
     """The model and view names a widget's comm has had (`known`, space-separated) with those `state` sets: a view
-    renders whatever model it is given, so an HTML view of a Text model renders its value as HTML."""
+    renders whatever model it is given, so an HTML view of a Text model renders its value as HTML. Every name the
+    state sets counts, so a message is judged by the names it sets itself; a comm past `MAX_WIDGET_NAMES` names, or
+    one given a name that is not text (nor None), is `ANY_WIDGET` from then on."""
     names = set(known.split())
     if isinstance(state, dict):
         for key in ("_model_name", "_view_name"):
-            if isinstance(state.get(key), str) and len(names) < 8:
-                names.update(state[key][:64].split()[:1])
+            value = state.get(key)
+            if isinstance(value, str):
+                names.update(value[:64].split()[:1])
+            elif value is not None:
+                names.add(ANY_WIDGET)
+    if len(names) > MAX_WIDGET_NAMES:
+        names = {ANY_WIDGET}
     return " ".join(sorted(names))
 
 
+def _renders(names: set[str], kinds: frozenset[str]) -> bool:
+    return ANY_WIDGET in names or bool(names & kinds)
+
+
 def widget_state(kind: str, state: Any, what: str, dropped: list[str]) -> None:
-    """Sanitise, in place, widget state from the box for a comm of `kind` (`widget_kind`, "" when not known)."""
+    """Sanitise, in place, widget state from the box for a comm of `kind` (`widget_kind` of what the comm had and
+    this state, "" when not known)."""
     if not isinstance(state, dict):
         return
     names = set(kind.split())
     if state.get("description_allow_html", False) is not False:
         state["description_allow_html"] = False
         dropped.append(f"{what}:description_allow_html")
-    if names & HTML_WIDGETS and "value" in state:
+    if _renders(names, HTML_WIDGETS) and "value" in state:
         value = state["value"]
         cleaned = clean_html(value) if isinstance(value, str) else None
         if cleaned != value:
             dropped.append(f"{what}:value ({'sanitised' if cleaned is not None else 'removed'})")
             state["value"] = cleaned or ""
-    if names & OUTPUT_WIDGETS and "outputs" in state:
+    if _renders(names, OUTPUT_WIDGETS) and "outputs" in state:
         state["outputs"] = outputs(state["outputs"], f"{what}.outputs", dropped)
 
 
