@@ -192,6 +192,7 @@ class TkboxKernel:
             self.publish_status("idle", header)
         elif t == "shutdown_request":
             restart = bool(msg["content"].get("restart"))
+            self.comms.end_run()
             self.nb.stop("kernel restart" if restart else "kernel shutdown")
             self.send(channel, "shutdown_reply", {"status": "ok", "restart": restart}, header, idents)
             self.running = False
@@ -389,6 +390,7 @@ class TkboxKernel:
                 return str(reply["content"].get("value", ""))
 
     def close(self) -> None:
+        self.comms.end_run()
         try:
             self.nb.stop("kernel shutdown")
         except TkboxError as e:

@@ -6,21 +6,29 @@ Both ways, a message naming a comm the other end does not hold is refused, not f
 from the box, a comm_msg or comm_close naming a comm it never opened (nor the frontend opened toward it). A box
 message naming a host comm is a protocol violation and ends the box. A fault seen while no box's run is open (before
 the first cell takes the box that starts with the kernel, or between boxes) is signed in the next run that opens,
-before that run's first cell is decided (docs/jupyter.md, "Two comm managers behind one kernel").
+before that run's first cell is decided (docs/jupyter.md, "Two comm managers behind one kernel"). A run signs its
+first `MAX_SIGNED` faults one by one; past them (or past `MAX_PENDING` held ones) faults are only counted, and the
+count is signed as one record for each side they came from, at the next cell boundary or as the kernel stops the
+box (else in the next run to open): a box cannot spam the signer by naming made-up comms.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 MAX_PENDING = 64  # faults held for the next run; past this, only counted
+MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
 
 
 class CommGate:
     def __init__(self, kernel):
         self.k = kernel  # the TkboxKernel (app.py)
         self.pending: list[dict] = []
-        self.unrecorded = 0
+        self.unrecorded: dict[str, int] = {}  # faults counted, not each signed, by the side they came from
+        self._run = None  # the box whose run `signed` counts faults for
+        self.signed = 0
+        self._lock = threading.Lock()
 
     def box_comms(self) -> dict[str, str]:
         k = self.k.kernel
@@ -28,24 +36,46 @@ class CommGate:
 
     # -- faults ----------------------------------------------------------------------------------------------------
     def fault(self, facts: dict) -> None:
-        """Sign a refused comm message as a fault in the run in force, or hold it for the next run."""
-        if self.k.nb.live:
-            self.k.nb.box.recorder.decide("exec", "comm_fault", facts)
-        elif len(self.pending) < MAX_PENDING:
-            self.pending.append(facts)
-        else:
-            self.unrecorded += 1
-        self.k._log(f"refused {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
+        """Sign a refused comm message as a fault in the run in force (its first `MAX_SIGNED`), or hold it for the
+        next run (the first `MAX_PENDING`); count it otherwise, for `flush` to sign the count."""
+        box = self.k.nb.box if self.k.nb.live else None
+        with self._lock:
+            if box is not None and box is not self._run:
+                self._run, self.signed = box, 0
+            sign = box is not None and self.signed < MAX_SIGNED
+            hold = box is None and len(self.pending) < MAX_PENDING
+            if sign:
+                self.signed += 1
+            elif hold:
+                self.pending.append(facts)
+            else:
+                self.unrecorded[facts["from"]] = self.unrecorded.get(facts["from"], 0) + 1
+                if sum(self.unrecorded.values()) > 1:
+                    return
+        if sign:
+            box.recorder.decide("exec", "comm_fault", facts)
+        what = "refused" if sign or hold else "refused (further faults only counted until the next cell)"
+        self.k._log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
 
     def flush(self, box) -> None:
-        """Sign the faults held while no run was open, in `box`'s run (called as a cell takes its box)."""
-        pending, self.pending = self.pending, []
+        """Sign, in `box`'s run, the faults held while no run was open and the count of those not signed one by
+        one (called as a cell takes its box, and as the kernel stops a box: `end_run`)."""
+        with self._lock:
+            pending, self.pending = self.pending, []
+            counted, self.unrecorded = self.unrecorded, {}
         for facts in pending:
             box.recorder.decide("exec", "comm_fault", facts)
-        if self.unrecorded:
-            box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": "frontend",
-                                                       "fault": f"{self.unrecorded} more, not each signed"})
-            self.unrecorded = 0
+        for side, n in sorted(counted.items()):
+            box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
+                                                       "fault": f"{n} more, not each signed"})
+
+    def end_run(self) -> None:
+        """The kernel stops the box: the count of faults not yet signed goes into its run while it is open."""
+        try:
+            if self.k.nb.live:
+                self.flush(self.k.nb.box)
+        except Exception as e:  # stopping the box goes on; what was not signed is logged
+            self.k._log(f"comm faults not signed as the box stopped: {e}")
 
     # -- from the frontend -----------------------------------------------------------------------------------------
     def from_frontend(self, channel: str, msg: dict) -> None:

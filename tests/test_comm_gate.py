@@ -1,0 +1,63 @@
+"""The comm gate's faults (kernel/comms.py), with a stand-in kernel: how many a run signs one by one, and the count
+of the rest, signed as one record a side at the next cell boundary or as the kernel stops the box."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tkbox_nb.kernel.comms import MAX_PENDING, MAX_SIGNED, CommGate
+
+
+class Recorder:
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def decide(self, door, kind, facts, content=None):
+        assert (door, kind) == ("exec", "comm_fault")
+        self.records.append(facts)
+
+
+def stand_in(live=True):
+    box = SimpleNamespace(recorder=Recorder())
+    kernel = SimpleNamespace(nb=SimpleNamespace(box=box, live=live), kernel=None, logged=[])
+    kernel._log = kernel.logged.append
+    return kernel, box
+
+
+def spam(gate, n, side="box"):
+    for i in range(n):
+        gate.fault({"msg_type": "comm_msg", "comm_id": f"{i:032x}", "from": side,
+                    "fault": "a comm the box does not hold"})
+
+
+def test_a_run_signs_its_first_faults_then_one_count_at_the_next_cell_boundary():
+    kernel, box = stand_in()
+    gate = CommGate(kernel)
+    spam(gate, MAX_SIGNED + 500)
+    spam(gate, 3, "frontend")
+    assert len(box.recorder.records) == MAX_SIGNED  # the signer is not asked again per message
+    assert len(kernel.logged) == MAX_SIGNED + 1  # nor the log written to
+    gate.flush(box)  # the next cell takes the box
+    assert box.recorder.records[MAX_SIGNED:] == [
+        {"msg_type": "comm_msg", "comm_id": "", "from": "box", "fault": "500 more, not each signed"},
+        {"msg_type": "comm_msg", "comm_id": "", "from": "frontend", "fault": "3 more, not each signed"}]
+    gate.flush(box)
+    spam(gate, 2)  # still past the run's first MAX_SIGNED: counted
+    assert len(box.recorder.records) == MAX_SIGNED + 2
+    gate.end_run()  # the kernel stops the box: the count goes into its run
+    assert box.recorder.records[-1]["fault"] == "2 more, not each signed"
+    # a new run signs its own first faults one by one again
+    kernel.nb.box = new = SimpleNamespace(recorder=Recorder())
+    spam(gate, 1)
+    assert len(new.recorder.records) == 1 and new.recorder.records[0]["comm_id"] == "0" * 32
+
+
+def test_faults_while_no_run_is_open_are_held_then_counted():
+    kernel, box = stand_in(live=False)
+    gate = CommGate(kernel)
+    spam(gate, MAX_PENDING + 10, "frontend")
+    gate.end_run()  # no run open: nothing is signed
+    assert box.recorder.records == []
+    gate.flush(box)
+    assert len(box.recorder.records) == MAX_PENDING + 1
+    assert box.recorder.records[-1]["fault"] == "10 more, not each signed"
