@@ -189,17 +189,23 @@ def test_a_widget_that_names_many_models_is_still_judged_by_what_it_asks_for():
     for n in range(6):  # made-up names, to fill what the comm's kind keeps
         _box_comm(comms, "comm_msg", "t", {"_model_name": f"Fake{n}Model"})
     m = _box_comm(comms, "comm_msg", "t", {"_view_name": "HTMLView", "value": "<img src=x onerror=alert(1)>"})
-    assert m.content["data"]["state"]["value"] == '<img src="x">'
-    assert m.dropped == ["comm_msg.data.state:value (sanitised)"]
-    # past the names a kind keeps, the comm renders as anything: a later value alone is sanitised too
-    later = _box_comm(comms, "comm_msg", "t", {"value": "<svg onload=alert(1)>", "outputs": [
-        {"output_type": "display_data", "data": {"application/javascript": "x"}, "metadata": {}}]})
-    assert later.content["data"]["state"] == {"value": "", "outputs": [
-        {"output_type": "display_data", "data": {}, "metadata": {}}]}
-    # a message that names a view of its own is judged by it, whatever the comm had
-    comms["s"] = "IntSliderModel IntSliderView"
-    m = _box_comm(comms, "comm_msg", "s", {"_view_name": "HTMLMathView", "value": "<script>x</script>"})
-    assert m.content["data"]["state"]["value"] == ""
+    # judged by the view it asks for (its value sanitised), which it does not get: the frontend keeps the state
+    # sent before, never sanitised as an HTML widget's
+    assert m.content["data"]["state"] == {"value": '<img src="x">'}
+    assert m.dropped == ["comm_msg.data.state:_view_name (a widget that renders markup)",
+                         "comm_msg.data.state:value (sanitised)"]
+    # past the names a comm may have, it would be any widget: sanitised as such, and the name refused
+    m = _box_comm(comms, "comm_msg", "t", {"_model_name": "Fake9Model", "value": "<svg onload=alert(1)>"})
+    assert m.content["data"]["state"] == {"value": ""} and "HTMLView" not in comms["t"] and "*" not in comms["t"]
+    # a value sent first, unsanitised for a Text, then an HTML view asked for alone: refused
+    _box_comm(comms, "comm_open", "u", {"_model_name": "TextModel", "value": "<img src=x onerror=alert(1)>"})
+    m = _box_comm(comms, "comm_msg", "u", {"_view_name": "HTMLMathView"})
+    assert m.content["data"]["state"] == {} and comms["u"] == "TextModel"
+    m = _box_comm(comms, "comm_msg", "u", {"_model_name": "OutputModel"})
+    assert m.content["data"]["state"] == {} and comms["u"] == "TextModel"
+    # names it has already (a full state sent again) pass
+    m = _box_comm(comms, "comm_msg", "u", {"_model_name": "TextModel", "value": "<b>"})
+    assert m.content["data"]["state"] == {"_model_name": "TextModel", "value": "<b>"} and not m.dropped
     # a name that is not text: the widget is not known, so its state is sanitised as any widget's
     m = _box_comm(comms, "comm_open", "n", {"_model_name": ["HTMLModel"], "value": "<script>x</script>"})
     assert m.content["data"]["state"]["value"] == "" and comms["n"] == "*"

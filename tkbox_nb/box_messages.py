@@ -186,7 +186,10 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
             _str(c.get("target_name"), "comm_open.target_name")
         state = data.get("state")
         m.unknown_comm = comms is not None and t != "comm_open" and c["comm_id"] not in comms
-        kind = box_outputs.widget_kind((comms or {}).get(c["comm_id"], "") if t != "comm_open" else "", state)
+        known = (comms or {}).get(c["comm_id"], "") if t != "comm_open" else ""
+        kind = box_outputs.widget_kind(known, state)  # what the comm was and this message asks it to be
+        if t != "comm_open":  # the frontend keeps the state sent before, unchecked for a kind the comm was not
+            box_outputs.widget_names(known, state, f"{t}.data.state", m.dropped)
         box_outputs.widget_state(kind, state, f"{t}.data.state", m.dropped)
         if isinstance(state, dict) and "buffer_paths" in data:
             m.buffers = box_outputs.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped)

@@ -10,8 +10,10 @@ Everything else (SVG images, JavaScript, PDF, third-party renderers' JSON) is dr
 that sanitising changed, is named in `dropped`, which the cell's signed result carries.
 
 Widget state carries markup too: `widget_state` sanitises the `value` of an HTML or HTMLMath widget (by its model
-or its view), turns every `description_allow_html` off, and filters each output of an Output widget like any other
-output. Pure functions of their input; which widget a comm message updates comes from the caller (box_kernel tracks
+or its view), turns every `description_allow_html` off, filters each output of an Output widget like any other
+output, and drops `format: "url"` (a media widget would load its value as a URL); `widget_names` refuses a later
+message that would make a comm render markup it did not, `widget_buffers` a binary buffer that would set a checked
+key. Pure functions of their input; which widget a comm message updates comes from the caller (box_kernel tracks
 the box's comms, `widget_kind`).
 """
 
@@ -147,8 +149,8 @@ def outputs(items: Any, what: str, dropped: list[str]) -> list:
 def widget_kind(known: str, state: Any) -> str:
     """The model and view names a widget's comm has had (`known`, space-separated) with those `state` sets: a view
     renders whatever model it is given, so an HTML view of a Text model renders its value as HTML. Every name the
-    state sets counts, so a message is judged by the names it sets itself; a comm past `MAX_WIDGET_NAMES` names, or
-    one given a name that is not text (nor None), is `ANY_WIDGET` from then on."""
+    state sets counts, so a message is judged by the names it sets itself; past `MAX_WIDGET_NAMES` names, or with a
+    name that is not text (nor None), it is `ANY_WIDGET` (which `widget_names` refuses to a comm that was not)."""
     names = set(known.split())
     if isinstance(state, dict):
         for key in ("_model_name", "_view_name"):
@@ -160,6 +162,21 @@ def widget_kind(known: str, state: Any) -> str:
     if len(names) > MAX_WIDGET_NAMES:
         names = {ANY_WIDGET}
     return " ".join(sorted(names))
+
+
+def widget_names(known: str, state: Any, what: str, dropped: list[str]) -> None:
+    """Refuse, in place, the model and view names of a later message to a comm of kind `known` that would make it
+    render markup it did not (HTML, HTMLMath, Output, or any widget, as past `MAX_WIDGET_NAMES`): the frontend keeps
+    the state sent before, which was not sanitised for that kind. A comm is what its comm_open made it, within the
+    names it may have."""
+    if not isinstance(state, dict):
+        return
+    before, after = set(known.split()), set(widget_kind(known, state).split())
+    if any(_renders(after, kinds) and not _renders(before, kinds) for kinds in (HTML_WIDGETS, OUTPUT_WIDGETS)):
+        for key in ("_model_name", "_view_name"):
+            if key in state:
+                del state[key]
+                dropped.append(f"{what}:{key} (a widget that renders markup)")
 
 
 def _renders(names: set[str], kinds: frozenset[str]) -> bool:
