@@ -19,6 +19,7 @@ from jupyter_client.manager import KernelManager
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.kernel.comms import MAX_SIGNED
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
@@ -150,6 +151,10 @@ o = w.Output()
 display(h, t, s, o)
 o.append_display_data(HTML('<script>alert(3)</script><i>inside</i>'))  # carried in the widget's `outputs` state
 h.value = '<svg onload="alert(4)"></svg><u>later</u>'
+i = w.Image(value=b'\\x89PNG', format='png')
+u = w.Image(value=b'https://evil.example/x', format='url')  # the view would load it as a URL, with no click
+display(i, u)
+t._view_name = 'HTMLView'  # the Text's value was never sanitised as HTML: refused
 """
 
 
@@ -170,6 +175,12 @@ def test_widget_state_from_the_box_is_sanitised_and_widgets_still_work(client):
     outputs = [o for st in by_model["OutputModel"][1] for o in st.get("outputs", [])]
     shown = " ".join(str(o.get("data", {}).get("text/html", "")) for o in outputs)
     assert "<i>inside</i>" in shown and "<script" not in shown and "alert" not in shown
+    assert all(st.get("_view_name") != "HTMLView" for st in by_model["TextModel"][1])
+    images = [m for m in msgs if m["msg_type"] == "comm_open"
+              and m["content"]["data"].get("state", {}).get("_model_name") == "ImageModel"]
+    assert sorted(str(m["content"]["data"]["state"].get("format")) for m in images) == ["None", "png"]
+    png = next(m for m in images if m["content"]["data"]["state"].get("format") == "png")
+    assert [bytes(b) for b in png["buffers"]] == [b"\x89PNG"]  # a media widget's bytes still pass
     # the slider still works both ways
     client.kc.shell_channel.send(client.kc.session.msg("comm_msg", {"comm_id": slider_id, "data": {
         "method": "update", "state": {"value": 9}, "buffer_paths": []}}))
@@ -209,6 +220,21 @@ def test_a_comm_message_from_the_box_naming_a_comm_it_does_not_hold_is_refused_a
     faults = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "comm_fault"]
     assert [(f.decision, f.args["msg_type"], f.args["comm_id"], f.args["from"]) for f in faults] == [
         ("deny", "comm_msg", "e" * 32, "box"), ("deny", "comm_close", "e" * 32, "box")]
+    assert verify_bundle(only_bundle(kernel_env)).valid
+
+
+def test_a_box_spamming_comm_faults_gets_its_first_signed_and_the_rest_counted(client, kernel_env):
+    reply, _ = client.run(
+        "k = get_ipython().kernel\n"
+        "for i in range(100):\n"
+        "    k.session.send(k.iopub_socket, 'comm_msg', {'comm_id': f'{i:032x}', 'data': {}},\n"
+        "                   parent=k.get_parent('shell'))")
+    assert reply["status"] == "ok"
+    client.stop()  # no further cell: the count is signed as the kernel stops the box
+    run = open_run(only_bundle(kernel_env))
+    faults = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "comm_fault"]
+    assert len(faults) == MAX_SIGNED + 1 and faults[0].args["comm_id"] == "0" * 32
+    assert (faults[-1].args["from"], faults[-1].args["fault"]) == ("box", f"{100 - MAX_SIGNED} more, not each signed")
     assert verify_bundle(only_bundle(kernel_env)).valid
 
 
