@@ -205,6 +205,45 @@ def test_box_manifest_end_reason_that_disagrees_with_the_signed_stop_is_invalid(
     assert_refused(rewrite(files, tmp_path / "e.tkb"), 1, "INVALID: box manifest: end_reason", tmp_path)
 
 
+def _rerun_bundle(signer, out: Path) -> Path:
+    """A run that names an original as a rerun does (RunRecorder's replay_of: rerun_of in its box.start)."""
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.recorder import RunRecorder
+    rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"},
+                      replay_of="a" * 32).open()
+    rec.close("test done")
+    return rec.write_bundle(out)
+
+
+def test_a_rerun_s_original_is_signed_and_its_manifest_may_not_name_another(signer, good, tmp_path):
+    """rerun_of is signed in box.start (since 0.2.0): a forger can neither make a run claim to rerun another nor
+    change which run a rerun names."""
+    from tkbox_nb.run import open_run
+    from tkbox_nb.verify import verify_bundle
+    rerun = _rerun_bundle(signer, tmp_path / "rerun.tkb")
+    assert verify_bundle(rerun).valid
+    start = next(c for c in open_run(rerun).crossings() if c.door == "box" and c.args.get("kind") == "start")
+    assert start.args["rerun_of"] == "a" * 32 and open_run(rerun).box["rerun_of"] == "a" * 32
+    for source, value, name in ((rerun, "b" * 32, "other.tkb"), (good, "a" * 32, "claims.tkb")):
+        files = entries(source)
+        box = json.loads(files["box/manifest.json"])
+        box["rerun_of"] = value
+        files["box/manifest.json"] = json.dumps(box).encode()
+        assert_refused(rewrite(files, tmp_path / name), 1, "INVALID: box manifest: rerun_of disagree", tmp_path)
+
+
+def test_a_rerun_from_before_rerun_of_was_signed_still_verifies(signer, tmp_path, monkeypatch):
+    """A 0.1.0 bundle named its original in the manifest only; its signed box.start says which version made it."""
+    import tkbox_nb.recorder as recorder
+    from tkbox_nb.verify import BOX_FIELDS, verify_bundle
+    monkeypatch.setattr(recorder, "BOX_FIELDS", tuple(f for f in BOX_FIELDS if f != "rerun_of"))
+    monkeypatch.setattr(recorder, "__version__", "0.1.0")
+    old = _rerun_bundle(signer, tmp_path / "old.tkb")
+    assert verify_bundle(old).valid
+    monkeypatch.setattr(recorder, "__version__", "0.2.0")  # the same bundle, had 0.2.0 made it, would not verify
+    assert not verify_bundle(_rerun_bundle(signer, tmp_path / "new.tkb")).valid
+
+
 def test_swapped_policy_source_is_invalid(good, tmp_path):
     files = entries(good)
     name = next(n for n in files if n.startswith("box/policies/"))

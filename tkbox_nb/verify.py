@@ -22,7 +22,18 @@ from .policy import Policy, policy_hash
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
-              "workspace_digest")  # the starting workspace (tree_digest.py), when the box was given one
+              "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
+              "rerun_of")  # a rerun's original run
+SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
+
+
+def _unsigned_then(field: str, signed: dict) -> bool:
+    """A field the box.start of the tkbox that made the bundle (its version is signed there) did not yet sign."""
+    try:
+        made_by = tuple(int(x) for x in str(signed.get("tkbox_version")).split(".")[:3])
+    except ValueError:
+        return False
+    return field in SIGNED_SINCE and field not in signed and made_by < SIGNED_SINCE[field]
 
 
 @dataclass
@@ -257,7 +268,7 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
         report.add("box manifest", False, "no disclosed box.start record")
     else:
         seq, args = starts[0]
-        differs = [k for k in BOX_FIELDS if b.box.get(k) != args.get(k)]
+        differs = [k for k in BOX_FIELDS if b.box.get(k) != args.get(k) and not _unsigned_then(k, args)]
         first_policy = (b.box.get("policy") or {}).get("hash") if isinstance(b.box.get("policy"), dict) else None
         if differs:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
