@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BundleError, SignerError
-from .guest.protocol import finite_float
+from .guest.protocol import loads_one_reading
 
 BOX_FORMAT = "tkbox.box.v1"
 TRACEKIT_FORMAT = "tracekit.bundle.v2"
@@ -137,19 +137,8 @@ def read_bundle_bytes(path: str | Path) -> bytes:
 
 def loads_json(data: bytes, what: str) -> Any:
     """Strict JSON: UTF-8, no duplicate keys, no NaN or Infinity (spelled, or a number that overflows to it)."""
-    def pairs(items):
-        out = {}
-        for k, v in items:
-            if k in out:
-                raise ValueError(f"duplicate key {k!r}")
-            out[k] = v
-        return out
-
-    def constant(c):
-        raise ValueError(f"non-standard number {c}")
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant,
-                          parse_float=finite_float)
+        return loads_one_reading(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise BundleError(f"{what}: not valid JSON: {str(e)[:200]}") from None
 

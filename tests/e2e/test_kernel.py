@@ -466,10 +466,15 @@ def test_box_restart_starts_the_next_box_in_the_background(kernel_env):
     assert datetime.datetime.fromisoformat(second.crossings()[0].time.replace("Z", "+00:00")) < before
 
 
-def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, tmp_path, monkeypatch):
+def _machine_policy_that_cannot_start(tmp_path, monkeypatch) -> None:
+    """The machine's policy (TKBOX_POLICY) names Firecracker, which has no guest image here: its early box fails."""
     policy = tmp_path / "fc.toml"
     policy.write_text('[box]\nbackend = "firecracker"\n')
     monkeypatch.setenv("TKBOX_POLICY", str(policy))
+
+
+def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, tmp_path, monkeypatch):
+    _machine_policy_that_cannot_start(tmp_path, monkeypatch)
     c = Client()
     try:
         reply, outs = c.run("print('never')")
@@ -487,9 +492,7 @@ def test_a_policy_set_before_the_first_cell_replaces_an_early_box_that_failed_un
     """The early box starts under the machine's policy and fails; the notebook's first cell sets a policy the machine
     can run, so the next code cell starts a box under it, rather than reporting the failure of a start nobody now
     asks for."""
-    policy = tmp_path / "fc.toml"
-    policy.write_text('[box]\nbackend = "firecracker"\n')
-    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    _machine_policy_that_cannot_start(tmp_path, monkeypatch)
     c = Client()
     try:
         reply, _ = c.run("%%box_policy\n[exec]\ncells = true\n")

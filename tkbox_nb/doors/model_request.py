@@ -10,13 +10,12 @@ and a reason (both end up in the signed refusal when the route is known).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 
 import h11
 
-from ..guest.protocol import finite_float
+from ..guest.protocol import loads_one_reading
 
 MAX_HEAD = 64 * 1024
 ROUTES = {  # box path prefix -> (provider, allowed endpoints)
@@ -131,24 +130,3 @@ class ModelRequestParser:
             raise ModelRequestError(400, "max_tokens must be a count", provider, endpoint)
         headers = [(k, v) for k, v in self._head.headers if k in PASSED_HEADERS]
         return ModelRequest(provider, endpoint, body, model, stream, max(asked) if asked else None, headers)
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key[:60]!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str):
-    raise ValueError(f"non-standard number {name}")
-
-
-def loads_one_reading(body: bytes):
-    """JSON that every reader reads the same way, or ValueError: UTF-8 only, no duplicate key (Python keeps the last,
-    an upstream may keep the first, so the signed model could differ from the one that runs), no NaN or Infinity,
-    spelled or overflowing (1e999)."""
-    return json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                      parse_float=finite_float)

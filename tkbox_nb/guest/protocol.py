@@ -65,6 +65,27 @@ def finite_float(text):
     return value
 
 
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:60]!r}")
+        out[key] = value
+    return out
+
+
+def _non_standard(name):
+    raise ValueError(f"non-standard number {name}")
+
+
+def loads_one_reading(data):
+    """JSON that every reader reads the same way, or ValueError: UTF-8 only, no duplicate key (Python keeps the
+    last, another reader may keep the first), no NaN or Infinity, spelled or overflowing (1e999). For what is
+    signed or verified as read: a model call's body, a bundle's files."""
+    return json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_non_standard,
+                      parse_float=finite_float)
+
+
 def loads_strict(body, what):
     """One JSON object from UTF-8 bytes, strictly: no NaN or Infinity (spelled, or a number overflowing to it), and
     no lone surrogate escape (a string the
