@@ -3,12 +3,15 @@ headers a bound host gets about codings, and placeholders found in a plain-HTTP 
 
 from __future__ import annotations
 
+import base64
 import gzip
+import json
+from urllib.parse import quote, quote_plus
 
 import pytest
 
 from tkbox_nb.doors.intercept import identity_only, unscrubbable_coding
-from tkbox_nb.doors.secrets import Scrubber
+from tkbox_nb.doors.secrets import MIN_ENCODED_FORM, Scrubber, encoded_forms
 
 VALUE = "sk-live-" + "7f3a9c" * 6
 
@@ -67,3 +70,41 @@ def test_a_placeholder_in_a_plain_http_body_is_found_wherever_the_pieces_split_i
     again = PlaceholderWatch("api.tkb.test", [api])
     assert again.feed(api.placeholder.encode()) and not again.feed(api.placeholder.encode())  # each named once
     assert PlaceholderWatch("api.tkb.test", [api]).feed(api.placeholder.encode()[:-1] + b"!") == []
+
+
+ECHOES = {
+    "raw": lambda v: v.encode(),
+    "json, ascii": lambda v: json.dumps({"token": v}).encode(),
+    "json, utf-8, slash escaped": lambda v: json.dumps(v, ensure_ascii=False).replace("/", "\\/").encode(),
+    "percent-encoded": lambda v: ("q=" + quote(v, safe="")).encode(),
+    "percent-encoded, lower hex": lambda v: quote_plus(v, safe="").lower().encode(),
+    "basic auth echoed": lambda v: b"Basic " + base64.b64encode(b"user:" + v.encode()),
+    "base64url in a field": lambda v: b'{"b": "' + base64.urlsafe_b64encode(b"xy" + v.encode() + b"z") + b'"}',
+    "hex": lambda v: v.encode().hex().encode(),
+    "HEX": lambda v: v.encode().hex().upper().encode(),
+}
+
+
+@pytest.mark.parametrize("value", [VALUE, "p/ss+w0rd=ünïcode?&", "short-ish"])
+@pytest.mark.parametrize("spelling", sorted(ECHOES))
+def test_an_echoed_value_is_scrubbed_in_its_common_spellings_wherever_the_reads_split_it(value, spelling):
+    """A bound host echoing the value back (a debug endpoint, an error page, a Basic header decoded and re-encoded)
+    writes it in its own spelling; each is starred, length kept, however the response is cut."""
+    echoed = b"before " + ECHOES[spelling](value) + b" after"
+    for step in (1, 3, 7, len(echoed)):
+        scrubber = Scrubber([value])
+        out = b"".join(scrubber.feed(echoed[i:i + step]) for i in range(0, len(echoed), step)) + scrubber.flush()
+        assert len(out) == len(echoed)
+        assert out.startswith(b"before ") and out.endswith(b" after")
+        for form in encoded_forms(value):
+            assert form not in out, form
+        assert value.encode() not in out and value.encode().hex().encode() not in out.lower()
+
+
+def test_bytes_that_merely_resemble_a_spelling_pass_unchanged():
+    """Derived spellings shorter than MIN_ENCODED_FORM are not scrubbed, so a short value does not star unrelated
+    base64 or hex; its raw bytes still are."""
+    assert all(len(f) >= MIN_ENCODED_FORM for f in encoded_forms("abc") if f != b"abc")
+    scrubber = Scrubber(["abc"])
+    text = b"YWJj 616263 abc"
+    assert scrubber.feed(text) + scrubber.flush() == b"YWJj 616263 ***"

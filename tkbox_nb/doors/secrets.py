@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets as _random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,12 +135,54 @@ class PlaceholderWatch:
         return found
 
 
+MIN_ENCODED_FORM = 8   # a derived spelling shorter than this is not scrubbed (too likely in unrelated bytes)
+
+
+def _base64_cores(value: bytes, alphabet: str) -> list[bytes]:
+    """The characters of `value`'s base64 that do not depend on what is around it, for each of the three places it
+    can start in a longer encoded text (so `user:VALUE` in a Basic header or a JSON field's base64 is found too)."""
+    import base64
+    encode = base64.b64encode if alphabet == "std" else base64.urlsafe_b64encode
+    cores = []
+    for k in range(3):
+        text = encode(b"\0" * k + value).rstrip(b"=")
+        first = -(-8 * k // 6)                       # the first character holding no bit of the bytes before it
+        last = (8 * (k + len(value))) // 6           # characters wholly within the value's bits
+        cores.append(text[first:last])
+    return cores
+
+
+def encoded_forms(value: str) -> list[bytes]:
+    """Every spelling of a secret value the scrubber removes: its UTF-8 bytes, and as a server echoing it commonly
+    writes it back: JSON-escaped (ASCII or not, `/` escaped or not), percent-encoded (`quote`, `quote_plus`, hex
+    digits in either case), base64 and base64url (at any alignment) and hex (either case). Longest first, so a
+    longer spelling is scrubbed before a shorter one inside it."""
+    import json
+    from urllib.parse import quote, quote_plus
+    raw = value.encode("utf-8")
+    forms = {raw}
+    for ascii_only in (True, False):
+        escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1].encode("utf-8")
+        forms |= {escaped, escaped.replace(b"/", b"\\/")}
+    for percent in (quote(value, safe=""), quote_plus(value, safe="")):
+        forms |= {percent.encode("ascii"),
+                  re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), percent).encode("ascii")}
+    for alphabet in ("std", "url"):
+        forms |= set(_base64_cores(raw, alphabet))
+    forms |= {raw.hex().encode("ascii"), raw.hex().upper().encode("ascii")}
+    return sorted((f for f in forms if f == raw or len(f) >= MIN_ENCODED_FORM), key=len, reverse=True)
+
+
 class Scrubber:
     """Removes secret values from a byte stream (a response on its way into the box), across chunk boundaries:
-    each value becomes as many `*` (so lengths, and Content-Length, stay right)."""
+    each value, in each of its `encoded_forms`, becomes as many `*` (so lengths, and Content-Length, stay right).
+    A spelling outside that list (a compressed or encrypted echo, a value split by the server) is not found: the
+    door asks bound hosts for identity encoding and refuses others (threat model I24), and the rest is the bound
+    host's to keep to itself."""
 
     def __init__(self, values: list[str]):
-        self.values = [v.encode("utf-8") for v in values if v]
+        forms = {f for v in values if v for f in encoded_forms(v)}
+        self.values = sorted(forms, key=len, reverse=True)
         self.keep = max((len(v) for v in self.values), default=1) - 1
         self._tail = b""
 
