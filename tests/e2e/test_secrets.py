@@ -169,6 +169,30 @@ def test_records_name_bindings_and_swaps_never_the_value(box, tmp_path):
             assert VALUE.encode() not in z.read(name), name
 
 
+def test_another_binding_s_placeholder_to_a_bound_host_is_flagged_never_swapped(signer, net, tmp_path, monkeypatch):
+    """Over the intercepted TLS to api.tkb.test (bound to API_KEY), the placeholder of OTHER (bound to web.tkb.test
+    only) in the very header OTHER binds: neither value goes up, and OTHER's misuse is signed naming the host."""
+    monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
+    monkeypatch.setenv("TKB_TEST_OTHER", "other-" + "5e" * 20)
+    policy = Policy.from_toml(secrets_policy(net).source + """
+[secrets.OTHER]
+hosts = ["web.tkb.test"]
+header = "Authorization"
+format = "Bearer {value}"
+source = "env:TKB_TEST_OTHER"
+""")
+    with Box(backend="bwrap", policy=policy, bundle_path=tmp_path / "o.tkb") as b:
+        out = _stdout(b.run(["python3", "-c", "import os, urllib.request\n"
+                             "req = urllib.request.Request('https://api.tkb.test:8443/echo-headers', "
+                             "headers={'Authorization': 'Bearer ' + os.environ['OTHER']})\n"
+                             "print(urllib.request.urlopen(req, timeout=20).read().decode())"]))
+    assert VALUE not in out and "5e" * 20 not in out and "tkbox-ph-" in out, out
+    run = open_run(tmp_path / "o.tkb")
+    misuses = [c.args for c in run.crossings() if c.door == "secrets" and c.args["kind"] == "misuse"]
+    assert [(m["name"], m["where"]) for m in misuses] == [("OTHER", "header Authorization to api.tkb.test")], misuses
+    assert not [c for c in run.crossings() if c.door == "secrets" and c.args["kind"] == "swap"]
+
+
 def test_misuse_can_be_refused_by_the_binding(signer, net, tmp_path, monkeypatch):
     monkeypatch.setenv("TKB_TEST_API_KEY", VALUE)
     policy = secrets_policy(net, misuse="refuse")

@@ -116,8 +116,8 @@ class EgressDoor:
             if self.box.bindings:
                 from .secrets import PlaceholderWatch, bound_for, rewrite_request
                 bound = bound_for(crossing.args["host"], self.box.bindings)
-                if req.tunnel and bound:
-                    return self._relay_bound(stream, req, crossing, address, bound)
+                if req.tunnel and bound:  # every binding goes along: another's placeholder here is a misuse too
+                    return self._relay_bound(stream, req, crossing, address, self.box.bindings)
                 if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
                     from .intercept import record_secret_crossings
                     watch = PlaceholderWatch(crossing.args["host"], self.box.bindings)  # the body, as it comes
