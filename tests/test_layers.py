@@ -24,7 +24,7 @@ PACKAGE = REPO / "tkbox_nb"
 # Bottom first. A module belongs to the layer of the longest name below that is it or a package holding it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("guest", ["tkbox_nb.guest"]),
-    ("door stream", ["tkbox_nb._version", "tkbox_nb.errors", "tkbox_nb.protocol", "tkbox_nb.connection",
+    ("door stream", ["tkbox_nb._version", "tkbox_nb.atomic_file", "tkbox_nb.errors", "tkbox_nb.protocol", "tkbox_nb.connection",
                      "tkbox_nb.testnet"]),
     ("policy and door rules", [
         "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",

@@ -5,4 +5,4 @@ The recorder writes it into every run and the kernel reports it to Jupyter; both
 equal to `version` in pyproject.toml.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"

@@ -344,14 +344,16 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Differ
     return diffs
 
 
-def audit(a: str | Path, b: str | Path, sanitizer_file: str | Path | None = None) -> Audit:
+def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None) -> Audit:
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
             extra = parse_sanitizers(Path(sanitizer_file).read_text())
         except (OSError, UnicodeDecodeError, TkboxError) as e:
             raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
-    fa, fb = facts(open_run(a), extra), facts(open_run(b), extra)
+    ra, rb = open_run(a), open_run(b)
+    a, b = ra.path, rb.path
+    fa, fb = facts(ra, extra), facts(rb, extra)
     ca, cb = coverage(fa), coverage(fb)
     return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb),
                  {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})

@@ -26,12 +26,12 @@ import os
 import secrets
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .atomic_file import write_atomic
 from .errors import TkboxError
 
 MAX_BUNDLE_BYTES = 256 << 20  # a bundle travels inside its task: bounded, and each entry is already <= 64 MiB
@@ -65,21 +65,6 @@ def rerun_path(bundle: str | Path, out_dir: str | Path) -> Path:
     tag = hashlib.sha256(str(src).encode()).hexdigest()[:10]
     stem = src.name[:-4] if src.name.endswith(".tkb") else src.name
     return Path(out_dir) / f"{stem}.{tag}.rerun.tkb"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all: a temporary file beside it, flushed, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _clip(text: str) -> str:
@@ -263,6 +248,7 @@ def _collect(future, name: str, out_dir: Path) -> BatchResult:
     if new is not None:
         path = rerun_path(name, out_dir)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, new)
             r.new_bundle = str(path)
         except OSError as e:

@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import io
 import json
-import os
 import re
 import unicodedata
 import zipfile
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .atomic_file import write_atomic
 from .errors import BundleError, SignerError
 from .guest.protocol import loads_one_reading
 
@@ -33,6 +33,8 @@ MAX_ENTRIES = 10_000          # Tracekit's verifier limits, so every bundle we a
 MAX_ENTRY = 64 << 20
 MAX_TOTAL = 512 << 20
 MAX_RATIO = 200               # uncompressed / compressed for entries over 1 MiB: more is a bomb
+SMALL_BUNDLE_EXPANSION = 64 << 20  # and all entries together may expand MAX_RATIO times the file, or to this
+MAX_DISCLOSURE_LINE = 4 << 20  # a disclosure is one crossing's statement or result: the signer's frames are smaller
 CONTENT_PART_BYTES = 32 << 20
 DISCLOSURE_PART_BYTES = 32 << 20  # a long run's disclosures (about 500 bytes a record) outgrow one 64 MiB entry
 DISCLOSURE_PART = re.compile(r"box/disclosures-([0-9]{4})\.jsonl")
@@ -100,6 +102,8 @@ def read_entries(data: bytes) -> dict[str, bytes]:
         declared += info.file_size
         if declared > MAX_TOTAL:
             raise BundleError(f"the entries expand to more than {MAX_TOTAL >> 20} MiB")
+    if declared > max(MAX_RATIO * len(data), SMALL_BUNDLE_EXPANSION):  # many small entries, each under the ratio
+        raise BundleError(f"the entries expand {declared // max(len(data), 1)}x the bundle's size: a zip bomb")
     files: dict[str, bytes] = {}
     total = 0
     for info in infos:
@@ -143,8 +147,14 @@ def loads_json(data: bytes, what: str) -> Any:
         raise BundleError(f"{what}: not valid JSON: {str(e)[:200]}") from None
 
 
-def loads_jsonl(data: bytes, what: str) -> list[Any]:
-    return [loads_json(line, f"{what} line {i + 1}") for i, line in enumerate(data.split(b"\n")) if line.strip()]
+def loads_jsonl(data: bytes, what: str, max_line: int | None = None) -> list[Any]:
+    """JSON lines, each strict; with `max_line`, every line's length is checked before any is parsed."""
+    lines = data.split(b"\n")
+    if max_line is not None:
+        long = next((i for i, line in enumerate(lines) if len(line) > max_line), None)
+        if long is not None:
+            raise BundleError(f"{what} line {long + 1}: {len(lines[long])} bytes, over the {max_line >> 20} MiB limit")
+    return [loads_json(line, f"{what} line {i + 1}") for i, line in enumerate(lines) if line.strip()]
 
 
 @dataclass
@@ -198,7 +208,7 @@ def parse(files: dict[str, bytes]) -> BundleContents:
     if parts and [int(DISCLOSURE_PART.fullmatch(n).group(1)) for n in parts] != list(range(1, len(parts) + 1)):
         raise BundleError(f"box/disclosures parts are not numbered 0001 to {len(parts):04d} without a gap")
     for name in parts or (["box/disclosures.jsonl"] if "box/disclosures.jsonl" in files else []):
-        items = loads_jsonl(files[name], name)
+        items = loads_jsonl(files[name], name, MAX_DISCLOSURE_LINE)
         out.disclosures += items
         out.disclosure_lines += [(name, i + 1) for i in range(len(items))]
     for name in sorted(n for n in files if re.fullmatch(r"box/content-[0-9]{4}\.jsonl", n)):
@@ -206,6 +216,9 @@ def parse(files: dict[str, bytes]) -> BundleContents:
             if not (isinstance(item, dict) and set(item) == {"digest", "b64"} and isinstance(item["digest"], str)
                     and isinstance(item["b64"], str)):
                 out.problems.append(f"{name} line {i + 1}: not a {{digest, b64}} item")
+                continue
+            if item["digest"] in out.content:
+                out.problems.append(f"{name} line {i + 1}: content {item['digest'][:19]}... a second time")
                 continue
             try:
                 out.content[item["digest"]] = base64.b64decode(item["b64"], validate=True)
@@ -338,20 +351,11 @@ def check_limits(files: dict[str, bytes], run_id: str = "") -> None:
 
 def write_zip(out_path: Path, files: dict[str, bytes]) -> None:
     """Write a zip in the canonical layout Tracekit's verifier reads, atomically; no partial file is ever left."""
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    def write(f) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, body in files.items():
+                z.writestr(name, body)
     try:
-        with open(tmp, "wb") as f:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
-                for name, body in files.items():
-                    z.writestr(name, body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException as e:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError):
-            raise BundleError(f"cannot write {out_path}: {e.strerror or e}") from None
-        raise
+        write_atomic(out_path, write)
+    except OSError as e:
+        raise BundleError(f"cannot write {out_path}: {e.strerror or e}") from None

@@ -6,9 +6,10 @@ import argparse
 import shutil
 import sys
 import time
+from pathlib import Path
 
 from .backends import BACKENDS
-from .errors import DoorRefused
+from .errors import DoorRefused, TkboxError
 
 
 def _cmd_run(a) -> int:
@@ -16,6 +17,11 @@ def _cmd_run(a) -> int:
     if not a.argv:
         raise SystemExit("tkbox run: error: give the command after --, e.g. tkbox run -- python3 -c 'print(1)'")
     argv = a.argv[1:] if a.argv[0] == "--" else a.argv
+    if a.output is not None:  # checked before the command runs: its bundle must have somewhere to go
+        from .cli_replay import _writable
+        _writable(a.output)
+        if Path(a.output).is_dir():
+            raise TkboxError(f"cannot write {a.output}: it is a directory")
     stdin = None if sys.stdin.isatty() or not a.stdin else sys.stdin.buffer.read()
     box = Box(policy=a.policy, backend=a.backend, workspace=a.workspace, bundle_path=a.output,
               jailer=True if a.jailer else None)

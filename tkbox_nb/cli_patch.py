@@ -32,9 +32,7 @@ def planned_changes(run) -> list[tuple[dict, FileChange | None]]:
 
 def _cmd_apply(a) -> int:
     from .cli_replay import _verified
-    from .run import open_run
-    _verified(a.bundle, a.trust)
-    run = open_run(a.bundle)
+    run = _verified(a.bundle, a.trust)
     plan = planned_changes(run)
     workspace = Path(a.workspace)
     if not a.list and not workspace.is_dir():

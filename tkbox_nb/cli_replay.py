@@ -13,12 +13,23 @@ class UsageError(TkboxError):
     """Options that do not go together."""
 
 
-def _verified(bundle: str, trust: str | None, why: str = "replaying it would show unproven content") -> None:
+def _verified(bundle: str, trust: str | None, why: str = "replaying it would show unproven content"):
+    """The run, read from the very bytes that verified (a file swapped after the check is never the one used)."""
     from .errors import BundleError
-    from .verify import verify_bundle
-    report = verify_bundle(bundle, trust)
+    from .run import open_run
+    try:
+        run = open_run(bundle)
+    except BundleError as e:
+        raise BundleError(f"{bundle} does not verify (UNREADABLE: {e}); {why}") from None
+    report = run.verify(trust)
     if not report.valid:
         raise BundleError(f"{bundle} does not verify ({report.summary()}); {why}")
+    return run
+
+
+def _run(bundle: str, trust: str | None, no_verify: bool, why: str = "replaying it would show unproven content"):
+    from .run import open_run
+    return open_run(bundle) if no_verify else _verified(bundle, trust, why)
 
 
 def _writable(path: str) -> None:
@@ -37,21 +48,16 @@ def _write_report(path: str, text: str) -> None:
     out = Path(path)
     if out.name in ("", ".", ".."):
         raise TkboxError(f"cannot write {path}: not a file name")
-    tmp = out.with_name(f".{out.name}.tmp")
+    from .atomic_file import write_atomic
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out)
+        write_atomic(out, text.encode("utf-8"))
     except OSError as e:
-        if tmp.parent.is_dir():
-            tmp.unlink(missing_ok=True)
         raise TkboxError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _cmd_replay(a) -> int:
     from .replay import replay
-    if not a.no_verify:
-        _verified(a.bundle, a.trust)
-    out = replay(a.bundle, a.output)
+    out = replay(_run(a.bundle, a.trust, a.no_verify), a.output)
     print(f"wrote {out}: open it in JupyterLab (kernel: Python 3 (Tracekit Box)); re-execute and compare with "
           f"pytest --nbval --nbval-kernel-name tkbox {out}")
     return 0
@@ -77,9 +83,7 @@ def _cmd_rerun(a) -> int:
         raise UsageError("give one bundle and -o NEW.tkb (or --many BUNDLES... for a batch)")
     a.bundle = a.bundle[0]
     from .replay import rerun
-    if not a.no_verify:
-        _verified(a.bundle, a.trust)
-    done = rerun(a.bundle, a.output, policy=a.policy, backend=a.backend, workspace=a.workspace,
+    done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend, workspace=a.workspace,
                  env=_env_values(a.env))
     for note in done.notes:
         print(f"tkbox rerun: {note}", file=sys.stderr)
@@ -115,10 +119,9 @@ def _cmd_rerun_many(a) -> int:
 
 def _cmd_audit(a) -> int:
     from .audit import audit
-    if not a.no_verify:  # what is compared must be what was signed: a bundle edited since is not audited
-        for bundle in (a.a, a.b):
-            _verified(bundle, a.trust, "auditing it would compare unproven content")
-    report = audit(a.a, a.b, a.sanitizer)
+    # what is compared must be what was signed: a bundle edited since is not audited
+    why = "auditing it would compare unproven content"
+    report = audit(_run(a.a, a.trust, a.no_verify, why), _run(a.b, a.trust, a.no_verify, why), a.sanitizer)
     if a.html:
         _write_report(a.html, report.html())
     print(json.dumps(report.as_dict(), indent=1) if a.json else report.table())

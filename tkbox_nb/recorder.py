@@ -183,7 +183,7 @@ class RunRecorder:
             self._stopping = True
             self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
         if self._run is not None and not self.broken:
-            stop = self.decide("box", "stop", {"reason": reason[:200]})
+            stop = self.decide("box", "stop", {"reason": reason[:500]})  # all the manifest shows (end_reason)
             if stop.allowed:
                 self.complete(stop, "ok", {})
         self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)

@@ -100,18 +100,16 @@ def _host_source(run: Run, c) -> str:
         f"%{magic} {a.get('line', '')}".rstrip()
 
 
-def replay(bundle: str | Path, out: str | Path) -> Path:
+def replay(bundle: str | Path | Run, out: str | Path) -> Path:
     nb = to_notebook(open_run(bundle))
     out = Path(out)
     if out.name in ("", ".", ".."):
         raise TkboxError(f"cannot write {out}: not a file name")
-    tmp = out.with_name(f".{out.name}.tmp")
+    from .atomic_file import write_atomic
+    text = nbformat.writes(nb)  # a notebook that cannot be written is refused before anything is
     try:
-        nbformat.write(nb, tmp)
-        tmp.replace(out)
+        write_atomic(out, text.encode("utf-8"))
     except OSError as e:
-        if tmp.parent.is_dir():
-            tmp.unlink(missing_ok=True)
         raise TkboxError(f"cannot write {out}: {e.strerror or e}") from None
     return out
 
@@ -135,7 +133,7 @@ def _steps(run: Run) -> list:
     return out
 
 
-def rerun(bundle: str | Path, out: str | Path, policy: str | Path | None = None, home: str | Path | None = None,
+def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None = None, home: str | Path | None = None,
           backend: str = "auto", workspace: str | Path | None = None, env: dict[str, str] | None = None) -> Rerun:
     """Make the run's cells, commands and host magics again, in order, in a fresh box under the run's own starting
     policy (or `policy`), from `workspace`; model calls are answered from the run's recordings. `env` gives the values

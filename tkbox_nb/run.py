@@ -7,13 +7,14 @@ widgets and replay, and handed in by the package (`RunViews`).
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .bundle import BundleContents, parse, read_bundle_file
+from .bundle import BundleContents, parse, read_bundle_bytes, read_entries
 from .errors import BundleError, TkboxError
 
 DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
@@ -56,9 +57,10 @@ class Run:
 
     views: ClassVar[RunViews | None] = None
 
-    def __init__(self, path: str | Path, contents: BundleContents):
+    def __init__(self, path: str | Path, contents: BundleContents, data: bytes | None = None):
         self.path = Path(path)
         self._b = contents
+        self._data = data  # the bytes it was read from: `verify` checks these, not the file as it is later
         # only records of the v2 shape (the bundle is unverified here: anything else is left to `verify`)
         self.records: list[dict[str, Any]] = [
             r["event"] for r in contents.records if isinstance(r, dict) and isinstance(r.get("event"), dict)
@@ -105,7 +107,10 @@ class Run:
 
     def content(self, digest: str) -> bytes | None:
         """Disclosed content by its digest (`sha256:...`), or None."""
-        return self._b.content.get(digest) if isinstance(digest, str) else None
+        blob = self._b.content.get(digest) if isinstance(digest, str) else None
+        if blob is None or "sha256:" + hashlib.sha256(blob).hexdigest() != digest:
+            return None  # never bytes other than the ones the digest names, verified or not
+        return blob
 
     def disclosure(self, seq: int) -> dict[str, Any] | None:
         return next((d for d in self._b.disclosures if isinstance(d, dict) and d.get("run_seq") == seq), None)
@@ -186,13 +191,17 @@ class Run:
         return self.views
 
     def verify(self, trust: str | Path | None = None):
+        """`tkbox verify` of the very bytes this run was read from."""
         from .verify import verify_bundle
-        return verify_bundle(self.path, trust)
+        return verify_bundle(self.path, trust, data=self._data)
 
 
-def open_run(path: str | Path) -> Run:
-    """Read a `.tkb` (strictly; BundleError if it is unsafe or unreadable)."""
-    return Run(path, parse(read_bundle_file(path)))
+def open_run(path: str | Path | Run) -> Run:
+    """Read a `.tkb` (strictly; BundleError if it is unsafe or unreadable); a Run already read is itself."""
+    if isinstance(path, Run):
+        return path
+    data = read_bundle_bytes(path)
+    return Run(path, parse(read_entries(data)), data)
 
 
 def _is_int(v: Any) -> bool:

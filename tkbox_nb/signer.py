@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from .atomic_file import reserve_beside
 from .errors import SignerError
 
 ORIGIN_PREFIX = "tkbox.local"
@@ -232,7 +233,7 @@ class MachineSigner:
     def write_trust(self, out: str | Path) -> dict:
         """Write the trust config that pins this signer's log key (Tracekit's `signer trust`)."""
         out = Path(out)
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = reserve_beside(out)
         r = subprocess.run([sys.executable, "-m", "tracekit", "signer", "trust", "--config", str(self.config_path),
                             "-o", str(tmp)], capture_output=True, text=True, cwd=self.dir)
         if r.returncode != 0:

@@ -20,7 +20,7 @@ def tree_digest(root: str | Path) -> str:
     h = hashlib.sha256(b"tkbox-tree-1\0")
     try:
         entries = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=_raise):
             dirnames.sort()
             for name in dirnames + filenames:
                 entries.append(os.path.join(dirpath, name))
@@ -33,12 +33,17 @@ def tree_digest(root: str | Path) -> str:
                 kind, body = b"d", b""
             elif stat.S_ISREG(st.st_mode):
                 kind, body = b"f" + (b"x" if st.st_mode & 0o111 else b"-"), _file_digest(path)
-            else:
-                kind, body = b"o", b""
+            else:  # a pipe, socket or device cannot be copied into a box: said before the box starts, in one line
+                raise TkboxError(f"the workspace {root} holds {rel.decode('utf-8', 'replace')[:200]}, which is not a "
+                                 "file, directory or symbolic link")
             h.update(rel + b"\0" + kind + b"\0" + body + b"\n")
     except OSError as e:
         raise TkboxError(f"cannot read the workspace {root}: {e.strerror or e} ({e.filename})") from None
     return "sha256:" + h.hexdigest()
+
+
+def _raise(e: OSError) -> None:
+    raise e  # a directory the walk cannot list is an error, never hashed as empty
 
 
 def _file_digest(path: str) -> bytes:

@@ -25,15 +25,21 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of")  # a rerun's original run
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
+WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
+
+
+def _made_by(signed: dict) -> tuple[int, ...]:
+    """The version of the tkbox that made the bundle, as its box.start signed it; () if unreadable."""
+    try:
+        return tuple(int(x) for x in str(signed.get("tkbox_version")).split(".")[:3])
+    except ValueError:
+        return ()
 
 
 def _unsigned_then(field: str, signed: dict) -> bool:
     """A field the box.start of the tkbox that made the bundle (its version is signed there) did not yet sign."""
-    try:
-        made_by = tuple(int(x) for x in str(signed.get("tkbox_version")).split(".")[:3])
-    except ValueError:
-        return False
-    return field in SIGNED_SINCE and field not in signed and made_by < SIGNED_SINCE[field]
+    made_by = _made_by(signed)
+    return bool(made_by) and field in SIGNED_SINCE and field not in signed and made_by < SIGNED_SINCE[field]
 
 
 @dataclass
@@ -59,6 +65,7 @@ class VerifyReport:
     trust_path: str = ""
     trust_source: str = ""
     record_status: dict[int, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # Tracekit's warn-level checks (a signed gap, ...), shown
 
     @property
     def valid(self) -> bool:
@@ -74,7 +81,8 @@ class VerifyReport:
 
     def summary(self) -> str:
         if self.valid:
-            return f"VALID: {self.integrity}; {self.assurance}".rstrip("; ")
+            warned = f"; WARNING: {'; '.join(self.warnings)}"[:400] if self.warnings else ""
+            return f"VALID: {self.integrity}; {self.assurance}".rstrip("; ") + warned
         bad = self.first_failure
         word = "UNREADABLE" if self.exit_code == EXIT_UNREADABLE else "INVALID"
         return f"{word}: {bad.name}: {bad.detail}" if bad else word
@@ -83,12 +91,13 @@ class VerifyReport:
         return {"bundle": self.path, "valid": self.valid, "exit_code": self.exit_code, "summary": self.summary(),
                 "integrity": self.integrity, "assurance": self.assurance, "trust": self.trust_path,
                 "trust_source": self.trust_source, "checks": [c.as_dict() for c in self.checks],
-                "tracekit_checks": self.tracekit,
+                "tracekit_checks": self.tracekit, "warnings": self.warnings,
                 "records": {str(k): v for k, v in sorted(self.record_status.items())}}
 
 
-def verify_bundle(path: str | Path, trust: str | Path | None = None) -> VerifyReport:
-    """Verify one `.tkb`. `trust`: a trust config; None uses this machine's pinned trust."""
+def verify_bundle(path: str | Path, trust: str | Path | None = None, data: bytes | None = None) -> VerifyReport:
+    """Verify one `.tkb`. `trust`: a trust config; None uses this machine's pinned trust. `data`: the bundle's bytes
+    already read (the ones a caller goes on to use), so that what is verified is what is used."""
     from .signer import MachineSigner
     report = VerifyReport(path=str(path))
     if trust is None:
@@ -98,8 +107,14 @@ def verify_bundle(path: str | Path, trust: str | Path | None = None) -> VerifyRe
     if not Path(report.trust_path).is_file():
         report.add("trust", False, f"no trust config at {report.trust_path} (run `tkbox trust` or pass --trust)")
         return report
+    from tracekit.verify.v2 import load_trust
+    try:  # a bad trust config is the caller's input, not the bundle's fault: unreadable (2), never INVALID (1)
+        load_trust(report.trust_path)
+    except Exception as e:
+        report.add("trust", False, f"{report.trust_path} is not a trust config ({type(e).__name__}: {str(e)[:200]})")
+        return report
     try:
-        data = read_bundle_bytes(path)
+        data = read_bundle_bytes(path) if data is None else data
     except BundleError as e:
         report.add("bundle readable", False, str(e))
         return report
@@ -129,6 +144,12 @@ def _tracekit(report: VerifyReport, bundle: io.BytesIO, trust_path: str) -> None
     report.integrity = str(getattr(rep, "integrity", "") or "")
     report.assurance = str(rep.assurance or "")
     failed = [c for c in rep.checks if c.get("status") == "fail"]
+    # a warning (a signed gap: an event the signer never received; held calls) leaves what the records prove intact,
+    # but a reader must see it: it is named in the verdict, which stays VALID
+    for c in rep.checks:
+        if c.get("status") == "warn":
+            problems = "; ".join(str(p) for p in c.get("problems") or [])[:200]
+            report.warnings.append(f"{c.get('check')}: {c.get('detail') or ''} {problems}".strip()[:300])
     if code == 0 and not failed:
         report.add("tracekit", True, f"Integrity: {report.integrity}")
     else:
@@ -137,7 +158,35 @@ def _tracekit(report: VerifyReport, bundle: io.BytesIO, trust_path: str) -> None
         report.add("tracekit", False, f"{c['check']}: {c.get('detail') or ''} {problems}".strip())
 
 
+def _shown_reason(box: dict[str, Any], start: dict) -> str:
+    """The part of the manifest's end_reason the signed box.stop covers: all of it since WHOLE_END_REASON_SINCE."""
+    shown = str(box.get("end_reason"))
+    return shown if _made_by(start) >= WHOLE_END_REASON_SINCE else shown[:200]
+
+
+def box_manifest_types(box: dict[str, Any]) -> str:
+    """What in box/manifest.json is not of the type the checks (and every reader of a run) take it to be, or ""."""
+    if not isinstance(box.get("run_id"), str):
+        return "run_id is not a string"
+    for key in BOX_FIELDS + ("end_reason", "started", "ended", "broken"):
+        if box.get(key) is not None and not isinstance(box[key], str):
+            return f"{key} is not a string"
+    policies = box.get("policies")
+    if not isinstance(policies, list) or not all(isinstance(h, str) for h in policies):
+        return "policies is not a list of policy hashes"
+    if not isinstance(box.get("policy"), dict) or not isinstance(box["policy"].get("hash"), str):
+        return "policy is not an object naming the starting policy's hash"
+    return ""
+
+
 def _box_layer(report: VerifyReport, b: BundleContents) -> None:
+    try:
+        _box_checks(report, b)
+    except Exception as e:  # a shape no check above foresaw: the bundle fails, never the verifier
+        report.add("bundle structure", False, f"the box layer cannot be read ({type(e).__name__}: {str(e)[:120]})")
+
+
+def _box_checks(report: VerifyReport, b: BundleContents) -> None:
     from tracekit.format.canon import canonical, event_hash
 
     listed = b.manifest["files"]
@@ -155,10 +204,15 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
     if b.box.get("format") != BOX_FORMAT:
         report.add("box manifest", False, f"format is {b.box.get('format')!r}, not {BOX_FORMAT}")
         return
+    wrong_type = box_manifest_types(b.box)
+    if wrong_type:
+        report.add("box manifest", False, wrong_type)
+        return
     events = {}
-    for r in b.records:
+    for r in b.records:  # only records of the shape the checks below read; Tracekit's verifier judges the rest
         e = r.get("event") if isinstance(r, dict) else None
-        if isinstance(e, dict) and isinstance(e.get("run_seq"), int):
+        if isinstance(e, dict) and isinstance(e.get("run_seq"), int) and isinstance(e.get("run_id"), str) \
+                and isinstance(e.get("type"), str) and isinstance(e.get("data"), dict):
             events[e["run_seq"]] = e
     run_ids = {e.get("run_id") for e in events.values()}
     if not report.add("run", len(run_ids) == 1 and b.box.get("run_id") in run_ids,
@@ -227,6 +281,14 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
                 fail_record(seq, "content", f"content {key!r} ({ref[:19]}...) is not in the bundle")
             elif "sha256:" + hashlib.sha256(b.content[ref]).hexdigest() != ref:
                 fail_record(seq, "content", f"content {key!r} does not hash to {ref[:19]}... (altered)")
+    # every content item is the bytes its digest names, and is disclosed by some record: the `content` index of a
+    # disclosure is not signed, so a blob left out of it must still be the bytes its name commits to
+    referenced = {ref for d in disclosed.values() for ref in d["content"].values() if isinstance(ref, str)}
+    for ref, blob in sorted(b.content.items()):
+        if "sha256:" + hashlib.sha256(blob).hexdigest() != ref:
+            report.add("content", False, f"content {ref[:19]}... does not hash to its digest (altered)")
+        elif ref not in referenced:
+            report.add("content", False, f"content {ref[:19]}... is disclosed by no record")
     # completeness: every decision and result of the run is disclosed
     for seq, e in sorted(events.items()):
         if e.get("type") in ("policy.decision", "tool.result") and (seq, e["type"]) not in disclosed:
@@ -274,7 +336,7 @@ def _box_layer(report: VerifyReport, b: BundleContents) -> None:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
         elif first_policy != args.get("policy"):
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
-        elif stops and str(b.box.get("end_reason"))[:200] != str(stops[-1][1].get("reason")):
+        elif stops and _shown_reason(b.box, args) != str(stops[-1][1].get("reason")):
             report.add("box manifest", False, f"end_reason disagrees with the signed box.stop record {stops[-1][0]}")
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
                                                      if k == "policy.decision" and isinstance(d.get("args"), dict)}:

@@ -170,8 +170,12 @@ class RunView:
     def verify(self, on_done=None, background: bool = True) -> threading.Thread | None:
         """Run `tkbox verify` on the bundle (in a thread unless `background` is False)."""
         def work():
-            from .verify import verify_bundle
-            report = verify_bundle(self.run.path, self.trust)
+            from .verify import EXIT_UNREADABLE, VerifyReport
+            try:
+                report = self.run.verify(self.trust)
+            except Exception as e:  # a thread that died would leave the button disabled and the rows unchecked
+                report = VerifyReport(path=str(self.run.path), exit_code=EXIT_UNREADABLE)
+                report.add("verify", False, f"{type(e).__name__}: {str(e)[:200]}")
             self.apply_report(report)
             if on_done is not None:
                 on_done(report)
@@ -185,10 +189,11 @@ class RunView:
 
     def apply_report(self, report) -> None:
         """Each row valid, or the check that failed for its decision or its result record. When Tracekit's own
-        verification of the records failed, no row can be called valid: each carries that failure."""
+        verification of the records failed, or a check of the whole bundle (its manifest, its content items), no row
+        can be called valid: each carries that failure."""
         self.report = report
-        tracekit = next((c for c in report.checks if c.name in ("tracekit", "bundle readable", "trust")
-                         and not c.ok), None)
+        tracekit = next((c for c in report.checks if not c.ok and (c.name in ("tracekit", "bundle readable", "trust")
+                                                                   or not c.detail.startswith("record "))), None)
         status = {}
         for seq, c in self._crossings.items():
             if tracekit is not None:

@@ -1,0 +1,43 @@
+"""Files written whole or not at all, at a name no one else could have prepared.
+
+Every output a user names (a bundle, a notebook, a report, a trust config) is written to a fresh temporary file
+beside it, created with O_EXCL by `tempfile.mkstemp` (so a symlink planted at a predictable temporary name is never
+followed), flushed to disk and renamed over the target; on any failure the temporary file goes and the target is as
+it was.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def write_atomic(path: str | Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """`data` (bytes, or a function that writes to the open file) at `path`. OSError propagates; the caller names
+    the path in its one-line error."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def reserve_beside(path: str | Path) -> Path:
+    """A new empty file beside `path`, made with O_EXCL, for a program that writes its output to a name it is given
+    (then `os.replace` it over `path`, or unlink it)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
