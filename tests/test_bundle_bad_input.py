@@ -474,3 +474,13 @@ def test_what_a_command_verified_is_what_it_uses(good, tmp_path):
     path.write_bytes(forged.read_bytes())  # swapped after the check
     assert not verify_bundle(path).valid and open_run(path).content(digest) is None
     assert run.verify().valid and run.content(digest) == honest
+
+
+def test_an_output_that_is_the_bundle_read_is_refused_and_the_bundle_kept(good, tmp_path):
+    path = tmp_path / "b.tkb"
+    path.write_bytes(good.read_bytes())
+    for cmd in (["replay", str(path), "-o", str(path)], ["rerun", str(path), "-o", str(tmp_path / "." / "b.tkb")],
+                ["audit", str(good), str(path), "--html", str(path)]):
+        r = run_cli(*cmd)
+        assert r.returncode == 2 and "it is the bundle" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert path.read_bytes() == good.read_bytes()

@@ -42,6 +42,19 @@ def _writable(path: str) -> None:
         raise TkboxError(f"cannot write {path}: {parent} is not a directory")
 
 
+def _not_an_input(path: str | None, *inputs: str) -> None:
+    """An output is none of the bundles the command reads: writing over the run it replays, reruns or audits would
+    lose it."""
+    from pathlib import Path
+    for given in inputs:
+        try:
+            same = path is not None and Path(path).samefile(given)
+        except OSError:  # either does not exist (yet): not the same file
+            same = False
+        if same:
+            raise TkboxError(f"cannot write {path}: it is the bundle {given} the command reads")
+
+
 def _write_report(path: str, text: str) -> None:
     """A report written whole or not at all (a temporary file beside it, then a rename); one line if it cannot be."""
     from pathlib import Path
@@ -57,6 +70,7 @@ def _write_report(path: str, text: str) -> None:
 
 def _cmd_replay(a) -> int:
     from .replay import replay
+    _not_an_input(a.output, a.bundle)
     out = replay(_run(a.bundle, a.trust, a.no_verify), a.output)
     print(f"wrote {out}: open it in JupyterLab (kernel: Python 3 (Tracekit Box)); re-execute and compare with "
           f"pytest --nbval --nbval-kernel-name tkbox {out}")
@@ -83,6 +97,7 @@ def _cmd_rerun(a) -> int:
         raise UsageError("give one bundle and -o NEW.tkb (or --many BUNDLES... for a batch)")
     a.bundle = a.bundle[0]
     from .replay import rerun
+    _not_an_input(a.output, a.bundle)
     done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend, workspace=a.workspace,
                  env=_env_values(a.env))
     for note in done.notes:
@@ -121,6 +136,7 @@ def _cmd_audit(a) -> int:
     from .audit import audit
     # what is compared must be what was signed: a bundle edited since is not audited
     why = "auditing it would compare unproven content"
+    _not_an_input(a.html, a.a, a.b)
     report = audit(_run(a.a, a.trust, a.no_verify, why), _run(a.b, a.trust, a.no_verify, why), a.sanitizer)
     if a.html:
         _write_report(a.html, report.html())
