@@ -362,9 +362,10 @@ def _first_result(events):
     _edit_box(run_id=["x"]), _edit_box(policies=5), _edit_box(policies=[["x"]]), _edit_box(policy=None),
     _edit_box(policy={"hash": ["x"]}), _edit_box(end_reason=["x"]), _edit_box(backend={"a": 1}),
     _edit_record(lambda events: events[0].update(run_id=["x"])), _edit_record(_first_result),
-    _edit_record(lambda events: events[1].update(type=["x"])),
+    _edit_record(lambda events: events[1].update(type=["x"])), _edit_record(lambda events: events[2].update(
+        run_seq=2 ** 70)),
 ], ids=["run_id", "policies int", "policies nested", "policy null", "policy hash list", "end_reason list",
-        "backend object", "record run_id", "record data list", "record type list"])
+        "backend object", "record run_id", "record data list", "record type list", "record run_seq huge"])
 def test_a_malformed_manifest_or_record_is_invalid_never_a_crash(good, tmp_path, edit):
     files = entries(good)
     edit(files)
@@ -373,6 +374,8 @@ def test_a_malformed_manifest_or_record_is_invalid_never_a_crash(good, tmp_path,
     from tkbox_nb import open_run
     from tkbox_nb.verify import verify_bundle
     assert not verify_bundle(forged).valid and not open_run(forged).verify().valid
+    shown = run_cli("show", str(forged))  # shown as unverified, never a crash
+    assert "Traceback" not in shown.stderr and "internal error" not in shown.stderr, shown.stderr
 
 
 def test_every_character_of_the_end_reason_shown_is_signed(signer, tmp_path):

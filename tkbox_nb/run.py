@@ -64,7 +64,7 @@ class Run:
         # only records of the v2 shape (the bundle is unverified here: anything else is left to `verify`)
         self.records: list[dict[str, Any]] = [
             r["event"] for r in contents.records if isinstance(r, dict) and isinstance(r.get("event"), dict)
-            and _is_int(r["event"].get("run_seq")) and isinstance(r["event"].get("data"), dict)]
+            and _is_seq(r["event"].get("run_seq")) and isinstance(r["event"].get("data"), dict)]
         self.box: dict[str, Any] = contents.box or {}
         self.run_id = contents.run_id
 
@@ -117,7 +117,7 @@ class Run:
 
     def crossings(self) -> list[Crossing]:
         disclosed = {(d["run_seq"], d.get("type")): d for d in self._b.disclosures
-                     if isinstance(d, dict) and _is_int(d.get("run_seq")) and isinstance(d.get("type"), str)}
+                     if isinstance(d, dict) and _is_seq(d.get("run_seq")) and isinstance(d.get("type"), str)}
         results = {str(e["data"].get("decision_id")): e for e in self.records if e.get("type") == "tool.result"}
         out = []
         for e in self.records:
@@ -206,3 +206,8 @@ def open_run(path: str | Path | Run) -> Run:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seq(v: Any) -> bool:
+    """A run_seq as Tracekit writes one (its verifier refuses others): what a DataFrame's int64 column holds."""
+    return _is_int(v) and 0 <= v < 1 << 53
