@@ -914,7 +914,8 @@ def patch_stream(data: bytes) -> None:
     for i, e in enumerate(entries):
         assert e.content is None or len(e.content) == e.size <= 256
         facts = {"door": "patch", "kind": "file", "path": e.path, "op": e.op, "type": e.type, "mode": e.mode,
-                 "size": e.size, "index": i, "total_before": total, "from": e.source, "not_utf8": e.not_utf8}
+                 "size": e.size, "index": i, "total_before": total, "from": e.source, "not_utf8": e.not_utf8,
+                 "rules": patch_rules.RULES, "base": None, "from_base": "sha256:" + "0" * 64 if e.source else None}
         if e.content is not None:
             facts["binary"] = patch_rules.is_binary(e.content)
         v = policy.decide(facts)
@@ -923,6 +924,10 @@ def patch_stream(data: bytes) -> None:
             total += e.size
             assert not patch_rules.path_problem(e.path) and not patch_rules.is_git(e.path) and e.type == "file" \
                 or e.op == "delete" and e.type == "symlink"
+            if e.op == "rename":  # a rename deletes its source: never one the default deny list protects, nor itself
+                src = patch_rules.fold(e.source)
+                assert src != patch_rules.fold(e.path) and not patch_rules.is_git(e.source) and not any(
+                    patch_rules.glob_match(g.casefold(), src) for g in patch_rules.DEFAULT_DENY)
 
 
 # -- the guest kernel (Firecracker's vmlinux, taken out of the image's bzImage) ------------------------------------

@@ -23,8 +23,9 @@ def planned_changes(run) -> list[tuple[dict, FileChange | None]]:
             content = run.content(a["content"]) if a.get("op") != "delete" else None
             if a.get("op") != "delete" and content is None:
                 raise TkboxError(f"the bundle lacks the content of {a['path']!r}")
+            old_mode = a.get("old_mode")  # stated since the `rules` fact (2)
             change = FileChange(a["path"], a["op"], content, int(a.get("mode", 0o644)), a.get("base"),
-                                a.get("from"), a.get("from_base"))
+                                a.get("from"), a.get("from_base"), old_mode if isinstance(old_mode, int) else None)
         last.pop(a["path"], None)
         last[a["path"]] = (a, change)
     return list(last.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from .doors.patch_rules import clamp_mode, is_binary
+from .doors.patch_rules import is_binary
 
 
 @dataclass
@@ -18,8 +18,8 @@ class DiffFile:
     op: str                   # add, modify, delete, rename
     old: bytes | None         # the content the box started from (None: absent)
     new: bytes | None         # the content it ends with (None: deleted)
-    mode: int = 0o644
-    old_mode: int = 0o644
+    mode: int = 0o644         # as written (patch_rules.planned_mode), shown as it is: any change of mode shows
+    old_mode: int = 0o644     # as the box started with it
     source: str | None = None
 
 
@@ -45,7 +45,7 @@ def render(files: list[DiffFile]) -> bytes:
     for f in sorted(files, key=lambda f: f.path):
         src = f.source if f.op == "rename" else f.path
         out.append(f"diff --git a/{src} b/{f.path}\n")
-        mode, old_mode = f"100{clamp_mode(f.mode):o}", f"100{clamp_mode(f.old_mode):o}"
+        mode, old_mode = (f"{0o100000 | m & 0o777:o}" for m in (f.mode, f.old_mode))
         if f.op == "add":
             out.append(f"new file mode {mode}\n")
         elif f.op == "delete":

@@ -19,7 +19,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 
-from .doors.patch_rules import clamp_mode, path_problem
+from .doors.patch_rules import clamp_mode, fold, kept_mode, path_problem
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -35,6 +35,7 @@ class FileChange:
     base: str | None
     source: str | None = None  # a rename's source path
     source_base: str | None = None
+    old_mode: int | None = None  # the mode the box started with (of a rename's source): None if not stated
 
 
 @dataclass
@@ -105,6 +106,12 @@ class _Dirs:
 
 def _current(dir_fd: int, name: str) -> str | None:
     """The digest of the regular file `name` in `dir_fd` now, None if absent; a symlink or other kind refuses."""
+    now = _look(dir_fd, name)
+    return now[0] if now else None
+
+
+def _look(dir_fd: int, name: str) -> tuple[str, int] | None:
+    """The digest and permission bits of the regular file `name` in `dir_fd` now (as `_current`)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -116,12 +123,27 @@ def _current(dir_fd: int, name: str) -> str | None:
             raise _Refused("a parent on the host is not a directory") from None
         raise
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise _Refused("the host path is not a regular file")
         h = hashlib.sha256()
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return "sha256:" + h.hexdigest()
+    return "sha256:" + h.hexdigest(), st.st_mode & 0o777
+
+
+def host_umask() -> int:
+    """This process's umask, read without changing it where Linux says it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def current_digest(root: str, path: str) -> str | None:
@@ -159,6 +181,10 @@ class Staging:
         # a rename's new file before its source's unlink, so a failure between the two loses nothing
         self.staged: list[tuple[int, list[tuple[str, str, str | None, str | None]]]] = []
         self.outcomes: dict[int, Outcome] = {}
+        self.umask = host_umask()
+        # every path a change writes (as a case-insensitive or normalising filesystem may take it): never unlinked,
+        # so a rename whose source is its own target, or another change's, cannot delete what the patch writes
+        self.written = {fold(ch.path) for ch in changes if ch.op != "delete" and isinstance(ch.path, str)}
 
     def stage(self) -> None:
         """Write every change beside its target. Raises ApplyError, with everything staged removed, on a failure
@@ -170,7 +196,7 @@ class Staging:
                     self.outcomes[i] = Outcome(ch.path, False, why)
                     continue
                 try:
-                    entries = _stage(self.dirs, ch)
+                    entries = _stage(self.dirs, ch, self.umask, self.written)
                 except _Refused as e:
                     self.outcomes[i] = Outcome(ch.path, False, str(e))
                     continue
@@ -225,9 +251,13 @@ class Staging:
             self.dirs.close()
 
 
-def _stage(dirs: _Dirs, ch: FileChange) -> list:
-    """The entries that apply `ch`: (directory, name, temporary name or None for an unlink, the digest now)."""
+def _stage(dirs: _Dirs, ch: FileChange, umask: int, written: set[str]) -> list:
+    """The entries that apply `ch`: (directory, name, temporary name or None for an unlink, the digest now). A new
+    file is 0644 or 0755 less the host's umask; a modified or renamed one keeps its host mode but for the execute
+    bits the box changed (patch_rules.kept_mode)."""
     dirpath, _, name = ch.path.rpartition("/")
+    if ch.op == "delete" and fold(ch.path) in written:
+        raise _Refused("another change of the patch writes this path")
     if ch.op == "delete":  # already gone is done; anything but what the box started from is kept
         try:
             dfd = dirs.get(dirpath, False)
@@ -239,20 +269,26 @@ def _stage(dirs: _Dirs, ch: FileChange) -> list:
         return [] if now is None else [(dirpath, name, None, now)]
     new_digest = sha256_file_digest(ch.content or b"")
     after = []
+    mode = clamp_mode(ch.mode) & ~umask
     if ch.op == "rename":  # the source goes (if it is still what the box started from), the target comes
         sdir, _, sname = ch.source.rpartition("/")
         try:
-            source_now = _current(dirs.get(sdir, False), sname)
+            source_now = _look(dirs.get(sdir, False), sname)
         except _Refused:
             source_now = None
-        if source_now is not None and source_now != ch.source_base:
+        if source_now is not None and source_now[0] != ch.source_base:
             raise _Refused(f"the rename source {ch.source!r} changed on the host since the box started")
         if source_now is not None:
-            after.append((sdir, sname, None, source_now))
+            mode = kept_mode(source_now[1], ch.old_mode, ch.mode)
+            if fold(ch.source) not in written:  # never unlink what the patch writes (its own target too)
+                after.append((sdir, sname, None, source_now[0]))
     dfd = dirs.get(dirpath, True)
-    now = _current(dfd, name)
-    if now == new_digest:  # applied already
-        return after
+    looked = _look(dfd, name)
+    now = looked[0] if looked else None
+    if looked is not None and ch.op != "rename":
+        mode = kept_mode(looked[1], ch.old_mode, ch.mode)
+    if now == new_digest and (looked[1] == mode or now != ch.base):  # applied already (a mode the host set since
+        return after                                                # is the host's; a box's mode change is applied)
     if now != ch.base:
         raise _Refused("the host file changed since the box started" if now else
                        "the host file is gone since the box started")
@@ -262,7 +298,7 @@ def _stage(dirs: _Dirs, ch: FileChange) -> list:
         with os.fdopen(fd, "wb") as f:
             f.write(ch.content or b"")
             f.flush()
-            os.fchmod(f.fileno(), clamp_mode(ch.mode))
+            os.fchmod(f.fileno(), mode)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)

@@ -302,3 +302,165 @@ def test_a_signer_lost_while_files_are_staged_leaves_the_workspace_as_it_was(pri
     with pytest.raises(Exception):
         box.stop()
     private_signer.ensure()
+
+
+# -- a review's findings: what a box could make the host do through the patch door --------------------------------
+def crafted_box(ws, bundle, entries, policy=AUTO):
+    """A started box whose agent states `entries` ((header, content) pairs) as its patch instead of its changes."""
+    program = CRAFTED.split("def crafted")[0] + (
+        "def crafted(seed, work):\n    for header, content in ENTRIES:\n        yield patch.encode(header, content)\n"
+        "patch.stream = crafted\nsys.exit(agent.main())\n").replace("ENTRIES", repr(entries))
+    box = Box(workspace=ws, bundle_path=bundle, policy=policy, agent_argv=[sys.executable, "-c", program]).start()
+    box.collect_patch_at_stop = False
+    return box
+
+
+def test_a_rename_cannot_delete_a_file_the_policy_protects(signer, tmp_path):
+    """`mv .github/workflows/ci.yml src/` in the box: a rename passes only where deleting its source would, so the
+    protected host file stays (its source is refused by the default deny list, the policy's deny or allow)."""
+    ws = tmp_path / "ws"
+    (ws / ".github/workflows").mkdir(parents=True)
+    (ws / "secret").mkdir()
+    (ws / ".github/workflows/ci.yml").write_text("on: push\n")
+    (ws / ".env").write_text("TOKEN=abc\n")
+    (ws / "secret/keep.txt").write_text("keep me\n")
+    (ws / "notes.txt").write_text("notes\n")
+    before = snapshot(ws)
+    bundle = tmp_path / "r.tkb"
+    policy = '[patch]\napply = "auto"\nallow = ["src/**"]\ndeny = ["secret/**"]\n'
+    with Box(workspace=ws, bundle_path=bundle, policy=policy) as box:
+        box.run(["sh", "-c", "mkdir -p src && mv .github/workflows/ci.yml src/ci.yml && mv .env src/env && "
+                             "mv secret/keep.txt src/keep.txt && mv notes.txt src/notes.txt"])
+        patch = box.patch()
+    why = {f.path: (f.decision, f.rule, f.reason) for f in patch.files}
+    assert why["src/ci.yml"] == ("deny", "patch.deny_default[0]",
+                                 "the rename source .github/workflows/ci.yml matches .github/workflows/**")
+    assert why["src/env"] == ("deny", "patch.deny_default[2]", "the rename source .env matches **/.env")
+    assert why["src/keep.txt"] == ("deny", "patch.deny[0]", "the rename source secret/keep.txt matches secret/**")
+    assert why["src/notes.txt"] == ("deny", "patch.allow", "the rename source notes.txt is not in [patch] allow")
+    assert snapshot(ws) == before  # every protected file is still there, and nothing was written
+    assert verify_bundle(bundle).valid
+
+
+def test_a_rename_onto_itself_is_refused_and_deletes_nothing(signer, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "data.txt").write_text("precious\n")
+    (ws / "other.txt").write_text("other\n")
+    bundle = tmp_path / "s.tkb"
+    rename = {"op": "rename", "type": "file", "mode": 0o644}
+    box = crafted_box(ws, bundle, [(dict(rename, path="data.txt", **{"from": "data.txt"}), b"new content\n"),
+                                   (dict(rename, path="OTHER.txt", **{"from": "other.txt"}), b"other\n")])
+    try:
+        patch = box.patch()
+    finally:
+        box.stop()
+    assert [(f.path, f.rule, f.reason) for f in patch.files] == [
+        ("data.txt", "patch.from", "the rename source is its own target"),
+        ("OTHER.txt", "patch.from", "the rename source is its own target")]
+    assert (ws / "data.txt").read_text() == "precious\n" and (ws / "other.txt").read_text() == "other\n"
+    assert sorted(os.listdir(ws)) == ["data.txt", "other.txt"]
+    assert verify_bundle(bundle).valid
+
+
+def test_an_add_over_a_file_the_box_started_with_is_refused(signer, workspace, tmp_path):
+    """A box may not call a change of an existing file a new one: the diff would say `new file` over it."""
+    bundle = tmp_path / "o.tkb"
+    box = crafted_box(workspace, bundle, [({"path": "a.txt", "op": "add", "type": "file", "mode": 0o644}, b"evil\n"),
+                                          ({"path": "moved.txt", "op": "rename", "type": "file", "mode": 0o644,
+                                            "from": "old.txt"}, b"gone\n"),
+                                          ({"path": "mv.txt", "op": "rename", "type": "file", "mode": 0o644,
+                                            "from": "a.txt"}, b"one\ntwo\n")])
+    try:
+        patch = box.patch()
+    finally:
+        box.stop()
+    assert [(f.path, f.decision, f.rule) for f in patch.files] == [
+        ("a.txt", "deny", "patch.overwrite"), ("moved.txt", "allow", "patch.allow[0]"),
+        ("mv.txt", "deny", "patch.overwrite")]
+    assert (workspace / "a.txt").read_text() == "one\ntwo\n" and (workspace / "mv.txt").read_text() == "moving\n"
+    assert b"new file" not in patch.diff and b"rename from old.txt\nrename to moved.txt" in patch.diff
+    assert verify_bundle(bundle).valid
+
+
+def test_the_host_reads_a_workspace_file_once_however_often_the_box_names_it(signer, tmp_path, monkeypatch):
+    """Each entry naming a large host file used to cost a read of it and a copy kept until the patch was decided
+    (200 entries of 8 MiB: 1.6 GB). Now each seed file is digested once, a duplicate costs no host I/O, and its
+    bytes are read only for an allowed file's diff, once a path."""
+    import pathlib
+
+    from tkbox_nb.doors import patch as door
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "data.txt").write_bytes(b"line\n" * 20_000)
+    digests, reads = [], []
+    digest, read_bytes = door.current_digest, pathlib.Path.read_bytes
+    monkeypatch.setattr(door, "current_digest", lambda root, path: digests.append(path) or digest(root, path))
+    monkeypatch.setattr(pathlib.Path, "read_bytes",
+                        lambda self: reads.append(self.name) or read_bytes(self))
+    entries = [({"path": "data.txt", "op": "delete", "type": "file", "mode": 0o644}, b"")] * 100
+    entries += [({"path": f"copy{i}.txt", "op": "rename", "type": "file", "mode": 0o644, "from": "data.txt"},
+                 b"changed %d\n" % i) for i in range(20)]
+    box = crafted_box(ws, tmp_path / "b.tkb", entries, policy='[patch]\napply = "review"\n')
+    try:
+        patch = box.patch()
+    finally:
+        box.stop()
+    assert [f.rule for f in patch.files[:2]] == ["patch.allow[0]", "patch.duplicate"]
+    assert len(patch.allowed) == 21
+    assert digests.count("data.txt") == 1 and reads.count("data.txt") == 1
+
+
+def test_applying_keeps_a_private_file_private_and_the_diff_shows_every_mode(signer, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in ("credentials.yml", "run.sh"):
+        (ws / name).write_text("token: abc\n")
+        os.chmod(ws / name, 0o600)
+    (ws / "tool").write_text("#!/bin/sh\n")
+    os.chmod(ws / "tool", 0o750)
+    bundle = tmp_path / "m.tkb"
+    with Box(workspace=ws, bundle_path=bundle, policy=AUTO) as box:
+        box.run(["sh", "-c", "echo 'region: eu' >> credentials.yml; chmod 755 run.sh; chmod -x tool; "
+                             "echo new > new.txt; chmod 600 new.txt"])
+        patch = box.patch()
+    assert all(f.applied for f in patch.files)
+    modes = {n: (ws / n).stat().st_mode & 0o7777 for n in ("credentials.yml", "run.sh", "tool", "new.txt")}
+    assert modes == {"credentials.yml": 0o600, "run.sh": 0o700, "tool": 0o640, "new.txt": 0o644 & ~_umask()}
+    diff = patch.diff.decode()
+    assert "diff --git a/credentials.yml b/credentials.yml\n---" in diff  # 0600 before and after
+    assert "diff --git a/run.sh b/run.sh\nold mode 100600\nnew mode 100700\n" in diff
+    assert "diff --git a/tool b/tool\nold mode 100750\nnew mode 100640\n" in diff
+    assert verify_bundle(bundle).valid
+
+
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_a_bundle_decided_under_the_earlier_rules_still_verifies(signer, tmp_path, monkeypatch):
+    """A statement without the `rules` fact (2) is decided as before it: a bundle made then still verifies, and
+    `tkbox apply` of such a rename onto itself still deletes nothing."""
+    from tkbox_nb.doors import patch_rules
+    monkeypatch.setattr(patch_rules, "RULES", 1, raising=False)
+    ws = tmp_path / "ws"
+    (ws / ".github/workflows").mkdir(parents=True)
+    (ws / ".github/workflows/ci.yml").write_text("on: push\n")
+    (ws / "data.txt").write_text("precious\n")
+    bundle = tmp_path / "old.tkb"
+    box = crafted_box(ws, bundle, [({"path": "ci.yml", "op": "rename", "type": "file", "mode": 0o644,
+                                     "from": ".github/workflows/ci.yml"}, b"on: push\n"),
+                                   ({"path": "data.txt", "op": "rename", "type": "file", "mode": 0o644,
+                                     "from": "data.txt"}, b"precious\n")], policy='[patch]\napply = "review"\n')
+    try:
+        patch = box.patch()
+    finally:
+        box.stop()
+    assert [(f.path, f.decision) for f in patch.files] == [("ci.yml", "allow"), ("data.txt", "allow")]
+    monkeypatch.undo()
+    assert verify_bundle(bundle).valid
+    r = run_cli("apply", str(bundle), "-w", str(ws))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (ws / "data.txt").read_text() == "precious\n"

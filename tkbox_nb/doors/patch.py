@@ -86,22 +86,41 @@ class PatchDoor:
         self.sent: dict[str, tuple[str, str | None]] = {}   # path -> (op, digest) last decided: decided again only
                                                              # when it changes
         self.accepted: dict[str, DiffFile] = {}              # the cumulative allowed patch, for the diff
+        self._bases: dict[str, tuple[str, int]] = {}         # seed path -> (digest, mode): each read once a box
+        self._olds: dict[str, bytes] = {}                    # seed path -> its bytes, for an allowed file's diff
 
     @property
     def seed(self) -> Path | None:
         seed = self.box.recorder.spool / "seed" if self.box.recorder else None
         return seed if seed is not None and seed.is_dir() else None
 
-    def _base(self, path: str) -> tuple[str | None, bytes | None, int]:
-        """The digest, bytes and mode of `path` in the host's copy of the starting workspace (None: absent)."""
+    def _base(self, path: str) -> tuple[str | None, int | None]:
+        """The digest and mode of `path` in the host's copy of the starting workspace (None: absent), each file
+        read once a box however often the box names it: the seed never changes while the box runs."""
+        if path in self._bases:
+            return self._bases[path]
         seed = self.seed
         if seed is None or rules.path_problem(path):
-            return None, None, 0o644
+            return None, None
         digest = current_digest(str(seed), path)
         if digest is None:
-            return None, None, 0o644
-        full = seed / path
-        return digest, full.read_bytes(), full.lstat().st_mode & 0o777
+            return None, None
+        self._bases[path] = digest, (seed / path).lstat().st_mode & 0o777
+        return self._bases[path]
+
+    def _old(self, path: str, digest: str | None, content: bytes | None, content_digest: str | None) -> bytes | None:
+        """The starting bytes of `path` for the diff (only an allowed file's, once a path): the box's own content
+        when it is the same file, else read from the seed."""
+        if digest is None:
+            return None
+        if content is not None and content_digest == digest:
+            return content
+        if path not in self._olds and self.seed is not None:
+            try:
+                self._olds[path] = (self.seed / path).read_bytes()
+            except OSError:
+                return None
+        return self._olds.get(path)
 
     def collect(self, apply: str | None = None) -> Patch:
         """Ask the box for its changes, decide and sign each file, apply the allowed ones if the mode says so."""
@@ -148,13 +167,13 @@ class PatchDoor:
         # share fsyncs. The total counts the files the box policy allows; the signer's pack only turns a stated deny
         # into a signed deny, so it agrees with the signed decisions unless the signer is lost (and then the box ends).
         total, index = 0, 0
-        stated: list[tuple] = []  # (entry, digest, facts, content, old, old_mode, source_base, source_old, base)
+        stated: list[tuple] = []  # (entry, digest, facts, content): no host file's bytes are kept
         for e in entries:
             digest = sha256_digest(e.content) if e.content is not None else None
             if self.sent.get(e.path) == (e.op, digest):
                 continue  # the same change as the last patch of this box: decided already
             facts: dict = {"path": e.path, "op": e.op, "type": e.type, "mode": e.mode, "size": e.size,
-                           "index": index, "total_before": total}
+                           "index": index, "total_before": total, "rules": rules.RULES}
             if e.source is not None:
                 facts["from"] = e.source
             if e.target is not None:
@@ -172,12 +191,15 @@ class PatchDoor:
                 other = seen_folds.get(key) or accepted_folds.get(key) or seed_folds.get(key)
                 if other is not None and other != e.path:
                     facts["collides_with"] = other
-            base, old, old_mode = self._base(e.path) if key is not None else (None, None, 0o644)
+            # a path seen before costs no host I/O: the first time read it (or found it absent) and it is refused
+            base, old_mode = (None, None) if key is None else \
+                self._bases.get(e.path, (None, None)) if e.path in seen else self._base(e.path)
             facts["base"] = base
-            source_base = source_old = None
-            if e.op == "rename" and e.source is not None:
-                source_base, source_old, old_mode = self._base(e.source)
+            if e.op == "rename":
+                source_base, old_mode = self._base(e.source) if e.source is not None else (None, None)
                 facts["from_base"] = source_base
+            if old_mode is not None and e.op != "add":
+                facts["old_mode"] = old_mode  # what the box started with: only the execute bits it changes apply
             content = {"content": e.content} if e.content is not None and e.op != "delete" else {}
             if e.op != "delete" and rec.verdict("patch", "file", facts, content).allowed:
                 total += e.size
@@ -185,24 +207,27 @@ class PatchDoor:
             seen.add(e.path)
             if key is not None:
                 seen_folds.setdefault(key, e.path)
-            stated.append((e, digest, facts, content, old, old_mode, source_base, source_old, base))
+            stated.append((e, digest, facts, content))
         crossings = rec.decide_many([("patch", "file", facts, content) for _, _, facts, content, *_ in stated])
         if rec.broken:
             box.fail_closed(f"signer lost: {rec.broken}")
             raise TkboxError(f"the box has ended: {box.ended}")
         pending: list[tuple] = []  # (FileDecision, FileChange or None)
         done: list[tuple] = []
-        for (e, digest, _facts, _content, old, old_mode, source_base, source_old, base), crossing in \
-                zip(stated, crossings):
+        for (e, digest, facts, _content), crossing in zip(stated, crossings):
             fd = FileDecision(e.path, e.op, "allow" if crossing.allowed else "deny", crossing.verdict.rule,
                               crossing.verdict.reason or ", ".join(crossing.rule_ids), e.size)
             change = None
             self.sent[e.path] = (e.op, digest)
             if crossing.allowed:  # on this file's own signed allow, never another's
-                change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode, base,
-                                    e.source, source_base)
-                self.accepted[e.path] = DiffFile(e.path, e.op, old if e.op != "rename" else source_old,
-                                                 e.content if e.op != "delete" else None, e.mode, old_mode, e.source)
+                old_mode = facts.get("old_mode")
+                change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode, facts["base"],
+                                    e.source, facts.get("from_base"), old_mode)
+                new = e.content if e.op != "delete" else None
+                old = self._old(e.source, facts.get("from_base"), new, digest) if e.op == "rename" else \
+                    self._old(e.path, facts["base"], new, digest)
+                self.accepted[e.path] = DiffFile(e.path, e.op, old, new, rules.planned_mode(e.op, e.mode, old_mode),
+                                                 0o644 if old_mode is None else old_mode, e.source)
                 if e.op == "rename" and e.source:
                     self.accepted.pop(e.source, None)
                 # the file's bytes are out of the box and disclosed; applying is the summary's

@@ -16,6 +16,11 @@ MAX_DEPTH = 32
 # credentials, and environment files that hold secrets. Matched case-insensitively.
 DEFAULT_DENY = (".github/workflows/**", ".gitlab-ci.yml", "**/.env", "**/.env.*", ".envrc")
 OPS = ("add", "modify", "delete", "rename")
+# The rules a patch statement is decided under, stated by the door as the `rules` fact. A statement without it was
+# made before this fact was and is re-derived under the rules of then (policy/patch.py), so its bundle verifies.
+# 2: a rename's source is held to every rule its delete would be, and may not be its own target; an add or a rename
+# may not land on a file the box started with.
+RULES = 2
 
 
 def path_problem(path: object) -> str | None:
@@ -74,8 +79,31 @@ def glob_match(pattern: str, path: str) -> bool:
 
 
 def clamp_mode(mode: int) -> int:
-    """What is written: 0755 if any execute bit was set, else 0644. Never setuid, setgid, sticky or world-write."""
+    """A new file's mode before the host's umask: 0755 if any execute bit was set, else 0644. Never setuid, setgid,
+    sticky or world-write."""
     return 0o755 if mode & 0o111 else 0o644
+
+
+def kept_mode(current: int, old: int | None, new: int) -> int:
+    """The mode a modified (or renamed) file gets: the host file's `current` permission bits, with only the execute
+    bits the box changed (from `old`, the mode it started with, to `new`) changed, and one set only where the host
+    file is readable. Never setuid, setgid or sticky. Without `old` (a statement of tkbox 0.2.0), the execute bits
+    follow whether the box's file is executable at all."""
+    current &= 0o777
+    if old is None:
+        if bool(current & 0o111) == bool(new & 0o111):
+            return current
+        old = current if new & 0o111 else current | 0o111
+        new = (current | 0o111) if new & 0o111 else current & ~0o111
+    changed = (old ^ new) & 0o111
+    return (current | changed & new & (current & 0o444) >> 2) & ~(changed & ~new) & 0o777
+
+
+def planned_mode(op: str, mode: int, old: int | None) -> int:
+    """The mode the patch's diff shows a file with once applied to the workspace the box started from."""
+    if op == "delete" and old is not None:
+        return old
+    return clamp_mode(mode) if old is None or op == "add" else kept_mode(old, old, mode)
 
 
 def is_binary(content: bytes) -> bool:

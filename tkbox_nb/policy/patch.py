@@ -44,23 +44,29 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
         return Verdict("deny", "patch.path", why)
     if r.is_git(path):
         return Verdict("deny", "patch.git", "a .git path (any spelling) is never written")
+    now = isinstance(facts.get("rules"), int) and facts["rules"] >= 2  # see patch_rules.RULES
+    source = facts.get("from")
     if op == "rename":
-        why = r.path_problem(facts.get("from"))
-        if why or r.is_git(facts["from"]):
+        why = r.path_problem(source)
+        if why or r.is_git(source):
             return Verdict("deny", "patch.from", f"the rename source: {why or 'a .git path'}")
+        if now and r.fold(source) == r.fold(path):
+            return Verdict("deny", "patch.from", "the rename source is its own target")
+        if now and facts.get("from_base") is None:
+            return Verdict("deny", "patch.from", "the rename source is not a regular file the box started with")
     if not (ftype == "file" or op == "delete" and ftype == "symlink"):
         return Verdict("deny", "patch.type", f"a {str(ftype)[:20]} is never applied (only regular files)")
     for key, rule, what in (("duplicate_of", "patch.duplicate", "the same path twice"),
                             ("collides_with", "patch.collision", "collides (case or Unicode form) with")):
         if facts.get(key):
             return Verdict("deny", rule, f"{what} {str(facts[key])[:200]!r}" if key == "collides_with" else what)
-    folded = r.fold(path)
-    for i, pattern in enumerate(r.DEFAULT_DENY):
-        if r.glob_match(pattern.casefold(), folded):
-            return Verdict("deny", f"patch.deny_default[{i}]", f"{path} matches {pattern}")
-    for i, pattern in enumerate(policy.get("patch", "deny")):
-        if r.glob_match(pattern, path) or r.glob_match(pattern.casefold(), folded):
-            return Verdict("deny", f"patch.deny[{i}]", f"{path} matches {pattern}")
+    if now and op in ("add", "rename") and facts.get("base") is not None:
+        return Verdict("deny", "patch.overwrite", f"an {op} onto {path}, a file the box started with")
+    sides = [(path, "")] + ([(source, "the rename source ")] if now and op == "rename" else [])
+    for name, side in sides:  # a rename deletes its source: it passes only where that delete would
+        denied = _denied(policy, name, side)
+        if denied:
+            return denied
     size, total, index = facts.get("size"), facts.get("total_before"), facts.get("index")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, total, index)):
         return Verdict("deny", "patch.facts", "a patch entry without its size, index and running total")
@@ -74,7 +80,22 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
                            f"the patch would pass {policy.get('patch', 'max_total_bytes')} bytes")
         if facts.get("binary") is not False and not policy.get("patch", "binary"):
             return Verdict("deny", "patch.binary", "a binary file ([patch] binary = false)")
-    for i, pattern in enumerate(policy.get("patch", "allow")):
-        if r.glob_match(pattern, path):
-            return Verdict("allow", f"patch.allow[{i}]")
-    return Verdict("deny", "patch.allow", f"{path} is not in [patch] allow")
+    globs = policy.get("patch", "allow")
+    allowed = [next((i for i, pattern in enumerate(globs) if r.glob_match(pattern, name)), None) for name, _ in sides]
+    for (name, side), i in zip(sides, allowed):
+        if i is None:
+            return Verdict("deny", "patch.allow", f"{side}{name} is not in [patch] allow")
+    return Verdict("allow", f"patch.allow[{allowed[0]}]")
+
+
+def _denied(policy: Settings, path: str, side: str) -> Verdict | None:
+    """The default and the policy's deny globs, for a file's path or (`side`) a rename's source."""
+    from ..doors import patch_rules as r
+    folded = r.fold(path)
+    for i, pattern in enumerate(r.DEFAULT_DENY):
+        if r.glob_match(pattern.casefold(), folded):
+            return Verdict("deny", f"patch.deny_default[{i}]", f"{side}{path} matches {pattern}")
+    for i, pattern in enumerate(policy.get("patch", "deny")):
+        if r.glob_match(pattern, path) or r.glob_match(pattern.casefold(), folded):
+            return Verdict("deny", f"patch.deny[{i}]", f"{side}{path} matches {pattern}")
+    return None
