@@ -35,6 +35,9 @@ def test_a_rename_passes_only_where_deleting_its_source_would():
     assert decide("src/y", **{"from": "src/x", "from_base": BASE})[:2] == ("allow", "patch.allow[0]")
     # the target's own refusal is named as the target's
     assert decide("secret/y", **{"from": "src/x", "from_base": BASE})[2] == "secret/y matches secret/**"
+    # one source, one rename (the door states which target took it)
+    assert decide("src/y", **{"from": "src/x", "from_base": BASE, "from_taken": "src/z"}) == (
+        "deny", "patch.from", "the rename source went to 'src/z' already")
     # a source that is not a regular file the box started with (a symlink, nothing) is no rename
     assert decide("src/y", **{"from": "src/x", "from_base": None})[:2] == ("deny", "patch.from")
 

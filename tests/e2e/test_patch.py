@@ -407,7 +407,10 @@ def test_the_host_reads_a_workspace_file_once_however_often_the_box_names_it(sig
     finally:
         box.stop()
     assert [f.rule for f in patch.files[:2]] == ["patch.allow[0]", "patch.duplicate"]
-    assert len(patch.allowed) == 21
+    # one source, one rename: each further one would put the source's bytes in the diff again
+    assert [f.path for f in patch.allowed] == ["data.txt", "copy0.txt"]
+    assert {f.reason for f in patch.files[101:]} == {"the rename source went to 'copy0.txt' already"}
+    assert patch.diff.count(b"-line\n") == 20_000
     assert digests.count("data.txt") == 1 and reads.count("data.txt") == 1
 
 

@@ -88,6 +88,7 @@ class PatchDoor:
         self.accepted: dict[str, DiffFile] = {}              # the cumulative allowed patch, for the diff
         self._bases: dict[str, tuple[str, int]] = {}         # seed path -> (digest, mode): each read once a box
         self._olds: dict[str, bytes] = {}                    # seed path -> its bytes, for an allowed file's diff
+        self._renamed: dict[str, str] = {}                   # a rename's folded source -> the target it went to
 
     @property
     def seed(self) -> Path | None:
@@ -198,6 +199,10 @@ class PatchDoor:
             if e.op == "rename":
                 source_base, old_mode = self._base(e.source) if e.source is not None else (None, None)
                 facts["from_base"] = source_base
+                if source_base is not None:  # one source, one rename: else each would put the source's bytes in the
+                    taken = self._renamed.setdefault(rules.fold(e.source), e.path)  # diff again (and again...)
+                    if taken != e.path:
+                        facts["from_taken"] = taken
             if old_mode is not None and e.op != "add":
                 facts["old_mode"] = old_mode  # what the box started with: only the execute bits it changes apply
             content = {"content": e.content} if e.content is not None and e.op != "delete" else {}

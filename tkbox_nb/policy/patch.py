@@ -54,6 +54,8 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
             return Verdict("deny", "patch.from", "the rename source is its own target")
         if now and facts.get("from_base") is None:
             return Verdict("deny", "patch.from", "the rename source is not a regular file the box started with")
+        if facts.get("from_taken"):
+            return Verdict("deny", "patch.from", f"the rename source went to {str(facts['from_taken'])[:200]!r} already")
     if not (ftype == "file" or op == "delete" and ftype == "symlink"):
         return Verdict("deny", "patch.type", f"a {str(ftype)[:20]} is never applied (only regular files)")
     for key, rule, what in (("duplicate_of", "patch.duplicate", "the same path twice"),
