@@ -82,6 +82,14 @@ def test_writes_outside_workspace_and_tmp_fail(box):
     assert not (box.host_workspace / "new.txt").exists()  # a copy, never the host directory
 
 
+def test_the_box_cannot_make_a_user_namespace(box):
+    """No user namespace (nor, through one, a mount, network or pid namespace of its own) inside the box: the
+    kernel code that opens, a common way out of containers, stays shut to box code."""
+    for cmd in ("unshare -U true", "unshare -Ur true", "unshare -Urn true"):
+        r = sh(box, cmd)
+        assert r.exit_code != 0, (cmd, r.stdout, r.stderr)
+
+
 def test_commands_take_stdin_and_report_exit_status(box):
     assert box.run(["cat"], stdin=b"in\n").stdout == b"in\n"
     assert sh(box, "echo err >&2; exit 7").exit_code == 7

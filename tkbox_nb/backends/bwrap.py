@@ -10,6 +10,7 @@ $TKBOX_HOME, no host /sys. Its only interface is `lo`; its only way out is the d
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import shutil
@@ -75,6 +76,15 @@ class BwrapRunning(RunningBox):
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
+@functools.cache
+def _disables_userns(exe: str) -> bool:
+    """Whether this bubblewrap has --disable-userns (0.8 and later; Debian 12's is 0.8.0)."""
+    try:
+        return "--disable-userns" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+
+
 class BwrapBackend(Backend):
     name = "bwrap"
     isolation = "namespace"
@@ -90,9 +100,12 @@ class BwrapBackend(Backend):
         return True, f"{exe}: namespaces work"
 
     def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path) -> list[str]:
-        a = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-             "--hostname", "tkbox", "--uid", "1000", "--gid", "1000",
-             "--ro-bind", "/usr", "/usr"]
+        exe = shutil.which("bwrap") or "bwrap"
+        a = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+             "--hostname", "tkbox", "--uid", "1000", "--gid", "1000"]
+        if _disables_userns(exe):  # no user namespace inside the box: the kernel code it opens stays shut
+            a += ["--unshare-user", "--disable-userns"]
+        a += ["--ro-bind", "/usr", "/usr"]
         for top in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             host = Path("/") / top
             if host.is_symlink():
