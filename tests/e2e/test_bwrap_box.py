@@ -90,6 +90,20 @@ def test_the_box_cannot_make_a_user_namespace(box):
         assert r.exit_code != 0, (cmd, r.stdout, r.stderr)
 
 
+def test_the_kernel_s_riskiest_calls_are_refused_in_the_box(box):
+    """The seccomp filter (backends/seccomp.py): keyrings, BPF, io_uring, mounts and namespaces answer EPERM in the
+    box; ordinary calls work."""
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for nr in (250, 321, 425, 165, 272, 308):\n"
+            "    ctypes.set_errno(0)\n"
+            "    print(nr, libc.syscall(nr, 0, 0, 0, 0, 0), errno.errorcode.get(ctypes.get_errno()))\n"
+            "print('getpid', libc.syscall(39) > 0)")
+    r = box.run(["python3", "-c", code])
+    lines = r.stdout.decode().splitlines()
+    assert lines[:6] == [f"{nr} -1 EPERM" for nr in (250, 321, 425, 165, 272, 308)], r.stdout + r.stderr
+    assert lines[6] == "getpid True"
+
+
 def test_commands_take_stdin_and_report_exit_status(box):
     assert box.run(["cat"], stdin=b"in\n").stdout == b"in\n"
     assert sh(box, "echo err >&2; exit 7").exit_code == 7

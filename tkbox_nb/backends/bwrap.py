@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .. import scratch
+from . import seccomp
 from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
@@ -99,12 +100,14 @@ class BwrapBackend(Backend):
             return False, f"bwrap cannot create namespaces here: {r.stderr.strip()[:200]}"
         return True, f"{exe}: namespaces work"
 
-    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path) -> list[str]:
+    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None) -> list[str]:
         exe = shutil.which("bwrap") or "bwrap"
         a = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--hostname", "tkbox", "--uid", "1000", "--gid", "1000"]
         if _disables_userns(exe):  # no user namespace inside the box: the kernel code it opens stays shut
             a += ["--unshare-user", "--disable-userns"]
+        if seccomp_fd is not None:  # the system calls refused in the box (seccomp.py), loaded just before its exec
+            a += ["--seccomp", str(seccomp_fd)]
         a += ["--ro-bind", "/usr", "/usr"]
         for top in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             host = Path("/") / top
@@ -187,9 +190,15 @@ class BwrapBackend(Backend):
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
         fd = box_end.fileno()
+        filter_fd = None
+        if seccomp.supported():
+            (workdir / "seccomp.bpf").write_bytes(seccomp.program())
+            filter_fd = os.open(workdir / "seccomp.bpf", os.O_RDONLY | os.O_CLOEXEC)
         try:
             # bwrap's own environment stays readable in the box (/proc/1/environ of its init): give it none of ours
-            proc = subprocess.Popen(self.argv(spec, fd, etc_dir), pass_fds=[fd], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self.argv(spec, fd, etc_dir, filter_fd),
+                                    pass_fds=[fd] + ([filter_fd] if filter_fd is not None else []),
+                                    stdin=subprocess.DEVNULL,
                                     env={"PATH": "/usr/bin:/bin"},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=in_child,
                                     start_new_session=True)
@@ -202,4 +211,6 @@ class BwrapBackend(Backend):
             raise
         finally:
             box_end.close()
+            if filter_fd is not None:
+                os.close(filter_fd)
         return BwrapRunning(proc, host_end, cgroup, workdir)
