@@ -343,3 +343,16 @@ def test_fuzz_checker_passes_drops_or_refuses_never_crashes(field, value, msg_ty
         return
     if out is not None:
         out.as_output()  # whatever passed can be turned into an output without error
+
+
+@pytest.mark.parametrize("msg_type,count", [("execute_reply", 2 ** 60), ("execute_reply", -(2 ** 40)),
+                                            ("execute_result", 2 ** 53)])
+def test_an_execution_count_the_signer_cannot_take_ends_the_box(msg_type, count):
+    """A cell's execution count is signed in its result: one past what the signer takes (2**53 - 1) left the cell's
+    end unsigned and the run broken. It is a malformed message now, which ends the box."""
+    content = {"status": "ok", "execution_count": count, "payload": []} if msg_type == "execute_reply" else \
+        {"data": {"text/plain": "1"}, "metadata": {}, "execution_count": count}
+    with pytest.raises(ProtocolError, match="execution_count"):
+        check_box_message(message("shell" if msg_type == "execute_reply" else "iopub", msg_type, content))
+    content["execution_count"] = 7
+    assert check_box_message(message("shell" if msg_type == "execute_reply" else "iopub", msg_type, content))

@@ -145,6 +145,8 @@ class Box:
             "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
         if self.bundle_path is not None:
             self.recorder.bundle_hint = self.bundle_path
+        # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on
+        self.recorder.on_broken = lambda why: self.fail_closed(f"signer lost: {why}")
         self.recorder.open()
         try:
             seed = None
@@ -259,6 +261,8 @@ class Box:
         """End the box now, fail-closed; the reason becomes the run's last word (DoorContext: its doors call it)."""
         if self.ended is None:
             self.ended = reason[:500]
+        if self.conn is not None:  # a writer blocked on the box (and whoever waits for the door's lock) wakes
+            self.conn.abort()
         if self.running is not None:
             self.running.kill()
 
@@ -348,22 +352,26 @@ class Box:
 
     def exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
                  stdin: bytes | None = None) -> dict:
-        """Open one stream for `request`, send stdin and close our side, collect until the box closes it. A lost
-        stream or a protocol violation ends the box."""
+        """Open one stream for `request`, send stdin and close our side, collect until the box closes it, all
+        within `timeout`: one deadline for the whole exchange, stdin included. A lost stream or a protocol
+        violation ends the box."""
+        deadline = time.monotonic() + timeout
+
+        def timed_out() -> None:
+            self.fail_closed(f"exec timed out after {timeout:g}s")
         try:
             stream = self.conn.open(request)
             if stdin:
-                self.conn.send_data(stream.sid, p.CH_STDIN, stdin)
+                self.conn.send_data(stream.sid, p.CH_STDIN, stdin, deadline=deadline, on_deadline=timed_out)
             self.conn.close(stream.sid)
-            return self._collect(stream, timeout, on_data)
+            return self._collect(stream, deadline, timeout, on_data)
         except (StreamClosed, OSError) as e:
             self.fail_closed(f"door stream lost: {e}")
         except p.ProtocolError as e:
             self.fail_closed(f"door protocol violation: {e}")
         raise BoxEnded(f"the box has ended: {self.ended}")
 
-    def _collect(self, stream, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
-        deadline = time.monotonic() + timeout
+    def _collect(self, stream, deadline: float, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -167,7 +167,7 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
         _dict(c.get("metadata", {}), f"{t}.metadata")
         if "transient" in c:
             _dict(c["transient"], f"{t}.transient")
-        if t == "execute_result" and not _is_int(c.get("execution_count")):
+        if t == "execute_result" and not _is_count(c.get("execution_count")):
             raise _fail("execute_result.execution_count")
     elif t == "execute_input":
         _str(c.get("code"), "execute_input.code", None)
@@ -196,7 +196,7 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")
-        if "execution_count" in c and c["execution_count"] is not None and not _is_int(c["execution_count"]):
+        if "execution_count" in c and c["execution_count"] is not None and not _is_count(c["execution_count"]):
             raise _fail("execute_reply.execution_count")
         payloads = c.get("payload", [])
         if not isinstance(payloads, list) or len(payloads) > MAX_PAYLOADS:
@@ -253,3 +253,8 @@ def names_host_magic(text: str) -> bool:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_count(v: Any) -> bool:
+    """An execution count: signed in the cell's result, so within what the signer takes (not 2**60)."""
+    return _is_int(v) and -(1 << 31) < v < 1 << 31

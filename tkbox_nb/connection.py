@@ -3,7 +3,13 @@
 Everything read here comes from the box and is hostile. The codec checks frames and limits; any violation (or a
 reply that does not fit what was asked) ends the connection at once and calls `on_violation` with the reason, so
 the box is stopped fail-closed and the reason recorded. Window credit is granted back only as the host consumes a
-stream's data, so a box can never make the host buffer more than its windows.
+stream's data, so a box can never make the host buffer more than its windows; each stream's queue also holds at most
+MAX_QUEUED events (small data frames of one channel are joined), so a box cannot make the host keep a million tiny
+ones either. Data on a stream the box opened, after the host closed its side, is dropped and never credited back.
+
+Every write to the box has a deadline: a watchdog shuts the socket once a write has waited `write_stall_s` (the box
+stopped reading its door, a violation) or past the deadline its caller gave, so no writer, and nobody waiting for
+the door's lock behind it, blocks for good.
 """
 
 from __future__ import annotations
@@ -11,13 +17,41 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from typing import Callable
 
 from . import protocol as p
 
+MAX_QUEUED = 4096          # data events waiting unread in one stream's queue
+JOIN_BELOW = 64 * 1024     # a data event smaller than this is copied out of the read buffer and joined to the last
+WRITE_STALL_S = 60.0       # a write to the box that has waited this long: the box stopped reading its door
+
 
 class StreamClosed(Exception):
     pass
+
+
+class _Events(queue.Queue):
+    """A stream's events, bounded: past MAX_QUEUED data events waiting is a violation. A small data event is copied
+    (so it does not hold the reader's whole buffer) and joined to the last one when that is of the same channel."""
+
+    def __init__(self, sid: int):
+        super().__init__()
+        self.sid = sid
+
+    def _put(self, item) -> None:
+        if item[0] == "data":
+            data = item[2]
+            if len(data) < JOIN_BELOW:
+                last = self.queue[-1] if self.queue else None
+                if last is not None and last[0] == "data" and last[1] == item[1] and isinstance(last[2], bytearray) \
+                        and len(last[2]) + len(data) <= JOIN_BELOW:
+                    last[2].extend(data)
+                    return
+                item = ("data", item[1], bytearray(data))
+            if len(self.queue) >= MAX_QUEUED:
+                raise p.ProtocolError(f"stream {self.sid} has more than {MAX_QUEUED} data frames waiting unread")
+        self.queue.append(item)
 
 
 class Stream:
@@ -25,7 +59,8 @@ class Stream:
 
     def __init__(self, conn: "HostConnection", sid: int):
         self.conn, self.sid = conn, sid
-        self.events: queue.Queue = queue.Queue()
+        self.events: queue.Queue = _Events(sid)
+        self.discard = False  # the host closed its side of a stream the box opened: its data is dropped, uncredited
 
     def get(self, timeout: float | None = None):
         event = self.events.get(timeout=timeout)
@@ -35,6 +70,8 @@ class Stream:
 
 
 class HostConnection:
+    write_stall_s = WRITE_STALL_S
+
     def __init__(self, sock: socket.socket, on_violation: Callable[[str], None],
                  on_open: Callable[["Stream", dict], bool] | None = None):
         self.sock = sock
@@ -49,9 +86,13 @@ class HostConnection:
         self.ready = threading.Event()
         self.violation: str | None = None
         self.closed = False
+        self.aborted = False
         self.bytes_in = 0
+        self._writing: tuple | None = None  # (started, deadline or None, on_deadline or None) of the write under way
         self._reader = threading.Thread(target=self._read, daemon=True, name="tkbox-door")
         self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="tkbox-door-watch")
+        self._watchdog.start()
 
     # -- reading -------------------------------------------------------------------------------------------------
     def _read(self) -> None:
@@ -95,13 +136,14 @@ class HostConnection:
                                   "version does not take")
         if kind == "close" and sid not in self.streams:  # the hello stream ending
             with self.lock:
-                self.sock.sendall(self.session.close(sid))
+                self._send((self.session.close(sid),))
             return
         stream = self.streams.get(sid)
         if stream is None:
             raise p.ProtocolError(f"{kind} on stream {sid}, which nobody here reads")
         if kind == "data":
-            stream.events.put(("data", event[2], event[3]))
+            if not stream.discard:  # else counted against its window, never granted back
+                stream.events.put(("data", event[2], event[3]))
         elif kind == "close":
             stream.events.put(("close", event[2]))
             self.streams.pop(sid, None)
@@ -109,11 +151,44 @@ class HostConnection:
     def _violate(self, reason: str) -> None:
         if self.violation is None:
             self.violation = reason[:500]
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self.abort()
             self.on_violation(self.violation)
+
+    def abort(self) -> None:
+        """Shut the socket both ways (never close it under a thread that uses it): a writer blocked on the box wakes
+        with an error, the reader sees the end. The box is being ended."""
+        self.aborted = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- the write deadline --------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Every write runs under the door's lock with its start noted: one that waits past its caller's deadline
+        or `write_stall_s` has its box ended, and the socket shut so that it (and whoever waits for the lock) wakes."""
+        while not (self.aborted or (self.closed and self._writing is None)):
+            time.sleep(min(0.5, self.write_stall_s / 4))
+            writing = self._writing
+            if writing is None:
+                continue
+            started, deadline, on_deadline = writing
+            now = time.monotonic()
+            if deadline is not None and now > deadline and on_deadline is not None:
+                on_deadline()
+                self.abort()
+            elif now - started > self.write_stall_s:
+                self._violate(f"the box stopped reading its door for {self.write_stall_s:g} s")
+
+    def _send(self, parts: tuple, deadline: float | None = None, on_deadline=None, pipe=None, n: int = 0) -> None:
+        """Under the lock: one frame to the box, from its parts (then `n` bytes from `pipe`, spliced), watched."""
+        self._writing = (time.monotonic(), deadline, on_deadline)
+        try:
+            _send_parts(self.sock, parts)
+            if pipe is not None:
+                pipe.drain(self.sock.fileno(), n)
+        finally:
+            self._writing = None
 
     # -- writing -------------------------------------------------------------------------------------------------
     def open(self, body: dict) -> Stream:
@@ -122,30 +197,39 @@ class HostConnection:
         with self.lock:
             sid = self.session.open()
             stream = self.streams[sid] = Stream(self, sid)
-            self.sock.sendall(p.encode_json(p.OPEN, sid, body))
+            self._send((p.encode_json(p.OPEN, sid, body),))
         return stream
 
-    def send_data(self, sid: int, channel: int, data: bytes, window_wait_s: float = 60.0) -> None:
+    def send_data(self, sid: int, channel: int, data: bytes, window_wait_s: float = 60.0,
+                  deadline: float | None = None, on_deadline: Callable[[], None] | None = None) -> None:
         """Send within the box's window, waiting for credit (a box that grants none for `window_wait_s` is
-        treated as gone for this stream)."""
+        treated as gone for this stream). Past `deadline` (time.monotonic), in a wait for credit or a write,
+        `on_deadline()` ends the box and StreamClosed is raised."""
         view = memoryview(data)
         while len(view):
             with self.lock:
-                n = min(len(view), self._credit(sid, window_wait_s))
+                n = min(len(view), self._credit(sid, window_wait_s, deadline, on_deadline))
                 self.session.sent(sid, n)
-                _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n]))
+                self._send((p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,)), view[:n]), deadline, on_deadline)
             view = view[n:]
 
-    def _credit(self, sid: int, window_wait_s: float) -> int:
+    def _credit(self, sid: int, window_wait_s: float, deadline: float | None = None, on_deadline=None) -> int:
         """Under the lock: the bytes the next DATA frame on `sid` may carry, once the box's window allows any."""
+        give_up = time.monotonic() + window_wait_s
         while True:
             n = min(self.session.may_send(sid), p.MAX_PAYLOAD - 1)
             if n > 0:
                 return n
-            if self.closed or self.violation or sid not in self.session.streams:
+            if self.closed or self.violation or self.aborted or sid not in self.session.streams:
                 raise StreamClosed("the stream is closed")
-            if not self.window_changed.wait(window_wait_s):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                if on_deadline is not None:
+                    on_deadline()
+                raise StreamClosed("past its deadline, waiting for the box's window")
+            if now >= give_up:
                 raise StreamClosed("the box gives no window for this stream")
+            self.window_changed.wait(min(give_up, deadline if deadline is not None else give_up) - now)
 
     def credit(self, sid: int, window_wait_s: float = 60.0) -> int:
         """The bytes the next DATA frame on `sid` may carry (waiting for window as `send_data` does). Only the
@@ -164,26 +248,29 @@ class HostConnection:
             if self.closed or self.violation or self.session.may_send(sid) < n:
                 raise StreamClosed(self.violation or "the stream is closed")
             self.session.sent(sid, n)
-            _send_parts(self.sock, (p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,))))
-            pipe.drain(self.sock.fileno(), n)
+            self._send((p.HEADER.pack(n + 1, p.DATA, sid), bytes((channel,))), pipe=pipe, n=n)
 
     def close(self, sid: int, body: dict | None = None) -> None:
         with self.lock:
             frame = self.session.close(sid, body)
+            stream = self.streams.get(sid)
+            if stream is not None and sid % 2 == 0:  # a stream the box opened: the host reads no more of it
+                stream.discard = True
             if frame and not self.closed:
-                self.sock.sendall(frame)
+                self._send((frame,))
 
     def consumed(self, sid: int, n: int) -> None:
         with self.lock:
             frame = self.session.consumed(sid, n)
             if frame and not self.closed:
                 try:
-                    self.sock.sendall(frame)
+                    self._send((frame,))
                 except OSError:
                     pass
 
     def shutdown(self) -> None:
         self.closed = True
+        self.abort()
         try:
             self.sock.close()
         except OSError:

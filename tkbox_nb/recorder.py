@@ -74,6 +74,7 @@ class RunRecorder:
         self.box = dict(box)
         self.agent = agent
         self.broken: str | None = None
+        self.on_broken: Any = None  # called with the reason when the run stops taking records (a Box ends itself)
         self.closed = False
         # closing: a crossing that fails after close_run was asked for is "the run is closed", not a lost signer;
         # stopping: the box's stop is the last decision, after those in flight on other lanes, and before no other
@@ -361,6 +362,8 @@ class RunRecorder:
     def _fail(self, reason: str) -> None:
         if not self.broken:
             self.broken = reason[:500]
+            if self.on_broken is not None:
+                self.on_broken(self.broken)
 
     def _spool(self, entry: dict, content: dict[str, bytes]) -> None:
         """One line per record, written before the record is asked for, keyed by its call id (the record's

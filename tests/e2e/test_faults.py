@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -128,3 +129,104 @@ def test_a_box_flooding_a_door_ends_itself_and_another_box_works_on(signer, tmp_
     egress = [c for c in run.crossings() if c.door == "egress"]
     assert egress and all(c.decision == "deny" for c in egress)  # what it did get decided was refused and signed
     assert verify_bundle(tmp_path / "calm.tkb").valid
+
+
+STALLED_READER = """
+import os, struct, time
+from tkbox_guest import protocol as p
+fd = int(os.environ["TKBOX_DOOR_FD"])
+os.write(fd, p.encode_json(p.OPEN, 2, {"kind": "hello"}) + p.encode(p.CLOSE, 2))
+decoder, sid = p.Decoder(), None
+while sid is None:
+    sid = next((f[1] for f in decoder.feed(os.read(fd, 65536)) if f[0] == p.OPEN and f[1] % 2 == 1), None)
+os.write(fd, p.encode(p.WINDOW, sid, struct.pack(">I", 15 << 20)))
+time.sleep(3600)  # a window for 16 MiB of stdin, and never another read of the door
+"""
+
+
+def _within(seconds: float, fn):
+    """fn() in a thread: (returned, its value or exception), never a hung test."""
+    out = {}
+
+    def go():
+        try:
+            out["v"] = fn()
+        except Exception as e:
+            out["v"] = e
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive(), out.get("v")
+
+
+def test_a_box_that_stops_reading_ends_at_the_exec_deadline_which_covers_stdin(signer, tmp_path):
+    """The command's deadline starts before its stdin is sent: a box that took a window for the stdin and stopped
+    reading its door ends at the deadline (the host's write wakes), where the host hung for good, and so did stop."""
+    box = Box(backend="bwrap", bundle_path=tmp_path / "stalled.tkb", agent_argv=["python3", "-c", STALLED_READER])
+    box.start()
+    started = time.monotonic()
+    stdin = os.urandom(14 << 20)  # more than the socket holds (its buffers are large); random: the bundle has it
+    returned, value = _within(30, lambda: box.run(["cat"], stdin=stdin, timeout=2))
+    assert returned, "the command never returned"
+    assert isinstance(value, BoxEnded) and "exec timed out after 2s" in str(value)
+    assert time.monotonic() - started < 10
+    returned, value = _within(30, box.stop)
+    assert returned and value == tmp_path / "stalled.tkb", value
+    assert_ended_early(tmp_path / "stalled.tkb", "exec timed out after 2s")
+
+
+ANSWERS_EXIT = """
+import os
+from tkbox_guest import protocol as p
+fd = int(os.environ["TKBOX_DOOR_FD"])
+os.write(fd, p.encode_json(p.OPEN, 2, {"kind": "hello"}) + p.encode(p.CLOSE, 2))
+decoder = p.Decoder()
+while True:
+    for f in decoder.feed(os.read(fd, 65536)):
+        if f[0] == p.OPEN and f[1] % 2 == 1:
+            os.write(fd, p.encode(p.CLOSE, f[1], b'{"exit_code": CODE}'))
+"""
+
+
+@pytest.mark.parametrize("code", [2 ** 60, 256, -128, -(2 ** 53)])
+def test_an_exit_status_no_process_can_have_ends_the_box_unsigned(signer, tmp_path, code):
+    """The signer refuses an integer past 2**53 - 1; the exec door took any integer, so the result went unsigned,
+    the run broke, run() returned it anyway and stop() blamed the signer. Now only what a process can end with
+    (0..255, or minus a signal) is taken; anything else is a door protocol violation, and the bundle says so."""
+    box = Box(backend="bwrap", bundle_path=tmp_path / "exit.tkb",
+              agent_argv=["python3", "-c", ANSWERS_EXIT.replace("CODE", str(code))]).start()
+    with pytest.raises(BoxEnded, match="exit status"):
+        box.run(["true"])
+    assert box.stop() == tmp_path / "exit.tkb"
+    run = assert_ended_early(tmp_path / "exit.tkb", "protocol violation: .*exit status")
+    command = next(c for c in run.crossings() if c.args.get("kind") == "command")
+    assert command.decision == "allow" and command.result is None
+
+
+def test_a_result_the_run_does_not_take_ends_the_box_and_is_never_returned(signer, tmp_path):
+    """When the run cannot record a crossing's end (here: the signer refuses it), the caller gets BoxEnded, never the
+    unsigned result, and the box ends at once with the reason."""
+    box = Box(backend="bwrap", bundle_path=tmp_path / "refused.tkb").start()
+    assert box.run(["echo", "signed"]).stdout == b"signed\n"
+    lanes = box.recorder._lanes
+    real = lanes.call
+
+    def call(op, **kw):
+        if op == "complete":
+            raise RuntimeError("the signer refused the record")
+        return real(op, **kw)
+    lanes.call = call
+    with pytest.raises(BoxEnded, match="signer lost: complete of .* was not recorded"):
+        box.run(["echo", "unsigned"])
+    assert not box.running.alive() and box.ended.startswith("signer lost")
+    with pytest.raises(BoxEnded):
+        box.run(["echo", "after"])
+    lanes.call = real
+    with pytest.raises(BoxEnded, match="no bundle yet"):
+        box.stop()
+    from tkbox_nb.run_recovery import recover_orphans
+    assert tmp_path / "refused.tkb" in recover_orphans(box.signer)  # the run, closed once the signer answers
+    run = open_run(tmp_path / "refused.tkb")
+    assert verify_bundle(tmp_path / "refused.tkb").valid and "not recorded" in run.box["end_reason"]
+    commands = [c for c in run.crossings() if c.args.get("kind") == "command"]
+    assert [c.result is not None for c in commands] == [True, False]  # the second's end was never signed

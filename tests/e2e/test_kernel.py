@@ -339,6 +339,28 @@ def test_bundle_holds_one_signed_exec_decision_per_cell_and_verifies(kernel_env)
     assert [x.args["magic"] for x in host] == ["box_status"]
 
 
+def test_user_expressions_are_never_evaluated_unsigned(client, kernel_env):
+    """Only a cell's code is decided and signed: the user_expressions of an execute_request ran in the box with no
+    signed decision naming them. Now none is sent into the box; each is answered as an UnsignedExpression error."""
+    expr = "__import__('pathlib').Path('/workspace/proof').write_text('UNSIGNED')"
+    for code in ("a = 1", "%box_status"):  # a cell for the box, and one the host answers alone
+        msg_id = client.kc.execute(code, user_expressions={"x": expr, "y": "a"})
+        while True:
+            reply = client.kc.get_shell_msg(timeout=90)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        content = reply["content"]
+        assert content["status"] == "ok" and sorted(content["user_expressions"]) == ["x", "y"], content
+        assert all(v["status"] == "error" and v["ename"] == "UnsignedExpression"
+                   for v in content["user_expressions"].values())
+    reply, outs = client.run("import os\nprint(os.path.exists('/workspace/proof'), a)")
+    assert ("stream", {"name": "stdout", "text": "False 1\n"}) in outs, outs
+    client.stop()
+    run = open_run(only_bundle(kernel_env))
+    cells = [run.content(x.args["code"]) for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert cells == [b"a = 1", b"import os\nprint(os.path.exists('/workspace/proof'), a)"]  # all that ran, signed
+
+
 def test_host_policy_magic_takes_effect_and_refusals_show_in_the_notebook(client, kernel_env):
     reply, outs = client.run("%%box_policy\n[exec]\ncells = false\n")
     assert reply["status"] == "ok" and "the box starts with it" in outs[0][1]["text"]

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from .context import DoorContext
 
 
+# What a process's end can be: its exit status (0..255), or minus the signal that killed it (Linux has 64 signals,
+# 127 on MIPS). Anything else from the box is a violation, never signed.
+EXIT_MIN, EXIT_MAX = -127, 255
+
+
 @dataclass
 class CommandResult:
     exit_code: int
@@ -68,12 +73,15 @@ class ExecDoor:
                    **({"env": dict(env)} if env else {})}
         body = box.exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
         code = body.get("exit_code")
-        if not isinstance(code, int) or isinstance(code, bool):
-            box.fail_closed("the box answered a command without an integer exit status")
+        if not isinstance(code, int) or isinstance(code, bool) or not EXIT_MIN <= code <= EXIT_MAX:
+            box.fail_closed("door protocol violation: the box answered a command without an exit status a "
+                            f"process can have ({str(code)[:40]})")
             raise BoxEnded(f"the box has ended: {box.ended}")
         stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
-        box.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
-                              {"stdout": stdout, "stderr": stderr})
+        if not box.recorder.complete(crossing, "ok" if code == 0 else "error", {"exit_code": code},
+                                     {"stdout": stdout, "stderr": stderr}):
+            box.fail_closed(f"the command's result was not signed: {box.recorder.broken or 'the run is closed'}")
+            raise BoxEnded(f"the box has ended: {box.ended}")
         return CommandResult(code, stdout, stderr)
 
     def decide_cell(self, code: str) -> "Crossing":

@@ -141,6 +141,6 @@ def parse_header(raw: bytes) -> dict:
     for key in REQUIRED:
         if key not in h:
             raise ProtocolError(f"a patch entry header without {key}")
-    if not 0 <= h["size"] < 1 << 62 or not 0 <= h["mode"] <= 0o177777:
+    if not 0 <= h["size"] < 1 << 53 or not 0 <= h["mode"] <= 0o177777:  # signed: within what the signer takes
         raise ProtocolError("a patch entry header with an impossible size or mode")
     return h

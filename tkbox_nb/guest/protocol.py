@@ -43,10 +43,10 @@ def encode_json(ftype, stream, obj):
 
 
 def encode_data(stream, channel, data):
-    """One DATA frame per MAX_PAYLOAD - 1 bytes of `data`."""
+    """One DATA frame per MAX_PAYLOAD - 1 bytes of `data` (none for no bytes: an empty DATA frame is a violation)."""
     step = MAX_PAYLOAD - 1
     return b"".join(encode(DATA, stream, bytes([channel]) + data[i:i + step])
-                    for i in range(0, max(len(data), 1), step))
+                    for i in range(0, len(data), step))
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -289,7 +289,7 @@ class Session:
         if ftype == DATA:
             if not payload:
                 raise ProtocolError("data frame without a channel")
-            self._data(st, sid, len(payload) - 1)
+            self._data(st, sid, len(payload) - 1)  # an empty one is a violation: it would cost the window nothing
             return ("data", sid, payload[0], payload[1:])
         if ftype == WINDOW:
             if len(payload) != 4:
@@ -317,6 +317,8 @@ class Session:
         self._data(st, sid, n)
 
     def _data(self, st, sid, n):
+        if n <= 0:
+            raise ProtocolError("an empty data frame on stream %d" % sid)
         if st["recv_closed"]:
             raise ProtocolError("data on stream %d after its close" % sid)
         if n > st["recv_left"]:

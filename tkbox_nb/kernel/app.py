@@ -50,6 +50,14 @@ FORWARDED = {"complete_request", "inspect_request", "is_complete_request", "hist
 COMMS = {"comm_open", "comm_msg", "comm_close"}
 
 
+def unsigned_expressions(names: list) -> dict:
+    """The execute_reply's user_expressions: an error for each, as none is evaluated. Only a cell's code is decided and
+    signed at the exec door, so an expression the frontend asks for would run in the box unsigned."""
+    why = "user_expressions are not evaluated in a Tracekit box: only the cell's code is decided and signed"
+    return {name: {"status": "error", "ename": "UnsignedExpression", "evalue": why, "traceback": [why]}
+            for name in names}
+
+
 def _url(info: dict, port_name: str) -> str:
     if info.get("transport", "tcp") == "ipc":
         return f"ipc://{info['ip']}-{info[port_name]}"
@@ -83,6 +91,7 @@ class TkboxKernel:
         self.nb = nb or NotebookBox()
         self.magics = HostMagics(self.nb, self._read_secret)
         self.requests: dict[str, tuple[str, list[bytes], dict]] = {}  # msg_id -> (socket, idents, header)
+        self.expressions: dict[str, list] = {}  # msg_id -> its user_expressions' names: never sent, never evaluated
         self.execution_count = 0
         self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
@@ -228,8 +237,9 @@ class TkboxKernel:
     # -- execute -------------------------------------------------------------------------------------------------
     def _host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
         content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
+        names = self.expressions.pop(header["msg_id"], [])
         if status == "ok":
-            content.update(payload=[], user_expressions={})
+            content.update(payload=[], user_expressions=unsigned_expressions(names))
         else:
             content.update(ename=error[0], evalue=error[1], traceback=[f"{error[0]}: {error[1]}"])
             if not silent:
@@ -241,6 +251,8 @@ class TkboxKernel:
     def _execute(self, channel: str, idents: list[bytes], msg: dict) -> None:
         header, content = msg["header"], msg["content"]
         code, silent = content.get("code", ""), bool(content.get("silent"))
+        asked = content.get("user_expressions")  # not signed: never sent, each answered as an error (docs/jupyter.md)
+        self.expressions[header["msg_id"]] = list(asked) if isinstance(asked, dict) else []
         magics, remainder = split_host_magics(code)
         self.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
         if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
@@ -281,7 +293,7 @@ class TkboxKernel:
             return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
         self.requests[header["msg_id"]] = (channel, idents, header)
         self.busy_here.add(header["msg_id"])
-        self.kernel.send("shell", msg)
+        self.kernel.send("shell", dict(msg, content=dict(msg["content"], user_expressions={})))
 
     def _ensure_kernel(self, box) -> None:
         kernel = box.kernel()
@@ -322,8 +334,12 @@ class TkboxKernel:
             if self.box_violated:  # the box is being ended: nothing more of it reaches the frontend
                 continue
             wire = msg.wire()
-            if msg.msg_type == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
-                self.execution_count = max(self.execution_count, msg.content["execution_count"])
+            if msg.msg_type == "execute_reply":
+                if isinstance(msg.content.get("execution_count"), int):
+                    self.execution_count = max(self.execution_count, msg.content["execution_count"])
+                names = self.expressions.pop(msg.parent_id, [])
+                if "user_expressions" in wire["content"] or wire["content"].get("status") == "ok":
+                    wire["content"]["user_expressions"] = unsigned_expressions(names)
             if msg.channel == "iopub":
                 if msg.msg_type in COMMS and not self.comms.from_box(msg):
                     continue
