@@ -143,7 +143,7 @@ def test_a_box_that_stops_reading_its_door_ends_at_the_write_deadline():
         writer.join(10)
         assert not writer.is_alive(), "the write to a box that stopped reading never returned"
         assert time.monotonic() - started < 5 and isinstance(outcome["r"], (OSError, StreamClosed))
-        assert pr.violations == ["the box stopped reading its door for 1 s"]
+        assert pr.ended.wait(5) and pr.violations == ["the box stopped reading its door for 1 s"]
         closing = threading.Thread(target=lambda: pr.conn.close(stream.sid), daemon=True)
         closing.start()
         closing.join(2)
