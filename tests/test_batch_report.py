@@ -73,3 +73,14 @@ def test_only_the_scratch_of_dead_workers_is_swept(tmp_path):
         (d / "original.tkb").write_bytes(b"x")
     assert sweep_scratch(tmp_path) == [gone]
     assert not gone.exists() and live.exists() and other.exists()
+
+
+def test_an_output_named_after_a_device_or_pipe_never_replaces_it(tmp_path):
+    """`-o /dev/null` once put a regular file in /dev/null's place (a rename over it, as root); a name that holds
+    anything but a regular file or a link is refused and left as it is."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for target in (fifo, tmp_path):
+        with pytest.raises(OSError, match="not a regular file"):
+            write_atomic(target, b"x")
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

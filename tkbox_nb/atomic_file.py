@@ -8,7 +8,9 @@ it was.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ def write_atomic(path: str | Path, data: bytes | Callable[[BinaryIO], None]) -> 
     """`data` (bytes, or a function that writes to the open file) at `path`. OSError propagates; the caller names
     the path in its one-line error."""
     path = Path(path)
+    refuse_special(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -34,10 +37,22 @@ def write_atomic(path: str | Path, data: bytes | Callable[[BinaryIO], None]) -> 
         raise
 
 
+def refuse_special(path: Path) -> None:
+    """A name that holds a device, a pipe, a socket or a directory is never replaced: a rename over /dev/null (an
+    output named so to throw it away, as root) would put a regular file in the device's place for every process."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise OSError(errno.EEXIST, "it exists and is not a regular file")
+
+
 def reserve_beside(path: str | Path) -> Path:
     """A new empty file beside `path`, made with O_EXCL, for a program that writes its output to a name it is given
     (then `os.replace` it over `path`, or unlink it)."""
     path = Path(path)
+    refuse_special(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(tmp)
