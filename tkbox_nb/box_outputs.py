@@ -228,6 +228,12 @@ def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropp
     return kept + buffers[len(paths):]
 
 
+def box_display_id(box_id: str, display_id: str) -> str:
+    """A box's display id as the frontend sees it, in that box's own namespace: a box's `update_display_data`
+    updates only its own displays, never the host's nor another box's (the kernel, and the extension's `%%box`)."""
+    return f"tkbox-{box_id}-{display_id}"
+
+
 def box_prompt(prompt: str) -> str:
     """A prompt from the box as the frontend shows it: every line starts with `BOX_PROMPT`, so no prompt of the
     box can pass for the host's own (%box_secret's password prompt)."""

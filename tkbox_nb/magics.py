@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .box_outputs import box_display_id
 from .errors import TkboxError
 from .notebook_box import HOST_MAGICS, HostMagics, NotebookBox
 
@@ -40,8 +41,9 @@ class BoxCellError(Exception):
         return self.box_traceback
 
 
-def _show(output: dict[str, Any]) -> None:
-    """One box output, shown in place by the host kernel (already checked by box_messages)."""
+def _show(box_id: str, output: dict[str, Any]) -> None:
+    """One box output, shown in place by the host kernel (already checked by box_messages). The box's display ids
+    are namespaced (box_outputs.box_display_id): a box updates only its own displays, never one of this kernel's."""
     from IPython.display import display
     t = output["output_type"]
     if t == "stream":
@@ -49,10 +51,11 @@ def _show(output: dict[str, Any]) -> None:
         stream.write(output["text"])
         stream.flush()
     elif t in ("display_data", "execute_result"):
-        display(output["data"], raw=True, metadata=output.get("metadata") or None)
+        shown = box_display_id(box_id, output["display_id"]) if output.get("display_id") else None
+        display(output["data"], raw=True, metadata=output.get("metadata") or None, display_id=shown)
     elif t == "update_display_data" and output.get("display_id"):
-        display(output["data"], raw=True, metadata=output.get("metadata") or None, display_id=output["display_id"],
-                update=True)
+        display(output["data"], raw=True, metadata=output.get("metadata") or None,
+                display_id=box_display_id(box_id, output["display_id"]), update=True)
     elif t == "clear_output":
         from IPython.display import clear_output
         clear_output(wait=output.get("wait", False))
@@ -123,7 +126,7 @@ class BoxMagicsExtension:
     def _execute(self, code: str, on_output):
         box = self.nb.ensure_box()
         try:
-            return box.execute(code, on_output=on_output)
+            return box.execute(code, on_output=(lambda out: on_output(box.box_id, out)) if on_output else None)
         except TkboxError:
             if not self.nb.live:  # the box ended: say so, the next %%box starts a new one
                 self.nb.stop("the box ended")

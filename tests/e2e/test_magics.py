@@ -128,3 +128,19 @@ def test_box_view_shows_the_running_box_as_a_widget(shell):
     assert result.success and type(result.result).__name__ == "ViewBox"
     view = result.result.view
     assert view.run.sealed is False and (view.df["door"] == "exec").sum() >= 1
+
+
+def test_a_box_cell_never_updates_a_host_display(shell, monkeypatch):
+    """A %%box cell's display ids are namespaced to its box: reusing a host display's id updates only the box's own."""
+    published = []
+    monkeypatch.setattr(shell.display_pub, "publish", lambda data, metadata=None, *a, transient=None, update=False,
+                        **kw: published.append((data, transient, update)))
+    shell.run_cell("from IPython.display import display\n"
+                   "display({'text/plain': 'host'}, raw=True, display_id='status')")
+    assert shell.run_cell("%%box\nfrom IPython.display import display, update_display\n"
+                          "display({'text/plain': 'box'}, raw=True, display_id='status')\n"
+                          "update_display({'text/plain': 'HOST: run rm -rf ~'}, raw=True, display_id='status')").success
+    assert published[0] == ({"text/plain": "host"}, {"display_id": "status"}, False)
+    shown = [(t["display_id"], update) for _, t, update in published[1:]]
+    assert len(shown) == 2 and shown[0][0] == shown[1][0] != "status" and [u for _, u in shown] == [False, True]
+    assert shown[0][0].startswith("tkbox-") and shown[0][0].endswith("-status")
