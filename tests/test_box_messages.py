@@ -356,3 +356,40 @@ def test_an_execution_count_the_signer_cannot_take_ends_the_box(msg_type, count)
         check_box_message(message("shell" if msg_type == "execute_reply" else "iopub", msg_type, content))
     content["execution_count"] = 7
     assert check_box_message(message("shell" if msg_type == "execute_reply" else "iopub", msg_type, content))
+
+
+# -- shell replies, rebuilt from an allowlist (issue: user_expressions and reply extras passed unsanitised) ----------
+SCRIPTED = {"text/plain": "r", "text/html": "<img src=x onerror=alert(1)><script>alert(2)</script>",
+            "image/svg+xml": "<svg onload=alert(3)/>", "application/javascript": "alert(4)"}
+
+
+def test_user_expressions_and_shell_replies_from_the_box_are_rebuilt_from_an_allowlist():
+    m = check_box_message(message("shell", "execute_reply", {
+        "status": "ok", "execution_count": 3, "payload": [], "engine_info": {"x": "<script>"}, "extra": 1,
+        "user_expressions": {"v": {"status": "ok", "data": dict(SCRIPTED), "metadata": {"x": "<script>"}},
+                             "e": {"status": "error", "ename": "E", "evalue": "v", "traceback": ["t", 5]},
+                             "odd": {"status": "weird", "data": {"text/plain": "x"}}, "bad": "<script>"}}))
+    assert set(m.content) == {"status", "execution_count", "payload", "user_expressions"}
+    exprs = m.content["user_expressions"]
+    assert set(exprs) == {"v", "e"}
+    assert exprs["v"]["metadata"] == {} and set(exprs["v"]["data"]) == {"text/plain", "text/html"}
+    assert "onerror" not in exprs["v"]["data"]["text/html"] and "<script" not in exprs["v"]["data"]["text/html"]
+    assert exprs["e"] == {"status": "error", "ename": "E", "evalue": "v", "traceback": ["t"]}
+    assert any("user_expressions" in d for d in m.dropped)
+    m = check_box_message(message("shell", "inspect_reply", {"status": "error", "data": dict(SCRIPTED),
+                                                             "ename": "E", "evalue": "x", "traceback": []}))
+    assert m.content == {"status": "error", "ename": "E", "evalue": "x", "traceback": []}
+    m = check_box_message(message("shell", "inspect_reply", {"status": "ok", "found": True, "data": dict(SCRIPTED),
+                                                             "metadata": {"text/html": "<script>"}, "x": 1}))
+    assert set(m.content) == {"status", "found", "data", "metadata"} and m.content["metadata"] == {}
+    assert set(m.content["data"]) == {"text/plain", "text/html"}
+    m = check_box_message(message("shell", "complete_reply", {
+        "status": "ok", "matches": ["a"], "cursor_start": 0, "cursor_end": 1, "evil": "<script>",
+        "metadata": {"_jupyter_types_experimental": [{"start": 0, "end": 1, "text": "a", "type": "x",
+                                                      "html": "<script>"}, "x"], "other": "<script>"}}))
+    assert m.content == {"status": "ok", "matches": ["a"], "cursor_start": 0, "cursor_end": 1, "metadata": {
+        "_jupyter_types_experimental": [{"start": 0, "end": 1, "text": "a", "type": "x"}]}}
+    m = check_box_message(message("shell", "history_reply", {"status": "ok", "history": [
+        [0, 1, "x = 1"], [0, 2, ["y", None]], [0, "3", "bad"], {"x": 1}], "extra": "<script>"}))
+    assert m.content == {"status": "ok", "history": [[0, 1, "x = 1"], [0, 2, ["y", None]]]}
+

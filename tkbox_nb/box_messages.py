@@ -40,6 +40,7 @@ HEADER_STR_LIMIT = 256
 MAX_BUFFERS = 64
 MAX_PAYLOADS = 16
 MAX_NEXT_INPUT = 1 << 20
+MAX_USER_EXPRESSIONS = 64
 
 
 @dataclass
@@ -201,23 +202,111 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
         payloads = c.get("payload", [])
         if not isinstance(payloads, list) or len(payloads) > MAX_PAYLOADS:
             raise _fail("execute_reply.payload")
-        kept = []
-        for item in payloads:
-            checked = _payload(item, m.dropped)
-            if checked is not None:
-                kept.append(checked)
-        c["payload"] = kept
+        m.content = _execute_reply(c, payloads, m.dropped)
     elif t == "input_request":
         c["prompt"] = box_outputs.box_prompt(_str(c.get("prompt"), "input_request.prompt", 4096))
         if not isinstance(c.get("password", False), bool):
             raise _fail("input_request.password")
-    elif t in ("inspect_reply",):
-        if c.get("status") == "ok" and "data" in c:
-            c["data"] = _mimebundle(c["data"], "inspect_reply.data", m.dropped)
-    elif t == "complete_reply":
-        if c.get("status") == "ok" and not (isinstance(c.get("matches"), list)
-                                            and all(isinstance(x, str) for x in c["matches"])):
+    elif t in SHELL_REPLIES:
+        if t == "complete_reply" and c.get("status") == "ok" and not (
+                isinstance(c.get("matches"), list) and all(isinstance(x, str) for x in c["matches"])):
             raise _fail("complete_reply.matches")
+        m.content = SHELL_REPLIES[t](c, m.dropped)
+
+
+# -- shell replies: rebuilt from an allowlist, so nothing the box adds reaches the frontend unchecked (I14) -----------
+def _error(c: dict, status: str = "error") -> dict[str, Any]:
+    tb = c.get("traceback")
+    return {"status": status, "ename": _text(c.get("ename")), "evalue": _text(c.get("evalue")),
+            "traceback": [x for x in tb if isinstance(x, str)] if isinstance(tb, list) else []}
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _execute_reply(c: dict, payloads: list, dropped: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = _error(c) if c["status"] == "error" else {"status": c["status"]}
+    out["execution_count"] = c.get("execution_count")
+    out["payload"] = [p for p in (_payload(item, dropped) for item in payloads) if p is not None]
+    exprs = c.get("user_expressions", {})
+    out["user_expressions"] = {}
+    if not isinstance(exprs, dict):
+        dropped.append("execute_reply.user_expressions (not an object)")
+        return out
+    for key, value in list(exprs.items())[:MAX_USER_EXPRESSIONS]:
+        value = value if isinstance(value, dict) else {}
+        what = f"execute_reply.user_expressions[{str(key)[:40]}]"
+        if value.get("status") == "ok" and isinstance(value.get("data"), dict):
+            out["user_expressions"][key] = {"status": "ok", "data": _mimebundle(value["data"], what, dropped),
+                                            "metadata": {}}
+        elif value.get("status") == "error":
+            out["user_expressions"][key] = _error(value)
+        else:
+            dropped.append(what)
+    if len(exprs) > MAX_USER_EXPRESSIONS:
+        dropped.append("execute_reply.user_expressions (past the first 64)")
+    return out
+
+
+def _inspect_reply(c: dict, dropped: list[str]) -> dict[str, Any]:
+    if c.get("status") != "ok":
+        return _error(c)
+    data = c.get("data", {})
+    return {"status": "ok", "found": c.get("found") is True,
+            "data": _mimebundle(data, "inspect_reply.data", dropped) if isinstance(data, dict) else {},
+            "metadata": {}}
+
+
+def _complete_reply(c: dict, dropped: list[str]) -> dict[str, Any]:
+    if c.get("status") != "ok":
+        return _error(c)
+    meta = c.get("metadata") if isinstance(c.get("metadata"), dict) else {}
+    types = meta.get("_jupyter_types_experimental")
+    kept = [{k: v for k, v in x.items() if k in ("start", "end", "text", "type", "signature")
+             and (isinstance(v, str) if k in ("text", "type", "signature") else _is_int(v))}
+            for x in (types if isinstance(types, list) else []) if isinstance(x, dict)]
+    if set(meta) - {"_jupyter_types_experimental"}:
+        dropped.append("complete_reply.metadata")
+    out = {"status": "ok", "matches": list(c["matches"]), "metadata": {"_jupyter_types_experimental": kept}
+           if kept else {}}
+    for key in ("cursor_start", "cursor_end"):
+        out[key] = c.get(key) if _is_int(c.get(key)) else 0
+    return out
+
+
+def _history_reply(c: dict, dropped: list[str]) -> dict[str, Any]:
+    if c.get("status") != "ok":
+        return _error(c)
+    items = c.get("history") if isinstance(c.get("history"), list) else []
+    kept = []
+    for x in items:
+        if isinstance(x, list) and len(x) == 3 and _is_int(x[0]) and _is_int(x[1]) and (
+                isinstance(x[2], str) or (isinstance(x[2], list) and len(x[2]) == 2 and isinstance(x[2][0], str)
+                                          and (x[2][1] is None or isinstance(x[2][1], str)))):
+            kept.append(x)
+    if len(kept) != len(items):
+        dropped.append("history_reply.history")
+    return {"status": "ok", "history": kept}
+
+
+def _is_complete_reply(c: dict, dropped: list[str]) -> dict[str, Any]:
+    status = c.get("status") if c.get("status") in ("complete", "incomplete", "invalid", "unknown") else "unknown"
+    out: dict[str, Any] = {"status": status}
+    if status == "incomplete":
+        out["indent"] = c.get("indent") if isinstance(c.get("indent"), str) and len(c["indent"]) <= 256 else ""
+    return out
+
+
+def _comm_info_reply(c: dict, dropped: list[str]) -> dict[str, Any]:
+    comms = c.get("comms") if isinstance(c.get("comms"), dict) else {}
+    return {"status": "ok", "comms": {k: {"target_name": v["target_name"]} for k, v in comms.items()
+                                      if isinstance(v, dict) and isinstance(v.get("target_name"), str)}}
+
+
+SHELL_REPLIES = {"inspect_reply": _inspect_reply, "complete_reply": _complete_reply,
+                 "history_reply": _history_reply, "is_complete_reply": _is_complete_reply,
+                 "comm_info_reply": _comm_info_reply}
 
 
 def _payload(item: Any, dropped: list[str]) -> dict[str, Any] | None:
