@@ -5,7 +5,11 @@ is decoded by the codec's MessageReader (size limit), checked by `box_messages.c
 routed: to the cell it belongs to (whose outputs are collected, limited and signed when the cell ends) and to any
 listener (the Tracekit Box kernel, which forwards it to the frontend). A malformed message ends the box.
 
-A cell ends when both its `execute_reply` and its `status: idle` have come, as a Jupyter client reckons it.
+A cell ends when both its `execute_reply` and its `status: idle` have come, as a Jupyter client reckons it. The
+first reply is the cell's (the one signed and the one forwarded): a second `execute_reply` for a tracked cell is a
+protocol violation that ends the box. Once a cell is signed, what the box still sends naming it (a late thread's
+print, a display update, or anything after a fake reply and idle) is dropped, never forwarded unsigned, and counted:
+the count is signed in the next cell's result (`late_outputs`), or by the kernel as the box stops.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class BoxKernel:
         # the box's comms, opened by its kernel or by the frontend toward it: id -> what the widget is (its model and
         # view names, box_outputs.widget_kind), so the state a comm_msg carries is checked for what it will render
         self.comms: dict[str, str] = {}
+        self.signed: set[str] = set()  # cells whose end is signed: what names them later is dropped and counted
+        self.late = 0  # messages dropped so, not yet in a signed record
         self._lock = threading.Lock()
         self.stream = box.conn.open({"kind": "kernel"})
         threading.Thread(target=self._read, daemon=True, name="tkbox-kernel-reader").start()
@@ -132,8 +138,6 @@ class BoxKernel:
                     for raw in self.reader.feed(event[2]):
                         msg = check_box_message(raw, self.comms)
                         if msg is not None:
-                            if msg.channel == "iopub":
-                                self._track_comm(msg.msg_type, msg.content)
                             self._route(msg)
                 elif event[0] == "close":
                     body = event[1]
@@ -144,6 +148,9 @@ class BoxKernel:
                     break
         except p.ProtocolError as e:
             reason = f"door protocol violation: {e}"
+            late = self.take_late()
+            if late:  # signed in the box's end, as no cell boundary comes to sign their count
+                reason += f" ({late} messages naming cells already signed were dropped before it)"
             self.box.fail_closed(reason)
         self._finish(reason)
 
@@ -166,17 +173,29 @@ class BoxKernel:
         cell = self.cells.get(msg.parent_id) if msg.parent_id else None
         if cell is not None:
             self._collect(cell, msg)
+        elif msg.parent_id in self.signed:
+            if msg.msg_type == "execute_reply":
+                raise p.ProtocolError("a second execute_reply for a cell")
+            if msg.msg_type != "status":
+                with self._lock:
+                    self.late += 1
+            return
+        if msg.channel == "iopub":
+            self._track_comm(msg.msg_type, msg.content)
         for listener in list(self.listeners):
             listener(msg)
         if cell is not None and cell.reply is not None and cell.idle:
             with self._lock:
                 self.cells.pop(cell.msg_id, None)
+                self.signed.add(cell.msg_id)
             self._sign_end(cell)
             cell.done.set()
 
     def _collect(self, cell: Cell, msg: BoxMessage) -> None:
         cell.dropped += msg.dropped
         if msg.msg_type == "execute_reply":
+            if cell.reply is not None:  # the first reply is the cell's; a box that sends two breaks the protocol
+                raise p.ProtocolError("a second execute_reply for a cell")
             cell.reply = msg.content
         elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
             cell.idle = True
@@ -204,6 +223,12 @@ class BoxKernel:
         for listener in list(self.listeners):
             listener(None)
 
+    def take_late(self) -> int:
+        """The count of late messages dropped since the last signed record, taken to be signed."""
+        with self._lock:
+            late, self.late = self.late, 0
+        return late
+
     def _sign_end(self, cell: Cell) -> None:
         """Sign the end of a cell: its status and execution count, its outputs disclosed. The exec door's record,
         written here because only the kernel knows when a cell has ended (its reply and idle, or the kernel gone)."""
@@ -212,6 +237,9 @@ class BoxKernel:
             result["dropped"] = sorted(set(cell.dropped))[:50]
         if cell.ended:
             result["ended"] = cell.ended[:300]
+        late = self.take_late()
+        if late:
+            result["late_outputs"] = late
         status = cell.status if not cell.ended else "error"
         self.box.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result,
                                    {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")})

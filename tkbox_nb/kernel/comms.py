@@ -9,7 +9,8 @@ the first cell takes the box that starts with the kernel, or between boxes) is s
 before that run's first cell is decided (docs/jupyter.md, "Two comm managers behind one kernel"). A run signs its
 first `MAX_SIGNED` faults one by one; past them (or past `MAX_PENDING` held ones) faults are only counted, and the
 count is signed as one record for each side they came from, at the next cell boundary or as the kernel stops the
-box (else in the next run to open): a box cannot spam the signer by naming made-up comms.
+box (else in the next run to open): a box cannot spam the signer by naming made-up comms. The count of messages the
+box sent naming cells already signed (dropped by box_kernel.py) is signed the same way, as one `late_output` record.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class CommGate:
         for side, n in sorted(counted.items()):
             box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
                                                        "fault": f"{n} more, not each signed"})
+        kernel = self.k.kernel
+        late = kernel.take_late() if kernel is not None and kernel.box is box else 0
+        if late:  # what the box sent naming cells already signed: dropped, never shown, counted here (box_kernel.py)
+            box.recorder.decide("exec", "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
+                                                       "fault": f"{late} messages naming cells already signed"})
 
     def end_run(self) -> None:
         """The kernel stops the box: the count of faults not yet signed goes into its run while it is open."""
