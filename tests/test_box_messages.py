@@ -393,3 +393,28 @@ def test_user_expressions_and_shell_replies_from_the_box_are_rebuilt_from_an_all
         [0, 1, "x = 1"], [0, 2, ["y", None]], [0, "3", "bad"], {"x": 1}], "extra": "<script>"}))
     assert m.content == {"status": "ok", "history": [[0, 1, "x = 1"], [0, 2, ["y", None]]]}
 
+
+def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
+    from tkbox_nb.kernel.relay import Parents, rebuilt
+    parents = Parents(limit=2)
+    request = {"msg_id": "req", "msg_type": "execute_request", "session": "front", "date": "2026-12-01T00:00:00Z"}
+    parents.add(request)
+    host_header = {"msg_id": "host-1", "msg_type": "display_data", "session": "host", "username": "tkbox",
+                   "date": "2026-12-01T00:00:01Z", "version": "5.3"}
+    box = message(content={"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "status"}})
+    box["header"]["date"] = "2024-13-45T00:00:00"
+    box["parent_header"] = {"msg_id": "req", "msg_type": "execute_request", "date": "not a date", "session": "box"}
+    wire = rebuilt(check_box_message(box), host_header, parents, "B1")
+    assert wire["header"] is host_header and wire["parent_header"] is request
+    assert wire["content"]["transient"] == {"display_id": "tkbox-B1-status"}
+    box["parent_header"] = {"msg_id": "invented", "msg_type": "execute_request"}
+    assert rebuilt(check_box_message(box), host_header, parents, "B1")["parent_header"] == {}
+    parents.add({"msg_id": "r2"})
+    parents.add({"msg_id": "r3"})
+    assert parents.get("req") == {} and parents.get("r3") == {"msg_id": "r3"}  # the newest only
+    reply = check_box_message(message("shell", "execute_reply", {
+        "status": "ok", "execution_count": 1, "payload": [],
+        "user_expressions": {"asked": {"status": "ok", "data": {"text/plain": "1"}},
+                             "not_asked": {"status": "ok", "data": {"text/plain": "2"}}}}))
+    wire = rebuilt(reply, dict(host_header, msg_type="execute_reply"), parents, "B1", frozenset({"asked"}))
+    assert set(wire["content"]["user_expressions"]) == {"asked"}

@@ -9,7 +9,9 @@ A cell ends when both its `execute_reply` and its `status: idle` have come, as a
 first reply is the cell's (the one signed and the one forwarded): a second `execute_reply` for a tracked cell is a
 protocol violation that ends the box. Once a cell is signed, what the box still sends naming it (a late thread's
 print, a display update, or anything after a fake reply and idle) is dropped, never forwarded unsigned, and counted:
-the count is signed in the next cell's result (`late_outputs`), or by the kernel as the box stops.
+the count is signed in the next cell's result (`late_outputs`); the Tracekit Box kernel signs it first, as one
+`late_output` fault at the next cell boundary or as it stops the box (kernel/comms.py), and a box ended for a
+violation names it in its end reason.
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class TestTkboxSamples(jkt.KernelTests):
         assert reply["content"]["status"] == "ok"
         shown = [(m["msg_type"], m["content"]["data"]["text/plain"], m["content"]["transient"]["display_id"])
                  for m in outs if m["msg_type"] in ("display_data", "update_display_data")]
-        assert shown == [("display_data", "'first'", "d1"), ("update_display_data", "'second'", "d1")]
+        # the Tracekit Box kernel namespaces the box's display ids (tkbox-BOX_ID-d1); the update names its display
+        assert [(t, v) for t, v, _ in shown] == [("display_data", "'first'"), ("update_display_data", "'second'")]
+        assert shown[0][2] == shown[1][2] and shown[0][2] in ("d1", f"tkbox-{shown[0][2][6:-3]}-d1")
 
     def test_set_next_input_payload(self) -> None:
         self.flush_channels()

@@ -6,8 +6,10 @@ real ipykernel (guest/kernel.py); messages pass through the door stream, and eve
 (box_messages) before it is re-signed here with the frontend's key, which the box never learns.
 
 What happens to each request from the frontend:
-- execute_request: host-side magics (notebook_box) are done here; any other code is decided by the exec door
-  (signed) before it reaches the box, and its outputs are signed when it ends. A refusal is shown as an error.
+- execute_request: one at a time, in order (cells.py); host-side magics (notebook_box) are done here; any other code
+  is decided by the exec door (signed) before it reaches the box, and its outputs are signed when it ends. A refusal
+  is shown as an error.
+- input_reply: to the box only when it answers the box's own pending prompt, never the host's (stdin.py).
 - comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded (comms.py).
 - complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
 - kernel_info: answered here. interrupt: SIGINT to the box's kernel (the box goes on); a cell still waiting for the
@@ -19,6 +21,7 @@ so the first cell does not wait for them; a first cell that changes the policy o
 for it instead. Every box start runs in the background, and a cell waits for it in box_wait.py, so the control
 channel is answered meanwhile. A box that breaks the protocol is ended; the cell shows why, and the next cell starts
 a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's own `busy` for it is not forwarded).
+Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ import zmq
 
 from .._version import __version__
 from ..box_messages import BoxMessage
-from ..box_outputs import BOX_PROMPT
-from ..errors import DoorRefused, TkboxError
+from ..errors import TkboxError
 from ..guest.jsession import Session
-from ..notebook_box import HostMagics, NotebookBox, split_host_magics
-from .box_wait import wait_for_box
+from ..notebook_box import HostMagics, NotebookBox
+from .cells import Cells
 from .comms import CommGate
 from .host_comms import HostComms
+from .relay import Parents, rebuilt
+from .stdin import Stdin
 
 PROTOCOL_VERSION = "5.3"
 FORWARDED = {"complete_request", "inspect_request", "is_complete_request", "history_request", "comm_info_request"}
@@ -89,9 +93,11 @@ class TkboxKernel:
         self._wake_local = threading.local()
         self.from_box: queue.Queue = queue.Queue()
         self.nb = nb or NotebookBox()
-        self.magics = HostMagics(self.nb, self._read_secret)
+        self.stdin = Stdin(self)  # the host's prompt (%box_secret) and the box's, kept apart
+        self.magics = HostMagics(self.nb, self.stdin.read_secret)
+        self.cells = Cells(self)  # execute requests, one at a time, in order
+        self.parents = Parents()  # the frontend's requests' headers: the parents of what the box sends back
         self.requests: dict[str, tuple[str, list[bytes], dict]] = {}  # msg_id -> (socket, idents, header)
-        self.expressions: dict[str, list] = {}  # msg_id -> its user_expressions' names: never sent, never evaluated
         self.execution_count = 0
         self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
@@ -164,6 +170,7 @@ class TkboxKernel:
                     self._dispatch(name, idents, msg)
                 except Exception as e:  # a bug of ours must not take the notebook down
                     self._log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
+            self.cells.pump()  # the next queued cell, once the one before it has ended
             self._check_deadlines()
         self.close()
 
@@ -195,6 +202,8 @@ class TkboxKernel:
     def _dispatch(self, channel: str, idents: list[bytes], msg: dict) -> None:
         header = msg["header"]
         t = header["msg_type"]
+        if channel != "stdin":
+            self.parents.add(header)
         if t == "kernel_info_request":
             self.publish_status("busy", header)
             self.send(channel, "kernel_info_reply", self.kernel_info(), header, idents)
@@ -210,7 +219,7 @@ class TkboxKernel:
                 self.kernel.interrupt()
             self.send(channel, "interrupt_reply", {"status": "ok"}, header, idents)
         elif t == "execute_request":
-            self._execute(channel, idents, msg)
+            self.cells.enqueue(channel, idents, msg)  # started by the main loop once the cell before has ended
         elif t in COMMS:
             self.comms.from_frontend(channel, msg)
         elif t in FORWARDED:
@@ -220,8 +229,7 @@ class TkboxKernel:
                 self.requests[header["msg_id"]] = (channel, idents, header)
                 self.kernel.send(channel, msg)
         elif t == "input_reply":
-            if self.kernel is not None and not self.kernel.ended:
-                self.kernel.send("stdin", msg)
+            self.stdin.from_frontend(msg)  # to the box only if it answers the box's own pending prompt
 
     def kernel_info(self) -> dict:
         info = (self.kernel.info if self.kernel is not None and self.kernel.info else {}) or {}
@@ -237,7 +245,7 @@ class TkboxKernel:
     # -- execute -------------------------------------------------------------------------------------------------
     def _host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
         content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
-        names = self.expressions.pop(header["msg_id"], [])
+        names = sorted(self.cells.asked.pop(header["msg_id"], frozenset()))
         if status == "ok":
             content.update(payload=[], user_expressions=unsigned_expressions(names))
         else:
@@ -247,53 +255,7 @@ class TkboxKernel:
                                              "traceback": [f"\x1b[0;31m{error[0]}\x1b[0m: {error[1]}"]}, header)
         self.send(channel, "execute_reply", content, header, idents)
         self.publish_status("idle", header)
-
-    def _execute(self, channel: str, idents: list[bytes], msg: dict) -> None:
-        header, content = msg["header"], msg["content"]
-        code, silent = content.get("code", ""), bool(content.get("silent"))
-        asked = content.get("user_expressions")  # not signed: never sent, each answered as an error (docs/jupyter.md)
-        self.expressions[header["msg_id"]] = list(asked) if isinstance(asked, dict) else []
-        magics, remainder = split_host_magics(code)
-        self.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
-        if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
-            self.parent = (idents, header, bool(content.get("allow_stdin")))
-            try:
-                for name, line, body in magics:
-                    text = self.magics.run(name, line, body)
-                    if isinstance(text, Path):  # %box_view: the run view, live widgets of the host process
-                        if not silent:
-                            self._show_view(text, header)
-                        continue
-                    if text and not silent:
-                        self.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
-            except TkboxError as e:
-                return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
-            finally:
-                self.parent = None
-            if not remainder.strip():
-                return self._host_reply(channel, idents, header, "ok", silent)
-            msg = dict(msg, content=dict(content, code=remainder))
-            code = remainder
-        try:
-            self.nb.start_for_cell()  # in the background, unless a box runs or is starting already
-            while self.nb.starting():
-                if not wait_for_box(self, channel, idents, header, silent):
-                    return
-                self.nb.start_for_cell()  # the box that was starting no longer fits: the next one
-            box = self.nb.ensure_box()
-            self.comms.flush(box)  # comm faults seen while no run was open
-            crossing = box.decide_cell(code)
-        except (DoorRefused, TkboxError) as e:
-            return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
-        try:
-            self._ensure_kernel(box)
-            self.kernel.track(header["msg_id"], crossing)
-        except Exception as e:
-            box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
-            return self._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
-        self.requests[header["msg_id"]] = (channel, idents, header)
-        self.busy_here.add(header["msg_id"])
-        self.kernel.send("shell", dict(msg, content=dict(msg["content"], user_expressions={})))
+        self.cells.replied(header["msg_id"], status, idle=True)
 
     def _ensure_kernel(self, box) -> None:
         kernel = box.kernel()
@@ -333,35 +295,45 @@ class TkboxKernel:
                 continue
             if self.box_violated:  # the box is being ended: nothing more of it reaches the frontend
                 continue
-            wire = msg.wire()
-            if msg.msg_type == "execute_reply":
-                if isinstance(msg.content.get("execution_count"), int):
-                    self.execution_count = max(self.execution_count, msg.content["execution_count"])
-                names = self.expressions.pop(msg.parent_id, [])
-                if "user_expressions" in wire["content"] or wire["content"].get("status") == "ok":
-                    wire["content"]["user_expressions"] = unsigned_expressions(names)
-            if msg.channel == "iopub":
-                if msg.msg_type in COMMS and not self.comms.from_box(msg):
-                    continue
-                if msg.msg_type == "status" and msg.content.get("execution_state") == "busy" \
-                        and msg.parent_id in self.busy_here:
-                    self.busy_here.discard(msg.parent_id)  # the frontend has had the host's, as the cell was taken
-                    continue
-                with self._iopub_lock:
-                    self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
-                continue
-            if msg.msg_type == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
-                wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
-                                            if not self.host_comms.owns(k)} | self.host_comms.info()
-            parent = msg.parent_id
-            if msg.channel == "stdin":
-                target = self.requests.get(parent)
-                if target is not None:
-                    self.session.send(self.sockets["stdin"], wire, ident=target[1])
-                continue
-            target = self.requests.pop(parent, None) if parent else None
-            if target is not None:
-                self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
+            self._forward(msg)
+
+    def _forward(self, msg: BoxMessage) -> None:
+        """One checked message from the box, rebuilt here (relay.py) and sent on to the frontend."""
+        t, parent = msg.msg_type, msg.parent_id
+        if t == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
+            self.execution_count = max(self.execution_count, msg.content["execution_count"])
+        box_id = self.kernel.session if self.kernel is not None else ""
+        if msg.channel == "iopub":
+            if t in COMMS and not self.comms.from_box(msg):
+                return
+            if t == "status" and msg.content.get("execution_state") == "busy" and parent in self.busy_here:
+                self.busy_here.discard(parent)  # the frontend has had the host's, as the cell was taken
+                return
+            wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id)
+            with self._iopub_lock:
+                self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
+            if t == "status" and msg.content.get("execution_state") == "idle":
+                self.cells.idled(parent)
+            return
+        if msg.channel == "stdin":
+            target = self.requests.get(parent)
+            if target is not None:  # a prompt of a request in the box; the reply goes in under the box's header
+                wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id)
+                self.stdin.box_prompt(wire["header"]["msg_id"], msg.header, parent)
+                self.session.send(self.sockets["stdin"], wire, ident=target[1])
+            return
+        target = self.requests.pop(parent, None) if parent else None
+        if target is None:
+            return
+        wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(parent))
+        if t == "execute_reply" and ("user_expressions" in wire["content"] or wire["content"].get("status") == "ok"):
+            wire["content"]["user_expressions"] = unsigned_expressions(sorted(self.cells.asked.get(parent, ())))
+        if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
+            wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
+                                        if not self.host_comms.owns(k)} | self.host_comms.info()
+        self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
+        if t == "execute_reply":
+            self.cells.replied(parent, msg.content.get("status"))
 
     def _box_kernel_ended(self) -> None:
         """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
@@ -377,6 +349,8 @@ class TkboxKernel:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})
         self.kernel = None
         self.busy_here.clear()
+        self.stdin.box_ended()
+        self.cells.box_ended()
         if self.nb.box is not None and self.nb.box.ended:
             try:
                 self.nb.stop(reason)
@@ -386,24 +360,6 @@ class TkboxKernel:
     def _check_deadlines(self) -> None:
         if self.nb.live and self.kernel is not None:
             self.nb.box.watch(list(self.kernel.cells.values()))
-
-    # -- host-side input (for %box_secret) -----------------------------------------------------------------------
-    def _read_secret(self, prompt: str) -> str:
-        if self.parent is None or not self.parent[2]:
-            raise TkboxError("%box_secret: this frontend takes no input (allow_stdin is false); "
-                             "use --env VAR to read the value from the host's environment")
-        idents, header, _ = self.parent
-        while prompt.startswith(BOX_PROMPT):  # the box's mark: a host prompt never wears it
-            prompt = prompt[len(BOX_PROMPT):]
-        self.send("stdin", "input_request", {"prompt": prompt, "password": True}, header, idents)
-        stdin = self.sockets["stdin"]
-        while True:
-            if not stdin.poll(300_000):
-                raise TkboxError("%box_secret: no answer to the prompt")
-            _, msg_list = self.session.feed_identities(stdin.recv_multipart())
-            reply = self.session.deserialize(msg_list)
-            if reply["header"]["msg_type"] == "input_reply":
-                return str(reply["content"].get("value", ""))
 
     def close(self) -> None:
         self.comms.end_run()

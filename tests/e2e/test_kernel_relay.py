@@ -1,0 +1,193 @@
+"""The Tracekit Box kernel against a frontend's expectations and a hostile box: the host's prompt kept apart from the
+box's, cells run one at a time in order, host magics that fail still end their cell, and what the box sends is
+rebuilt on the host (headers, parents, user expressions, display ids) and never shown after its cell was signed."""
+
+from __future__ import annotations
+
+import os
+import time
+import zipfile
+
+import pytest
+
+from tkbox_nb import open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+
+from .test_kernel import Client, client, kernel_env, only_bundle  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+
+
+def _reply(kc, msg_id, timeout=30):
+    deadline = time.monotonic() + timeout
+    while True:
+        m = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if m["parent_header"].get("msg_id") == msg_id:
+            return m
+
+
+def _iopub(kc, msg_id, timeout=30):
+    """Every iopub message of one request, up to its idle."""
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            m = kc.get_iopub_msg(timeout=0.5)
+        except Exception:
+            continue
+        if m["parent_header"].get("msg_id") == msg_id:
+            got.append(m)
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                return got
+    raise AssertionError(f"no idle for {msg_id}: {[m['msg_type'] for m in got]}")
+
+
+READ_RAW_STDIN = ("k = get_ipython().kernel\nmsgs = []\n"
+                  "while k.stdin_socket.poll(500): msgs.append(k.stdin_socket.recv_multipart())\n"
+                  "print('raw stdin:', [f.decode(errors='replace') for m in msgs for f in m if b'value' in f])")
+
+
+def test_a_reply_to_the_host_s_prompt_never_reaches_the_box(client):
+    """The host's %box_secret prompt takes only the reply naming it; a reply naming a host prompt (here one answered
+    after the prompt was interrupted) is never forwarded to the box, even while the box's own prompt waits; the
+    control channel is answered while the host's prompt waits."""
+    kc = client.kc
+    client.run("1+1")
+    secret = "hunter2-" + os.urandom(6).hex()
+    mid = kc.execute("%box_secret TOKEN --host api.example.com", allow_stdin=True)
+    host_req = kc.get_stdin_msg(timeout=30)
+    assert host_req["content"] == {"prompt": "value of TOKEN (stays on the host): ", "password": True}
+    # a reply naming another request is not the answer: the prompt still waits
+    kc.stdin_channel.send(kc.session.msg("input_reply", {"value": "WRONG"}, parent={"msg_id": "other"}))
+    time.sleep(0.5)
+    t = time.monotonic()
+    kc.session.send(kc.control_channel.socket, kc.session.msg("interrupt_request", {}))
+    assert kc.get_control_msg(timeout=10)["msg_type"] == "interrupt_reply"
+    reply = _reply(kc, mid, timeout=10)
+    assert time.monotonic() - t < 10
+    assert reply["content"]["status"] == "error" and "interrupted" in reply["content"]["evalue"]
+    # the box asks; the user types the secret into the host's old prompt, then answers the box's
+    m1 = kc.execute("x = input('name? ')\nprint('the box got:', x)", allow_stdin=True)
+    box_req = kc.get_stdin_msg(timeout=30)
+    assert box_req["content"]["prompt"] == "[box] name? "
+    kc.stdin_channel.send(kc.session.msg("input_reply", {"value": secret}, parent=host_req["header"]))
+    time.sleep(0.5)
+    kc.stdin_channel.send(kc.session.msg("input_reply", {"value": "alice"}, parent=box_req["header"]))
+    streams = [m["content"]["text"] for m in _iopub(kc, m1) if m["msg_type"] == "stream"]
+    assert _reply(kc, m1)["content"]["status"] == "ok"
+    assert streams == ["the box got: alice\n"]
+    reply, outs = client.run(READ_RAW_STDIN)
+    assert reply["status"] == "ok" and secret not in repr(outs) and "WRONG" not in repr(outs)
+    # a reply answering the box's prompt a second time is not forwarded either (no prompt of the box pends)
+    kc.stdin_channel.send(kc.session.msg("input_reply", {"value": secret}, parent=box_req["header"]))
+    reply, outs = client.run(READ_RAW_STDIN)
+    assert ("stream", {"name": "stdout", "text": "raw stdin: []\n"}) in outs
+
+
+def test_cells_run_in_order_host_magics_wait_and_an_error_aborts_the_queue(client):
+    kc = client.kc
+    client.run("1+1")
+    order = {kc.execute("import time; time.sleep(2); print('one')", stop_on_error=False): "box 1",
+             kc.execute("%box_status", stop_on_error=False): "host 2", kc.execute("print('three')"): "box 3"}
+    # the host answers kernel_info (and control) while the queue waits
+    t = time.monotonic()
+    info = kc.kernel_info()
+    replies = []
+    while len(replies) < 4:
+        m = kc.get_shell_msg(timeout=30)
+        if m["parent_header"]["msg_id"] == info:
+            replies.append(("info", time.monotonic() - t))
+        elif m["parent_header"]["msg_id"] in order:
+            replies.append((order[m["parent_header"]["msg_id"]], m["content"]["status"]))
+    assert replies[0][0] == "info" and replies[0][1] < 1.5
+    assert replies[1:] == [("box 1", "ok"), ("host 2", "ok"), ("box 3", "ok")]
+    # with stop_on_error, the requests queued behind a failed cell are aborted (busy, reply, idle), as ipykernel does
+    ids = [kc.execute("import time; time.sleep(1); 1/0"), kc.execute("%box_restart"), kc.execute("print('no')")]
+    statuses = [_reply(kc, i)["content"]["status"] for i in ids]
+    assert statuses == ["error", "aborted", "aborted"]
+    for i in ids[1:]:
+        assert [m["msg_type"] for m in _iopub(kc, i)] == ["status", "status"]
+    reply, outs = client.run("print('time' in dir())")  # the box was not restarted
+    assert ("stream", {"name": "stdout", "text": "True\n"}) in outs
+
+
+def test_a_host_magic_that_raises_anything_still_ends_its_cell(client):
+    client.run("1+1")
+    reply, outs = client.run("%box_bundle /proc/nope/x.tkb", timeout=30)
+    assert reply["status"] == "error" and reply["ename"] == "FileNotFoundError" and "/proc/nope" in reply["evalue"]
+    assert [t for t, _ in outs] == ["error"]
+    reply, outs = client.run("%box_status", timeout=30)
+    assert reply["status"] == "ok"
+
+
+def test_the_box_s_headers_and_parents_never_reach_the_frontend(client):
+    """A date the box made up would crash a jupyter_client frontend (nbclient, papermill, nbval): every message is
+    given a header made on the host, and as parent the frontend's own request or nothing."""
+    client.run("1+1")
+    reply, outs = client.run(
+        "k = get_ipython().kernel\n"
+        "m = k.session.msg('stream', {'name': 'stdout', 'text': 'hello\\n'}, parent=k.get_parent())\n"
+        "m['header']['date'] = '2024-13-45T00:00:00'\nm['parent_header']['date'] = 'nope'\n"
+        "k.session.send(k.iopub_socket, m)\n"
+        "k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'orphan\\n'}, "
+        "parent={'msg_id': 'invented', 'msg_type': 'execute_request', 'date': '2024-99-99'})\n"
+        "import time; time.sleep(0.5)", timeout=30)
+    assert reply["status"] == "ok"
+    assert ("stream", {"name": "stdout", "text": "hello\n"}) in outs
+    assert not any(c.get("text") == "orphan\n" for _, c in outs)
+
+
+def test_user_expressions_from_the_box_are_sanitised_and_only_those_asked(client):
+    kc = client.kc
+    client.run("class R:\n    def _repr_html_(self): return '<img src=x onerror=alert(1)><script>alert(2)</script>'\n"
+               "    def _repr_svg_(self): return '<svg xmlns=\"http://www.w3.org/2000/svg\" onload=\"alert(3)\"/>'\n"
+               "    def _repr_javascript_(self): return 'alert(4)'\nr = R()")
+    mid = kc.execute("pass", user_expressions={"v": "r", "e": "1/0"})
+    exprs = _reply(kc, mid)["content"]["user_expressions"]
+    assert set(exprs) == {"v", "e"}
+    assert set(exprs["v"]["data"]) == {"text/plain", "text/html"} and exprs["v"]["metadata"] == {}
+    assert "onerror" not in exprs["v"]["data"]["text/html"] and "<script" not in exprs["v"]["data"]["text/html"]
+    assert exprs["e"]["status"] == "error" and exprs["e"]["ename"] == "ZeroDivisionError"
+
+
+def test_a_box_display_id_is_namespaced_to_its_box(client):
+    reply, outs = client.run("h = display('first', display_id='status')\nh.update('second')")
+    ids = [c["transient"]["display_id"] for t, c in outs if t.endswith("display_data")]
+    assert len(ids) == 2 and ids[0] == ids[1] and ids[0].startswith("tkbox-") and ids[0].endswith("-status")
+
+
+def test_a_fake_reply_ends_the_signed_record_and_nothing_after_it_is_shown_unsigned(client, kernel_env):
+    """The box's own execute_reply and idle end its cell early: the first reply is the cell's (forwarded and
+    signed), what follows naming the cell is dropped and counted, and the real reply, a second one, ends the box."""
+    kc = client.kc
+    client.run("1+1")
+    mid = kc.execute("k = get_ipython().kernel; p = k.get_parent()\n"
+                     "k.session.send(k.shell_stream, 'execute_reply', {'status': 'ok', 'execution_count': 7, "
+                     "'payload': [], 'user_expressions': {}}, parent=p, ident=k._parent_ident['shell'])\n"
+                     "k.session.send(k.iopub_socket, 'status', {'execution_state': 'idle'}, parent=p)\n"
+                     "import time; time.sleep(0.5)\nprint('UNSIGNED-AFTER-FAKE-END')\n1/0")
+    reply = _reply(kc, mid)
+    assert reply["content"]["status"] == "ok" and reply["content"]["execution_count"] == 7
+    seen = []
+    t = time.monotonic()
+    while time.monotonic() - t < 4:
+        try:
+            seen.append(kc.get_iopub_msg(timeout=0.5))
+        except Exception:
+            pass
+    assert {m["msg_type"] for m in seen if m["parent_header"].get("msg_id") == mid} <= {"execute_input", "status"}
+    assert "UNSIGNED" not in repr([m["content"] for m in seen if m["msg_type"] != "execute_input"])
+    # a thread of the box printing after its cell ended: dropped, never shown, its count signed
+    reply, outs = client.run("import threading, time\n"
+                             "threading.Thread(target=lambda: (time.sleep(1), print('LATE-NEVER-SIGNED'))).start()")
+    time.sleep(2.5)
+    reply, outs = client.run("print('next')")
+    assert reply["status"] == "ok" and "LATE" not in repr(outs)
+    client.stop()
+    first, second = sorted(kernel_env.glob("*.tkb"))
+    assert "a second execute_reply" in open_run(first).box["end_reason"]
+    assert "messages naming cells already signed were dropped" in open_run(first).box["end_reason"]
+    faults = [x.args for x in open_run(second).crossings() if x.args.get("kind") == "comm_fault"]
+    assert [f["msg_type"] for f in faults] == ["late_output"] and faults[0]["fault"].startswith("1 messages")
+    for b in (first, second):
+        with zipfile.ZipFile(b) as z:
+            assert not any(b"NEVER-SIGNED" in z.read(n) or b"UNSIGNED-AFTER" in z.read(n) for n in z.namelist())
