@@ -107,6 +107,8 @@ class Stdin:
             if left <= 0:
                 raise TkboxError("%box_secret: no answer to the prompt")
             ready = dict(poller.poll(min(left, 0.5) * 1000))
+            if not k.running:  # SIGTERM: the kernel is ending
+                raise TkboxError("%box_secret: the kernel shut down; no secret was bound")
             k._check_deadlines()
             if k.sockets["control"] in ready:
                 self._control()
