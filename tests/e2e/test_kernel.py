@@ -284,7 +284,7 @@ def test_interrupt_stops_the_cell_and_the_box_survives(client):
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - t < 10
     reply, outs = client.run("x + 1")
-    assert any(t == "execute_result" and c["data"]["text/plain"] == "42" for t, c in outs)
+    assert any(t == "execute_result" and c["data"]["text/plain"] == "42" for t, c in outs), (reply, outs)
 
 
 def test_completion_inspection_and_is_complete_come_from_the_box(client):

@@ -45,8 +45,11 @@ class Cells:
         """An execute_reply went to the frontend (forwarded from the box, or the host's own; `idle`: with its idle)."""
         cur = self.current
         if cur is not None and cur["msg_id"] == msg_id:
+            first = not cur["reply"]
             cur["reply"], cur["status"] = True, status
             cur["idle"] = cur["idle"] or idle
+            if first and status == "error" and cur["stop_on_error"]:
+                self.abort_queued()  # those that came while it ran, as ipykernel: never one sent after its reply
             self._maybe_end()
         else:
             self._host_status = (msg_id, status)
@@ -62,8 +65,6 @@ class Cells:
         if cur is not None and cur["reply"] and cur["idle"]:
             self.current = None
             self.asked.pop(cur["msg_id"], None)
-            if cur["status"] == "error" and cur["stop_on_error"]:
-                self.abort_queued()
 
     def box_ended(self) -> None:
         """The box's kernel is gone (its requests answered by app._box_kernel_ended): the cell in it ends, idle too."""
@@ -71,6 +72,8 @@ class Cells:
         if cur is not None:
             if not cur["idle"]:
                 self.k.publish_status("idle", cur["header"])
+            if not cur["reply"] and cur["stop_on_error"]:
+                self.abort_queued()
             cur["reply"] = cur["idle"] = True
             cur["status"] = cur["status"] or "error"
             self._maybe_end()
