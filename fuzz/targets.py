@@ -37,7 +37,7 @@ from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, 
 from tkbox_nb.doors.box_ca import BoxCA
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
 from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
-from tkbox_nb.doors.intercept import read_request
+from tkbox_nb.doors.intercept import Refused, bound_target, for_the_connect_host, read_request
 from tkbox_nb.guest import vm
 from tkbox_nb.doors.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.doors.secrets import Binding, Scrubber, encoded_forms, host_matches, misuses_in, rewrite_request
@@ -510,12 +510,16 @@ def secrets_scrubber(data: bytes) -> None:
             assert form not in out, (v, form)
 
 
-@target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: api.example.org\r\n"
-                                      b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd" for f in (0, 2, 6)]
+@target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: " + h + b"\r\n"
+                                      b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd"
+                                      for f, h in ((0, b"api.example.org"), (2, b"tok.example:443"),
+                                                   (6, b"TOK.example."), (1, b"x.svc.example"))]
+        + [b"\x00\x03GET https://api.example.org/p HTTP/1.1\r\nHost: API.example.org\r\n\r\n"]
         + [b"\x00\x03POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"])
 def intercept_request(data: bytes) -> None:
-    """The request path to a bound host: h11 reads the box's request (or raises h11.RemoteProtocolError), the
-    rewrite swaps or flags each placeholder, and the rewritten request is one h11 sends upstream without error."""
+    """The request path to a bound host: h11 reads the box's request (or raises h11.RemoteProtocolError), a request
+    not for the CONNECT host (its one Host header, an absolute-form target) is refused 400, the rewrite swaps or
+    flags each placeholder, and the rewritten request is one h11 sends upstream without error."""
     inp = Input(data)
     flags, step = inp.byte(), _step(inp.byte())
     chunks = iter(_split(_expand(inp.rest()), step))
@@ -527,13 +531,24 @@ def intercept_request(data: bytes) -> None:
     if request is None:
         return
     host = BOUND_HOSTS[flags % len(BOUND_HOSTS)]
-    rw = rewrite_request(host, request.target, list(request.headers.raw_items()), BINDINGS, tls=True)
+    headers = list(request.headers.raw_items())
+    try:  # a request for another host than the CONNECT's never reaches the rewrite
+        target = bound_target(host, 443, request.method, request.target, headers)
+    except Refused as e:
+        assert e.status == 400
+        return
+    hosts = [v for k, v in headers if k.lower() == b"host"]
+    assert len(hosts) == 1 and str(check_host(re.sub(r":0*443$|:$", "", hosts[0].decode("latin-1")))[1]) == host
+    assert target.startswith(b"/") or target == b"*" and request.method == b"OPTIONS"
+    headers = for_the_connect_host(host, 443, headers)
+    assert [v for k, v in headers if k.lower() == b"host"] == [host.encode()]
+    rw = rewrite_request(host, request.target, headers, BINDINGS, tls=True)
     rw.misuses += misuses_in(body, BINDINGS, "body")
     for b in BINDINGS:
         if b.placeholder.encode() in body:
             assert (b.name, "body") in rw.misuses
     to_up = h11.Connection(h11.CLIENT)
-    to_up.send(h11.Request(method=request.method, target=request.target, headers=rw.headers))
+    to_up.send(h11.Request(method=request.method, target=target, headers=rw.headers))
     if body:
         to_up.send(h11.Data(data=body))
     to_up.send(h11.EndOfMessage())

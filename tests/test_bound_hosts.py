@@ -5,6 +5,7 @@ no address. The TLS checks are real handshakes (Python's ssl, OpenSSL) over memo
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import pytest
 from cryptography import x509
@@ -108,3 +109,67 @@ def test_a_notebook_secret_bound_to_a_host_that_spells_no_address_is_one_error()
     with pytest.raises(TkboxError, match=r"^%box_secret: --host '1\.2\.3\.256': .*looks like an IP address"):
         HostMagics(None, asked.append).run("box_secret", "T --host api.example.org --host 1.2.3.256")
     assert not asked
+
+
+@pytest.mark.parametrize("host, port, method, target, headers, sent", [
+    ("api.example.org", 443, b"GET", b"/v1?x=1", [(b"Host", b"api.example.org")], b"/v1?x=1"),
+    ("api.example.org", 443, b"GET", b"/", [(b"host", b"API.Example.Org.:443")], b"/"),
+    ("api.example.org", 8443, b"POST", b"https://api.example.org:8443/a?b", [(b"Host", b"api.example.org:8443")],
+     b"/a?b"),
+    ("api.example.org", 443, b"GET", b"HTTPS://api.example.org", [(b"Host", b"api.example.org")], b"/"),
+    ("198.18.7.2", 443, b"GET", b"/", [(b"Host", b"0xc6.18.7.2")], b"/"),
+    ("2001:db8::1", 8443, b"GET", b"/", [(b"Host", b"[2001:DB8:0::1]:8443")], b"/"),
+    ("api.example.org", 443, b"OPTIONS", b"*", [(b"Host", b"api.example.org")], b"*"),
+])
+def test_a_request_for_the_connect_host_goes_on_in_origin_form(host, port, method, target, headers, sent):
+    from tkbox_nb.doors.intercept import bound_target, for_the_connect_host
+    assert bound_target(host, port, method, target, headers) == sent
+    want = (f"[{host}]" if ":" in host else host) + ("" if port == 443 else f":{port}")
+    assert for_the_connect_host(host, port, headers + [(b"X", b"y")]) == [(headers[0][0], want.encode()), (b"X", b"y")]
+
+
+@pytest.mark.parametrize("target, headers, why", [
+    (b"/", [(b"Host", b"attacker-tenant.example")], "Host 'attacker-tenant.example' is not api.example.org:443"),
+    (b"https://attacker-tenant.example/collect", [(b"Host", b"attacker-tenant.example")], "Host"),
+    (b"https://attacker-tenant.example/collect", [(b"Host", b"api.example.org")], "target"),
+    (b"https://api.example.org:8443/", [(b"Host", b"api.example.org")], "target"),
+    (b"https://user@api.example.org/", [(b"Host", b"api.example.org")], "target"),
+    (b"http://api.example.org/", [(b"Host", b"api.example.org")], "neither origin-form"),
+    (b"api.example.org:443", [(b"Host", b"api.example.org")], "neither origin-form"),
+    (b"*", [(b"Host", b"api.example.org")], "neither origin-form"),  # not OPTIONS
+    (b"/", [], "0 Host headers"),
+    (b"/", [(b"Host", b"api.example.org"), (b"host", b"attacker-tenant.example")], "2 Host headers"),
+    (b"/", [(b"Host", b"api.example.org"), (b"Host", b"api.example.org")], "2 Host headers"),
+    (b"/", [(b"Host", b"api.example.org:8443")], "Host"),
+    (b"/", [(b"Host", b"api.example.org:" + b"4" * 5000)], "Host"),
+    (b"/", [(b"Host", b"user@api.example.org")], "Host"),
+    (b"/", [(b"Host", b"api.example.org.evil")], "Host"),
+    (b"/", [(b"Host", b"[api.example.org]")], "Host"),
+    (b"/", [(b"Host", b"")], "Host"),
+])
+def test_a_request_naming_another_host_over_the_intercepted_tls_is_refused_before_any_swap(target, headers, why):
+    """Over the TLS to a bound host, the value went into a request whose Host header or absolute-form target named
+    another host (another tenant at the same front end): it is refused with 400, whatever the binding's misuse."""
+    from tkbox_nb.doors.intercept import Refused, bound_target
+    with pytest.raises(Refused, match=re.escape(why)) as e:
+        bound_target("api.example.org", 443, b"GET", target, headers)
+    assert e.value.status == 400
+
+
+def test_a_request_for_another_host_is_answered_400_and_signed_and_nothing_goes_upstream(tmp_path):
+    """Through the door: the misuse is signed for the placeholder the request held, the connection's signed end
+    says why, and the upstream (verified as the CONNECT host) never sees the request."""
+    from tests.bound_relay import VALUE, Upstream, relay
+    upstream = Upstream(tmp_path, lambda head: b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+    out = relay(upstream, lambda b: (f"GET https://attacker-tenant.example/collect HTTP/1.1\r\nHost: "
+                                     f"attacker-tenant.example\r\nAuthorization: {b.placeholder}\r\n\r\n").encode())
+    out.thread.join(5)
+    assert out.read.startswith(b"HTTP/1.1 400 ") and b"attacker-tenant.example" in out.read
+    assert all(VALUE.encode() not in seen for seen in upstream.seen) and not any(upstream.seen)
+    [(kind, facts, verdict)] = out.secrets_records()
+    assert kind == "misuse" and "another host" in facts["where"] and facts["tls"] is True
+    assert out.signed_end["error"].startswith("refused by the secrets door: a request whose Host")
+    good = relay(upstream, lambda b: (f"GET /x HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\n"
+                                      f"Authorization: {b.placeholder}\r\n\r\n").encode())
+    assert good.read.endswith(b"\r\n\r\nok") and [r[0] for r in good.secrets_records()] == ["swap"]
+    assert upstream.seen[-1].startswith(b"GET /x HTTP/1.1\r\nHost: api.tkb.test:%d\r\n" % upstream.port)

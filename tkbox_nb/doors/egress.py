@@ -241,11 +241,11 @@ class EgressDoor:
         """A CONNECT to a host a secret is bound to: TLS terminated and re-originated (intercept.py)."""
         import ssl
 
-        from .intercept import Closed, Unscrubbable, relay_bound
+        from .intercept import Closed, Refused, relay_bound
         started, counts = time.monotonic(), {"bytes_up": 0, "bytes_down": 0, "intercepted": True}
         try:
             relay_bound(self.box, stream, crossing.args["host"], req.port, address, req.rest, bindings, counts)
-        except Unscrubbable as e:
+        except Refused as e:  # a request for another host, a response the scrubber cannot read
             counts["error"] = f"refused by the secrets door: {e}"[:300]
         except (OSError, ssl.SSLError, Closed, StreamClosed) as e:
             counts["error"] = f"{type(e).__name__}: {e}"[:200]

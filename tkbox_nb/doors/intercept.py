@@ -3,8 +3,10 @@
 Only connections to hosts that a secret is bound to come here (egress.py tunnels every other one untouched). The
 box's side of TLS runs over the door stream with `ssl.SSLObject` (memory BIOs, no socket); the upstream side is a
 normal verified TLS socket (the host's trust store, or the policy's `egress.upstream_ca_file`). HTTP/1.1 on both sides
-is h11. Per request: `secrets.rewrite_request` swaps the placeholder in the bound header; each swap and each misuse is
-a signed crossing of the secrets door; a refused misuse is answered 403 and nothing goes upstream. Each response is
+is h11. Per request: it must be for the CONNECT host alone (`bound_target`: one Host header naming it, an
+origin-form target), else it is refused 400 before any swap; `secrets.rewrite_request` swaps the placeholder in the
+bound header; each swap and each misuse is a signed crossing of the secrets door; a refused misuse is answered 403 and
+nothing goes upstream. Each response is
 scrubbed of every value before the box sees it, so it must come in bytes the scrubber reads: every request goes
 upstream with `Accept-Encoding: identity` whatever the box asked, and a response in any other content coding (or a
 transfer coding other than chunked) ends the connection, refused, before any of it reaches the box: a gzipped echo of
@@ -22,7 +24,7 @@ import h11
 
 from .. import protocol as p
 from ..connection import Stream
-from .secrets import Binding, Scrubber, misuses_in, rewrite_request
+from .secrets import Binding, Rewrite, Scrubber, misuses_in, rewrite_request
 
 if TYPE_CHECKING:
     from .context import DoorContext
@@ -35,8 +37,65 @@ class Closed(Exception):
     pass
 
 
-class Unscrubbable(Exception):
+class Refused(Exception):
+    """What the secrets door refuses on a connection to a bound host; the connection ends with this reason, signed in
+    its end. `status` is what the box is answered when nothing of a response has reached it yet."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+class Unscrubbable(Refused):
     """A response from a bound host that the scrubber cannot read; its connection ends with this reason."""
+
+
+def _authority(text: str, default_port: int) -> tuple[str, int] | None:
+    """(host as the egress door states it, port) of `host[:port]`, or None when it is no host the door accepts."""
+    from .hostnames import HostError, check_host
+    from .proxy_request import ProxyRequestError, split_authority
+    try:
+        name, port = split_authority(text, default_port)
+        return str(check_host(name)[1]), port
+    except (ProxyRequestError, HostError, ValueError):
+        return None
+
+
+def connect_authority(host: str, port: int) -> bytes:
+    """The Host header for the CONNECT host: its one spelling (IPv6 in brackets), the port unless it is 443."""
+    name = f"[{host}]" if ":" in host else host
+    return (name if port == 443 else f"{name}:{port}").encode("ascii")
+
+
+def bound_target(host: str, port: int, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The origin-form target of a request inside the TLS to a bound host `host:port` (as the egress door stated it),
+    or Refused (400): the request must be for that host alone, or a swapped value would go to whatever virtual host
+    the Host header or an absolute-form target names at the same server. Exactly one Host header, naming the CONNECT
+    host (in any spelling check_host reads as it) with its port (none: 443); a target in origin-form (`*` for
+    OPTIONS), or absolute-form `https://` with the CONNECT host's authority, sent on in origin-form. Pure."""
+    hosts = [v for k, v in headers if k.lower() == b"host"]
+    if len(hosts) != 1:
+        raise Refused(f"a request with {len(hosts)} Host headers", 400)
+    if _authority(hosts[0].decode("latin-1"), 443) != (host, port):
+        raise Refused(f"a request whose Host {hosts[0][:80].decode('latin-1')!r} is not {host}:{port}", 400)
+    if target.startswith(b"/") or (target == b"*" and method == b"OPTIONS"):
+        return target
+    text = target.decode("latin-1")
+    if text[:8].lower() == "https://":
+        from urllib.parse import urlsplit
+        try:
+            parts = urlsplit(text)
+        except ValueError:
+            parts = None
+        if parts is not None and _authority(parts.netloc, 443) == (host, port):
+            return ((parts.path or "/") + (f"?{parts.query}" if parts.query else "")).encode("latin-1")
+        raise Refused(f"a request whose target {text[:80]!r} is not on {host}:{port}", 400)
+    raise Refused(f"a request target {text[:80]!r} in neither origin-form nor https:// to {host}", 400)
+
+
+def for_the_connect_host(host: str, port: int, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request's headers with its (checked) Host header in the CONNECT host's own spelling."""
+    return [(k, connect_authority(host, port) if k.lower() == b"host" else v) for k, v in headers]
 
 
 def identity_only(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -126,13 +185,22 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
             request, body = read_request(tls.recv, from_box)
             if request is None:
                 return
-            rw = rewrite_request(host, request.target, list(request.headers.raw_items()), bindings, tls=True)
+            headers = list(request.headers.raw_items())
+            try:  # before any swap: a value goes only to the host the door dialled and verified
+                target = bound_target(host, port, request.method, request.target, headers)
+            except Refused as e:
+                sent = b"\n".join([request.target, *(k + b":" + v for k, v in headers), body])
+                record_secret_crossings(box, host, bindings, Rewrite(headers=[], misuses=misuses_in(
+                    sent, bindings, f"a request for another host ({str(e)[:120]})")), tls=True)
+                tls.send(_answer(from_box, e.status, f"tkbox secrets door: refused: {e}\n"))
+                raise
+            rw = rewrite_request(host, request.target, for_the_connect_host(host, port, headers), bindings, tls=True)
             rw.misuses += misuses_in(body, bindings, "body")
             refused = record_secret_crossings(box, host, bindings, rw, tls=True)
             if refused:
                 tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
                 return
-            upstream.sendall(to_up.send(h11.Request(method=request.method, target=request.target,
+            upstream.sendall(to_up.send(h11.Request(method=request.method, target=target,
                                                     headers=identity_only(rw.headers))))
             if body:
                 upstream.sendall(to_up.send(h11.Data(data=body)))
