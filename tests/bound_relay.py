@@ -20,7 +20,7 @@ from tkbox_nb.doors.egress import EgressDoor
 from tkbox_nb.doors.proxy_request import ProxyRequest
 from tkbox_nb.doors.secrets import Binding
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import Crossing
+from tkbox_nb.recorder import Crossing, sha256_digest
 
 HOST = "api.tkb.test"
 VALUE = "sk-live-REALSECRETVALUE-0123456789abcdef"
@@ -57,7 +57,8 @@ class FakeRecorder:
     def decide(self, door, kind, facts, content=None):
         v = self.policy.decide(dict(facts, door=door, kind=kind))
         self.log.append(("decide", door, kind, facts, v.verdict))
-        return Crossing(f"{door}-{len(self.log)}", door, dict(facts, rule=v.rule), v, decision=v.verdict,
+        args = dict(facts, rule=v.rule, **{k: sha256_digest(c) for k, c in (content or {}).items()})
+        return Crossing(f"{door}-{len(self.log)}", door, args, v, decision=v.verdict,
                         decision_id="d" if v.verdict == "allow" else None)
 
     def complete(self, crossing, status, result, content=None):

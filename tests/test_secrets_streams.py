@@ -108,3 +108,122 @@ def test_bytes_that_merely_resemble_a_spelling_pass_unchanged():
     scrubber = Scrubber(["abc"])
     text = b"YWJj 616263 abc"
     assert scrubber.feed(text) + scrubber.flush() == b"YWJj 616263 ***"
+
+
+BAD_VALUES = {"a trailing space": "sk-live-SECRET-pasted ", "a leading tab": "\tsk-live-SECRET",
+              "an escape": "sk-live-SECRET\x1bx", "a NUL": "sk-live\x00SECRET", "a line break": "sk-live\nSECRET",
+              "DEL": "sk-live-SECRET\x7f", "a C1 control": "sk-live-SECRET\x85x", "a lone surrogate": "sk-\udcffSECRET",
+              "a tab inside": "sk-live\tSECRET", "too long": "sk-live-SECRET" + "x" * (16 * 1024)}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_VALUES))
+def test_a_value_that_is_no_legal_header_value_is_refused_where_it_enters_naming_its_source(what, monkeypatch,
+                                                                                            tmp_path):
+    """h11 named such a value in its error ("Illegal header value b'...'"), which reached the box and the signed
+    record (or let it go upstream as it was). Now every way a value enters refuses it first: read_value (env:,
+    file:), a model key, the binding (the value and the header its format makes) and %box_secret; each error names
+    the source, never the value."""
+    from tkbox_nb.doors.model import _read_key
+    from tkbox_nb.doors.secrets import Binding, check_binding, read_value
+    from tkbox_nb.errors import PolicyError, TkboxError
+    from tkbox_nb.notebook_box import HostMagics
+    value = BAD_VALUES[what]
+    readers = {"prompt": lambda: check_binding(Binding("K", ["h"], "Authorization", "{value}", "prompt", value=value)),
+               "%box_secret": lambda: HostMagics(None, lambda prompt: value).run("box_secret", "K --host h")}
+    if "\x00" not in value:  # no environment holds a NUL
+        monkeypatch.setenv("TKB_TEST_VALUE", value)
+        readers.update({"env": lambda: read_value("K", "env:TKB_TEST_VALUE"),
+                        "model key": lambda: _read_key("openai", "env:TKB_TEST_VALUE"),
+                        "%box_secret --env": lambda: HostMagics(None, None).run("box_secret",
+                                                                               "K --host h --env TKB_TEST_VALUE")})
+    if value.strip() == value:  # a file's value is read without the space around it
+        (tmp_path / "v").write_bytes(value.encode("utf-8", "surrogateescape") + b"\n")
+        readers["file"] = lambda: read_value("K", f"file:{tmp_path}/v")
+    errors = {}
+    for source, read in readers.items():
+        with pytest.raises((PolicyError, TkboxError)) as e:
+            read()
+        errors[source] = str(e.value)
+    assert errors["prompt"].startswith("secrets.K: the value from prompt ")
+    assert errors["%box_secret"].startswith("%box_secret: secrets.K: the value from prompt ")
+    if "env" in errors:
+        assert errors["env"].startswith("secrets.K: the value from env:TKB_TEST_VALUE ")
+        assert errors["model key"].startswith("models.openai.key: the value from env:TKB_TEST_VALUE ")
+        assert "from env:TKB_TEST_VALUE" in errors["%box_secret --env"]
+    if "file" in errors:
+        assert f"{tmp_path}/v" in errors["file"]
+    for text in errors.values():
+        assert "SECRET" not in text and "\n" not in text
+
+
+@pytest.mark.parametrize("format_", ["Bearer\t{value}", "{value} ", "{value}\r\nX-Evil: 1"])
+def test_a_format_making_an_illegal_header_is_refused_when_bound(format_, monkeypatch):
+    from tkbox_nb.doors.model import _read_key
+    from tkbox_nb.doors.secrets import Binding, check_binding
+    from tkbox_nb.errors import PolicyError, TkboxError
+    from tkbox_nb.notebook_box import HostMagics
+    with pytest.raises(PolicyError, match="Authorization header it makes"):
+        check_binding(Binding("K", ["h"], "Authorization", format_, "env:K", value="sk-live-SECRET"))
+    with pytest.raises(TkboxError, match="^%box_secret: --header must be one header name$"):
+        HostMagics(None, lambda prompt: "v").run("box_secret", "K --host h --header 'X-A: b'")
+    monkeypatch.setenv("TKB_TEST_KEY", "sk-clé-SECRET")
+    with pytest.raises(PolicyError, match="^models.openai.key: the value from env:TKB_TEST_KEY is not ASCII$"):
+        _read_key("openai", "env:TKB_TEST_KEY")
+
+
+def test_an_error_on_a_path_holding_a_value_is_starred_in_any_spelling_python_writes_it():
+    """error_text: what the egress and model doors say to the box and sign when an exception ends a connection that
+    held values. h11's own error for a value it refuses is the case in point (the value repr'd, escapes and all)."""
+    import h11
+
+    from tkbox_nb.doors.secrets import error_text
+    value = "sk-live-SECRET-pasted "
+    with pytest.raises(h11.LocalProtocolError) as e:
+        h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target="/", headers=[
+            ("Host", "a"), ("Authorization", value.encode("utf-8"))]))
+    assert "SECRET" in str(e.value)  # what the door used to pass on
+    said = error_text(e.value, [value])
+    assert said == "LocalProtocolError: Illegal header value b'" + "*" * len(value) + "'"
+    for value in ("sk-clé-SECRET\x01", "sk-live-SECRET\x85", "sk-live-SECRET"):
+        said = error_text(ValueError(f"x {value!r} {value} {value.encode()} {value.encode()!r}"), ["other", value])
+        assert said.startswith("ValueError: x ") and "SECRET" not in said
+
+
+def test_a_value_the_door_could_not_send_never_reaches_the_box_or_the_signed_end(tmp_path):
+    """A binding made past the checks (as the reviewer's was): the relay's error is signed with the value starred."""
+    from tests.bound_relay import Upstream, binding, relay
+    upstream = Upstream(tmp_path, lambda head: b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    b = binding()
+    b.value = "sk-live-SECRET-with-trailing-space "
+    out = relay(upstream, (f"GET / HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\n"
+                           f"Authorization: {b.placeholder}\r\n\r\n").encode(), bindings=[b])
+    out.thread.join(5)
+    assert "SECRET" not in out.read.decode("latin-1") and "SECRET" not in repr(out.box.recorder.log)
+    assert out.signed_end["error"].startswith("LocalProtocolError: Illegal header value b'Bearer ****")
+
+
+def test_a_model_key_the_door_could_not_send_never_reaches_the_box_or_the_record(monkeypatch):
+    """The model door's answer to the box and its signed result, when httpx refuses the key it was given."""
+    from tests.bound_relay import FakeBox, FakeStream
+    from tkbox_nb import protocol as p
+    from tkbox_nb.doors.model import ModelDoor
+    from tkbox_nb.policy import Policy
+    import socket
+    listener = socket.socket()  # connected to, never answering: the request fails in httpx before it goes
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    monkeypatch.setenv("TKB_TEST_KEY", "sk-ant-legal")
+    policy = Policy.from_toml('[models]\nallow = ["anthropic:*"]\n[models.anthropic]\n'
+                              f'base_url = "http://127.0.0.1:{listener.getsockname()[1]}"\nkey = "env:TKB_TEST_KEY"\n')
+    box = FakeBox(policy, [])
+    door = ModelDoor(box)
+    door._keys[("anthropic", "env:TKB_TEST_KEY")] = "sk-ant-SECRETKEY-with-a-trailing-space "  # past the checks
+    body = b'{"model":"claude-x","max_tokens":5,"messages":[]}'
+    stream = FakeStream()
+    stream.events.put(("data", p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
+    door._serve(stream)
+    read = b"".join(iter(lambda: box.conn.out.get(timeout=1) or b"", b""))
+    assert b"anthropic upstream: LocalProtocolError: Illegal header value b'****" in read
+    assert b"SECRETKEY" not in read and "SECRETKEY" not in repr(box.recorder.log)
+    listener.close()

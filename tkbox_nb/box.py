@@ -45,7 +45,7 @@ CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
 def _bindings(policy: Policy, given: dict[str, Any]) -> list:
     """The box's secret bindings: the policy's [secrets.NAME] (values read now, on the host) and those a notebook
     gave (`%box_secret`, value already read). A given binding of the same name wins."""
-    from .doors.secrets import Binding, read_value
+    from .doors.secrets import Binding, check_binding, read_value
     out = {}
     for name, spec in policy.data.get("secrets", {}).items():
         if name in given:
@@ -56,6 +56,8 @@ def _bindings(policy: Policy, given: dict[str, Any]) -> list:
                             spec["misuse"], read_value(name, spec["source"]))
     for name, g in given.items():
         out[name] = Binding(name, list(g.hosts), g.header, g.format, g.source, "flag", g.value)
+    for b in out.values():  # the value and the header it makes are legal HTTP before anything is bound or sent
+        check_binding(b)
     return list(out.values())
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import threading
 import time
@@ -347,6 +348,8 @@ class HostMagics:
             raise TkboxError(f"%box_secret: {e}") from None
         if "{value}" not in a.format:
             raise TkboxError("%box_secret: --format must contain {value}")
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", a.header):
+            raise TkboxError("%box_secret: --header must be one header name")
         from .doors.hostnames import HostError, literal_address
         for host in a.host:
             try:  # an IP literal is matched as the address it spells (docs/policy.md), so it must spell one
@@ -361,6 +364,11 @@ class HostMagics:
             value, source = self.read_secret(f"value of {a.name} (stays on the host): "), "prompt"
             if not value:
                 raise TkboxError(f"%box_secret: no value given for {a.name}")
+        from .doors.secrets import Binding, check_binding
+        try:  # a legal HTTP header value, and the header it makes (an error names the source, never the value)
+            check_binding(Binding(a.name, a.host, a.header, a.format, source, value=value))
+        except PolicyError as e:
+            raise TkboxError(f"%box_secret: {e}") from None
         binding = SecretBinding(a.name, a.host, a.header, a.format, source, value)
         self.nb.secrets[a.name] = binding
         when = "from the next box (%box_restart)" if self.nb.live else "when the box starts"

@@ -242,17 +242,19 @@ class EgressDoor:
         import ssl
 
         from .intercept import Closed, Refused, relay_bound
+        from .secrets import error_text
         started, counts = time.monotonic(), {"bytes_up": 0, "bytes_down": 0, "intercepted": True}
+        values = [b.value for b in bindings]  # an error on this path may quote a value (h11 names an illegal header)
         try:
             relay_bound(self.box, stream, crossing.args["host"], req.port, address, req.rest, bindings, counts)
         except Refused as e:  # a request for another host, a response the scrubber cannot read
-            counts["error"] = f"refused by the secrets door: {e}"[:300]
+            counts["error"] = "refused by the secrets door: " + error_text(e, values).partition(": ")[2][:270]
         except (OSError, ssl.SSLError, Closed, StreamClosed) as e:
-            counts["error"] = f"{type(e).__name__}: {e}"[:200]
+            counts["error"] = error_text(e, values)
             if not counts["bytes_up"] and isinstance(e, (ssl.SSLCertVerificationError, ConnectionError)):
-                self._answer(stream, 502, f"tkbox egress door: {req.host}:{req.port}: {e}\n")
+                self._answer(stream, 502, f"tkbox egress door: {req.host}:{req.port}: {error_text(e, values)}\n")
         except Exception as e:  # h11 errors on either side end this connection only
-            counts["error"] = f"{type(e).__name__}: {e}"[:200]
+            counts["error"] = error_text(e, values)
         finally:
             try:
                 self.box.conn.close(stream.sid)

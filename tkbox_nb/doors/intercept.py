@@ -24,7 +24,7 @@ import h11
 
 from .. import protocol as p
 from ..connection import Stream
-from .secrets import Binding, Rewrite, Scrubber, misuses_in, rewrite_request
+from .secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
 
 if TYPE_CHECKING:
     from .context import DoorContext
@@ -211,7 +211,8 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
                     return
             except Unscrubbable as e:
                 if from_box.our_state is h11.SEND_RESPONSE:  # nothing of the response has reached the box
-                    tls.send(_answer(from_box, 502, f"tkbox secrets door: refused the response from {host}: {e}\n"))
+                    why = error_text(e, scrubber_values).partition(": ")[2]  # an upstream's words may echo a value
+                    tls.send(_answer(from_box, 502, f"tkbox secrets door: refused the response from {host}: {why}\n"))
                 raise
             if from_box.our_state is h11.DONE and from_box.their_state is h11.DONE and \
                     to_up.our_state is h11.DONE and to_up.their_state is h11.DONE:

@@ -217,7 +217,7 @@ class ModelDoor:
                   body: bytearray, usage_reader: UsageReader, started: float) -> None:
         import httpx
 
-        from .secrets import Scrubber
+        from .secrets import Scrubber, error_text
         provider = self.box.policy.data.get("models", {}).get("providers", {}).get(req.provider)
         if provider is None:  # the policy changed since the decision
             raise _Failed(403, f"[models.{req.provider}] is not configured")
@@ -233,20 +233,24 @@ class ModelDoor:
             with self._client.stream("POST", provider["base_url"] + req.endpoint, content=req.body,
                                      headers=headers, timeout=self.box.policy.model("timeout_s")) as r:
                 result["first_byte_ms"] = int((time.monotonic() - started) * 1000)
-                ctype = r.headers.get("content-type", "application/json")[:200]
+                ctype = scrub.scrub(r.headers.get("content-type", "application/json").encode("utf-8", "replace"))
+                ctype = ctype.decode("utf-8", "replace")[:200]  # scrubbed: a head's words reach the box too
                 result.update(status_code=r.status_code, content_type=ctype)
                 self._send_head(stream, parser, r.status_code, ctype)
                 for chunk in r.iter_bytes():
                     self._send_body(stream, parser, scrub.feed(chunk), body, usage_reader)
                 self._send_body(stream, parser, scrub.flush(), body, usage_reader)
         except httpx.HTTPError as e:
-            raise _Failed(502, f"{req.provider} upstream: {type(e).__name__}: {e}", "api_error") from None
+            # h11 and httpx name an illegal header value in their errors: the key is starred if it is in one
+            raise _Failed(502, f"{req.provider} upstream: {error_text(e, [key])}", "api_error") from None
 
     def _key(self, name: str, provider: dict) -> str:
         """The provider's key, read on the host (once per source): a [secrets.NAME] binding's value or key = env:/file:."""
         if "secret" in provider:
             for b in self.box.bindings:
-                if b.name == provider["secret"]:
+                if b.name == provider["secret"]:  # its value was checked when it was bound (secrets.check_binding)
+                    if not b.value.isascii():
+                        raise _Failed(502, f"the secret {b.name} holding the {name} key is not ASCII", "api_error")
                     return b.value
             raise _Failed(502, f"the secret {provider['secret']} holding the {name} key is not bound", "api_error")
         source = provider.get("key", "")
@@ -298,11 +302,16 @@ class ModelDoor:
 
 
 def _read_key(name: str, source: str) -> str:
+    """A provider's key from `source`, checked as read_value checks a secret (a legal HTTP header value) and ASCII,
+    as httpx sends a header; errors name the source, never the key."""
     from .secrets import read_value
     try:
-        return read_value(name, source)
+        key = read_value(name, source)
     except PolicyError as e:  # its message names the source, never a value
         raise PolicyError(str(e).replace(f"secrets.{name}:", f"models.{name}.key:", 1)) from None
+    if not key.isascii():
+        raise PolicyError(f"models.{name}.key: the value from {source} is not ASCII")
+    return key
 
 
 class _Failed(Exception):

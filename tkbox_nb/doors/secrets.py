@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import secrets as _random
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,9 +49,52 @@ class Binding:
             return self.format.encode("utf-8").replace(b"{value}", value)
         return sent.replace(placeholder, value)
 
+    def formatted(self) -> str:
+        """The bound header's value when the box sends the bare placeholder."""
+        return self.format.replace("{value}", self.value)
+
+
+def value_problem(value: str) -> str:
+    """Why `value` cannot be (part of) an HTTP header field value as it is, "" when it can: empty, over MAX_VALUE
+    characters, whitespace at either end, a control character (tab, line break, NUL, DEL, C0 or C1) or a lone
+    surrogate. The answer never quotes the value: h11 and httpx name an illegal header value in their errors, so a
+    value that reached them would be in the error the box and the record get."""
+    if not value:
+        return "is empty"
+    if len(value) > MAX_VALUE:
+        return f"is over {MAX_VALUE} characters"
+    if value != value.strip():
+        return "has whitespace at its start or end"
+    if any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        return "holds a control character (a tab, line break, NUL, DEL, ...) or a lone surrogate"
+    return ""
+
+
+def check_binding(b: Binding) -> None:
+    """PolicyError unless the binding's value, and its bound header as `format` makes it, are legal HTTP field
+    values (checked when the box binds it, before anything is sent). The error names the binding and its source."""
+    for what, text in (("value", b.value), (f"{b.header} header it makes (format)", b.formatted())):
+        problem = value_problem(text)
+        if problem:
+            raise PolicyError(f"secrets.{b.name}: the {what} from {b.source} {problem}; it must be a legal HTTP "
+                              "header value")
+
+
+def error_text(e: BaseException, values: list[str]) -> str:
+    """What an exception raised on a path that held secret `values` may say to the box or in a record: its type
+    name and its message with every value starred, in each spelling the scrubber knows and as Python's reprs write
+    it (`b'...'` escapes and all), cut at 200 characters."""
+    try:
+        reprs = [r for v in values if v for r in (repr(v)[1:-1], repr(v.encode("utf-8"))[2:-1])]
+        text = Scrubber(list(values) + reprs).scrub(str(e).encode("utf-8", "backslashreplace"))
+    except (UnicodeError, ValueError):  # a value no binding could hold (checked when bound): say only what failed
+        return type(e).__name__
+    return f"{type(e).__name__}: {text.decode('utf-8', 'replace')}"[:200]
+
 
 def read_value(name: str, source: str) -> str:
-    """The value of a binding from its source, read on the host. Errors name the source, never a value."""
+    """The value of a binding from its source, read on the host, checked as an HTTP field value (value_problem).
+    Errors name the source, never a value."""
     kind, _, where = source.partition(":")
     if kind == "env":
         value = os.environ.get(where)
@@ -60,11 +104,13 @@ def read_value(name: str, source: str) -> str:
         try:
             value = Path(os.path.expanduser(where)).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise PolicyError(f"secrets.{name}: cannot read {where}: {getattr(e, 'strerror', None) or e}") from None
+            why = getattr(e, "strerror", None) or type(e).__name__  # a decode error quotes the file's bytes
+            raise PolicyError(f"secrets.{name}: cannot read {where}: {why}") from None
     else:
         raise PolicyError(f"secrets.{name}: source must be env:VAR or file:PATH (or a notebook's %box_secret)")
-    if len(value) > MAX_VALUE or any(c in value for c in "\r\n\x00"):
-        raise PolicyError(f"secrets.{name}: the value is over {MAX_VALUE} characters or holds a line break or NUL")
+    problem = value_problem(value)
+    if problem:
+        raise PolicyError(f"secrets.{name}: the value from {source} {problem}; it must be a legal HTTP header value")
     return value
 
 
