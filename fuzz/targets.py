@@ -37,7 +37,7 @@ from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, 
 from tkbox_nb.doors.box_ca import BoxCA
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
 from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
-from tkbox_nb.doors.intercept import Refused, bound_target, for_the_connect_host, read_request
+from tkbox_nb.doors.intercept import Refused, bound_target, end_to_end, for_the_connect_host, read_request
 from tkbox_nb.guest import vm
 from tkbox_nb.doors.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.doors.secrets import Binding, Scrubber, encoded_forms, host_matches, misuses_in, rewrite_request
@@ -515,11 +515,14 @@ def secrets_scrubber(data: bytes) -> None:
                                       for f, h in ((0, b"api.example.org"), (2, b"tok.example:443"),
                                                    (6, b"TOK.example."), (1, b"x.svc.example"))]
         + [b"\x00\x03GET https://api.example.org/p HTTP/1.1\r\nHost: API.example.org\r\n\r\n"]
-        + [b"\x00\x03POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"])
+        + [b"\x00\x03POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"]
+        + [b"\x00\x00GET / HTTP/1.1\r\nHost: api.example.org\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+           b"\x00\x00CONNECT api.example.org:443 HTTP/1.1\r\nHost: api.example.org\r\n\r\n"])
 def intercept_request(data: bytes) -> None:
     """The request path to a bound host: h11 reads the box's request (or raises h11.RemoteProtocolError), a request
     not for the CONNECT host (its one Host header, an absolute-form target) is refused 400, the rewrite swaps or
-    flags each placeholder, and the rewritten request is one h11 sends upstream without error."""
+    flags each placeholder, and the rewritten request is one h11 sends upstream without error; CONNECT and a switch
+    of protocols are refused (501) as they are read, since h11 only pauses on them."""
     inp = Input(data)
     flags, step = inp.byte(), _step(inp.byte())
     chunks = iter(_split(_expand(inp.rest()), step))
@@ -528,6 +531,12 @@ def intercept_request(data: bytes) -> None:
         request, body = read_request(lambda: next(chunks, b""), from_box)
     except h11.RemoteProtocolError:
         return
+    except Refused as e:  # CONNECT or a switch of protocols
+        assert e.status == 501
+        return
+    if request is not None:
+        assert request.method != b"CONNECT" and not any(k in (b"upgrade", b"http2-settings") for k, _ in
+                                                         request.headers)
     if request is None:
         return
     host = BOUND_HOSTS[flags % len(BOUND_HOSTS)]
@@ -543,6 +552,7 @@ def intercept_request(data: bytes) -> None:
     headers = for_the_connect_host(host, 443, headers)
     assert [v for k, v in headers if k.lower() == b"host"] == [host.encode()]
     rw = rewrite_request(host, request.target, headers, BINDINGS, tls=True)
+    rw.headers = end_to_end(rw.headers)
     rw.misuses += misuses_in(body, BINDINGS, "body")
     for b in BINDINGS:
         if b.placeholder.encode() in body:

@@ -227,3 +227,93 @@ def test_a_model_key_the_door_could_not_send_never_reaches_the_box_or_the_record
     assert b"anthropic upstream: LocalProtocolError: Illegal header value b'****" in read
     assert b"SECRETKEY" not in read and "SECRETKEY" not in repr(box.recorder.log)
     listener.close()
+
+
+@pytest.mark.parametrize("head, why", [
+    (b"CONNECT api.tkb.test:443 HTTP/1.1\r\nHost: api.tkb.test\r\n\r\n", "CONNECT inside the TLS"),
+    (b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", "Upgrade: websocket"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\nHTTP2-Settings: AAA\r\n\r\n", "Upgrade: h2c"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, UPGRADE\r\n\r\n", "a switch of protocols"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHTTP2-Settings: AAA\r\n\r\n", "a switch of protocols"),
+])
+def test_a_request_to_switch_protocols_inside_the_tls_to_a_bound_host_is_refused_501(head, why):
+    """h11 pauses on CONNECT and on an Upgrade, and the relay spun on PAUSED at 100% CPU for good; nor could the
+    scrubber read what follows a switch."""
+    import h11
+
+    from tkbox_nb.doors.intercept import Refused, read_request
+    chunks = iter([head])
+    with pytest.raises(Refused, match=why) as e:
+        read_request(lambda: next(chunks, b""), h11.Connection(h11.SERVER))
+    assert e.value.status == 501
+
+
+def test_hop_by_hop_headers_do_not_go_to_the_bound_host():
+    from tkbox_nb.doors.intercept import end_to_end
+    sent = [(b"Host", b"a"), (b"Connection", b"keep-alive, X-Hop"), (b"Keep-Alive", b"5"), (b"X-Hop", b"1"),
+            (b"TE", b"trailers"), (b"Proxy-Authorization", b"x"), (b"Content-Length", b"3"), (b"X-End", b"2")]
+    assert end_to_end(sent) == [(b"Host", b"a"), (b"Content-Length", b"3"), (b"X-End", b"2")]
+
+
+def test_a_paused_or_switched_upstream_ends_the_relay_instead_of_spinning():
+    """_relay_response on what h11 gives after a CONNECT's 2xx (PAUSED, again and again) and on a 101: it returns,
+    or refuses the 101 as unscrubbable, in bounded time."""
+    import threading
+
+    import h11
+
+    from tkbox_nb.doors.intercept import Unscrubbable, _relay_response
+
+    class Upstream:
+        def __init__(self, data):
+            self.data = [data]
+
+        def recv(self, n):
+            return self.data.pop() if self.data else b""
+
+    class ToBox:
+        sent = b""
+
+        def send(self, data):
+            self.sent += data
+
+    outcomes = {}
+    for name, method, answer in (("connect", "CONNECT", b"HTTP/1.1 200 OK\r\n\r\nafter the switch"),
+                                 ("upgrade", "GET", b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                                    b"Connection: Upgrade\r\n\r\n\x81\x05hello")):
+        head = [("Host", "a")] + ([("Connection", "Upgrade"), ("Upgrade", "websocket")] if method == "GET" else [])
+        to_up, from_box = h11.Connection(h11.CLIENT), h11.Connection(h11.SERVER)
+        to_up.send(h11.Request(method=method, target="a:443" if method == "CONNECT" else "/", headers=head))
+        to_up.send(h11.EndOfMessage())
+        from_box.receive_data(h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target="/", headers=head[:1])))
+        from_box.next_event()
+        from_box.next_event()
+        box = ToBox()
+
+        def run(name=name, to_up=to_up, from_box=from_box, box=box, answer=answer):
+            try:
+                outcomes[name] = _relay_response(Upstream(answer), to_up, box, from_box, Scrubber(["v"]),
+                                                 {"bytes_down": 0})
+            except Unscrubbable as e:
+                outcomes[name] = str(e)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), f"{name}: the relay spins"
+        assert b"after the switch" not in box.sent and b"hello" not in box.sent
+    assert outcomes == {"connect": False, "upgrade": "a switch of protocols (101) cannot be scrubbed of secret values"}
+
+
+def test_an_upgrade_through_the_door_gets_501_and_a_101_from_upstream_a_502(tmp_path):
+    from tests.bound_relay import Upstream, relay
+    switching = Upstream(tmp_path, lambda head: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                                b"Connection: Upgrade\r\n\r\n")
+    out = relay(switching, (f"GET /ws HTTP/1.1\r\nHost: api.tkb.test:{switching.port}\r\nConnection: Upgrade\r\n"
+                            "Upgrade: websocket\r\n\r\n").encode())
+    out.thread.join(5)
+    assert not out.thread.is_alive() and out.read.startswith(b"HTTP/1.1 501 ") and not any(switching.seen)
+    assert out.signed_end["error"] == "refused by the secrets door: a switch of protocols (Upgrade: websocket)"
+    out = relay(switching, f"GET / HTTP/1.1\r\nHost: api.tkb.test:{switching.port}\r\n\r\n".encode())
+    out.thread.join(5)
+    assert not out.thread.is_alive() and out.read.startswith(b"HTTP/1.1 502 ")
+    assert out.signed_end["error"].startswith("refused by the secrets door: ")  # h11 too refuses an unasked 101

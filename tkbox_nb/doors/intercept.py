@@ -182,7 +182,11 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
         scrubber_values = [b.value for b in bindings]
         from_box, to_up = h11.Connection(h11.SERVER), h11.Connection(h11.CLIENT)
         while True:
-            request, body = read_request(tls.recv, from_box)
+            try:
+                request, body = read_request(tls.recv, from_box)
+            except Refused as e:  # CONNECT or a switch of protocols: nothing the door could scrub
+                tls.send(_answer(from_box, e.status, f"tkbox secrets door: refused: {e}\n"))
+                raise
             if request is None:
                 return
             headers = list(request.headers.raw_items())
@@ -201,7 +205,7 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
                 tls.send(_answer(from_box, 403, f"tkbox secrets door: refused: {refused}\n"))
                 return
             upstream.sendall(to_up.send(h11.Request(method=request.method, target=target,
-                                                    headers=identity_only(rw.headers))))
+                                                    headers=identity_only(end_to_end(rw.headers)))))
             if body:
                 upstream.sendall(to_up.send(h11.Data(data=body)))
             upstream.sendall(to_up.send(h11.EndOfMessage()))
@@ -224,9 +228,31 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
         upstream.close()
 
 
+def end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request's headers without the hop-by-hop ones (those proxy_request.HOP_BY_HOP names, HTTP2-Settings, and
+    any the Connection header lists): they are this hop's, and the door speaks its own HTTP/1.1 upstream."""
+    from .proxy_request import HOP_BY_HOP
+    named = {t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")}
+    drop = HOP_BY_HOP | {b"http2-settings"} | named
+    return [(k, v) for k, v in headers if k.lower() not in drop]
+
+
+def switches_protocol(request: h11.Request) -> str:
+    """Why the request asks to leave HTTP/1.1 (CONNECT, an Upgrade such as websocket or h2c), or ""."""
+    if request.method == b"CONNECT":
+        return "CONNECT inside the TLS to a bound host"
+    connection = {t.strip().lower() for k, v in request.headers if k == b"connection" for t in v.split(b",")}
+    upgrade = [v for k, v in request.headers if k == b"upgrade"]
+    if upgrade or b"upgrade" in connection or any(k == b"http2-settings" for k, _ in request.headers):
+        return f"a switch of protocols (Upgrade: {(upgrade or [b''])[0][:40].decode('latin-1')})"
+    return ""
+
+
 def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
     """The box's next request and its body (sans-IO but for `recv`, which gives the next bytes, b"" at the end, or
-    raises Closed); None at the end. A malformed request raises h11.RemoteProtocolError. Fuzzed."""
+    raises Closed); None at the end. A malformed request raises h11.RemoteProtocolError; CONNECT or an Upgrade
+    (websocket, h2c) Refused (501), as its bytes after the switch could not be scrubbed, and h11 pauses on it.
+    Fuzzed."""
     request, body = None, bytearray()
     while True:
         event = conn.next_event()
@@ -239,6 +265,9 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
         if isinstance(event, h11.Request):
             if not any(name == b"host" for name, _ in event.headers):  # h11 asks it of HTTP/1.1 only; upstream needs it
                 raise h11.RemoteProtocolError("a request to a bound host without a Host header")
+            why = switches_protocol(event)
+            if why:
+                raise Refused(why, 501)
             request = event
         elif isinstance(event, h11.Data):
             body += event.data
@@ -246,7 +275,7 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
                 raise h11.RemoteProtocolError("a request body over 16 MiB to a bound host")
         elif isinstance(event, h11.EndOfMessage):
             return request, bytes(body)
-        elif isinstance(event, h11.ConnectionClosed):
+        else:  # ConnectionClosed, or PAUSED (which h11 would give again and again): the end
             return None, b""
 
 
@@ -281,6 +310,8 @@ def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.
             to_up.receive_data(data)
             continue
         if isinstance(event, (h11.Response, h11.InformationalResponse)):
+            if event.status_code == 101:  # what follows is no HTTP the scrubber reads (h11 only pauses on it)
+                raise Unscrubbable("a switch of protocols (101) cannot be scrubbed of secret values")
             coding = unscrubbable_coding(event.headers)
             if coding:
                 raise Unscrubbable(f"{coding} cannot be scrubbed of secret values (the door asked for identity)")
@@ -298,7 +329,7 @@ def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.
                 tls.send(from_box.send(h11.Data(data=rest)))
             tls.send(from_box.send(h11.EndOfMessage()))
             return True
-        elif isinstance(event, h11.ConnectionClosed):
+        else:  # ConnectionClosed, PAUSED (given again and again, never more data: a spin) or anything else
             return False
 
 
