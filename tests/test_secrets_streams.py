@@ -317,3 +317,55 @@ def test_an_upgrade_through_the_door_gets_501_and_a_101_from_upstream_a_502(tmp_
     out.thread.join(5)
     assert not out.thread.is_alive() and out.read.startswith(b"HTTP/1.1 502 ")
     assert out.signed_end["error"].startswith("refused by the secrets door: ")  # h11 too refuses an unasked 101
+
+
+def _echo(head: bytes) -> bytes:
+    """A bound host that reflects the Authorization it got: in its status line for /reason, else in a JSON body,
+    honouring Range (or, for /partial, answering a piece whatever was asked)."""
+    import re
+    auth = re.search(rb"(?im)^authorization: (.*?)\r$", head).group(1)
+    path = head.split(b" ")[1]
+    if path == b"/reason":
+        return b"HTTP/1.1 401 Invalid credentials " + auth + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    body = b'{"authorization": "' + auth + b'"}'
+    m = re.search(rb"(?im)^range: bytes=(\d+)-(\d+)\r$", head)
+    if m or path in (b"/partial", b"/content-range"):
+        a, z = (int(m.group(1)), int(m.group(2))) if m else (20, 25)
+        status = b"200 OK" if path == b"/content-range" else b"206 Partial Content"
+        return (b"HTTP/1.1 %s\r\ncontent-range: bytes %d-%d/%d\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                % (status, a, z, len(body), len(body[a:z + 1]))) + body[a:z + 1]
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
+
+
+def test_the_reason_phrase_of_a_bound_host_never_carries_the_value(tmp_path):
+    """The status line's reason went to the box as the bound host wrote it, unscrubbed: the box gets HTTP's own."""
+    from tests.bound_relay import VALUE, Upstream, relay
+    from tkbox_nb.doors.intercept import standard_reason
+    upstream = Upstream(tmp_path, _echo)
+    out = relay(upstream, lambda b: (f"GET /reason HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\n"
+                                     f"Authorization: {b.placeholder}\r\n\r\n").encode())
+    assert VALUE.encode() in upstream.seen[-1]  # swapped, and echoed in the reason
+    assert out.read.startswith(b"HTTP/1.1 401 Unauthorized\r\n") and b"REALSECRET" not in out.read
+    assert (standard_reason(200), standard_reason(418), standard_reason(599)) == (b"OK", b"I'm a Teapot", b"")
+
+
+def test_a_value_cannot_be_read_in_pieces_with_range(tmp_path):
+    """Six bytes at a time, each piece too short to be a spelling the scrubber finds, the box put the value back
+    together. Range and If-Range no longer go to a bound host, and a partial answer (206, or any Content-Range) is
+    refused as unscrubbable."""
+    from tests.bound_relay import VALUE, Upstream, relay
+    upstream = Upstream(tmp_path, _echo)
+    for a in (0, 27, 54):
+        out = relay(upstream, lambda b: (f"GET / HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\nAuthorization: "
+                                         f"{b.placeholder}\r\nRange: bytes={a}-{a + 5}\r\nIf-Range: x\r\n\r\n"
+                                         ).encode())
+        assert b"range" not in upstream.seen[-1].lower()
+        assert out.read.startswith(b"HTTP/1.1 200 OK\r\n") and b'Bearer ' + b"*" * len(VALUE) in out.read
+    for path in ("/partial", "/content-range"):
+        out = relay(upstream, lambda b: (f"GET {path} HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\n"
+                                         f"Authorization: {b.placeholder}\r\n\r\n").encode())
+        out.thread.join(5)
+        assert out.read.startswith(b"HTTP/1.1 502 ") and b"partial response" in out.read
+        assert b"REALSECRET" not in out.read
+        assert out.signed_end["error"] == "refused by the secrets door: a partial response (206, Content-Range) " \
+                                          "cannot be scrubbed of secret values"

@@ -230,10 +230,11 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
 
 def end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The request's headers without the hop-by-hop ones (those proxy_request.HOP_BY_HOP names, HTTP2-Settings, and
-    any the Connection header lists): they are this hop's, and the door speaks its own HTTP/1.1 upstream."""
+    any the Connection header lists): they are this hop's, and the door speaks its own HTTP/1.1 upstream. Nor Range
+    or If-Range: a reflected value read a few bytes at a time is never a whole spelling the scrubber finds."""
     from .proxy_request import HOP_BY_HOP
     named = {t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")}
-    drop = HOP_BY_HOP | {b"http2-settings"} | named
+    drop = HOP_BY_HOP | {b"http2-settings", b"range", b"if-range"} | named
     return [(k, v) for k, v in headers if k.lower() not in drop]
 
 
@@ -315,9 +316,13 @@ def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.
             coding = unscrubbable_coding(event.headers)
             if coding:
                 raise Unscrubbable(f"{coding} cannot be scrubbed of secret values (the door asked for identity)")
+            if event.status_code == 206 or any(k.lower() == b"content-range" for k, _ in event.headers):
+                # pieces of an echo, each too short to be a spelling the scrubber finds (the door sent no Range)
+                raise Unscrubbable("a partial response (206, Content-Range) cannot be scrubbed of secret values")
             headers = [(k, scrubber.scrub(v)) for k, v in event.headers]
-            cls = type(event)
-            tls.send(from_box.send(cls(status_code=event.status_code, headers=headers, reason=event.reason)))
+            cls = type(event)  # the standard reason phrase: the upstream's own could echo a value in any spelling
+            tls.send(from_box.send(cls(status_code=event.status_code, headers=headers,
+                                       reason=standard_reason(event.status_code))))
         elif isinstance(event, h11.Data):
             counts["bytes_down"] += len(event.data)
             clean = scrubber.feed(bytes(event.data))
@@ -331,6 +336,15 @@ def _relay_response(upstream, to_up: h11.Connection, tls: BoxTLS, from_box: h11.
             return True
         else:  # ConnectionClosed, PAUSED (given again and again, never more data: a spin) or anything else
             return False
+
+
+def standard_reason(status: int) -> bytes:
+    """The reason phrase HTTP gives a status ("" for one it does not name)."""
+    from http import HTTPStatus
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
 
 
 def _answer(conn: h11.Connection, status: int, text: str) -> bytes:
