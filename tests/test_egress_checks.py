@@ -189,3 +189,45 @@ def test_an_allow_entry_that_is_an_ip_literal_allows_the_address_it_spells(entry
     assert policy.decide(dict(facts, host=host)).rule == "egress.allow[0]"
     other = str(ipaddress.ip_address(host) + 1)
     assert policy.decide(dict(facts, host=other, address=other, addresses=[other])).rule == "egress.allow"
+
+
+@pytest.mark.parametrize("port", ["9" * 5000, "0" * 4301 + "443", "٤٤٣", "000443", "+443", " 443", "44_3", "0", "65536"])
+def test_a_port_is_one_to_five_ascii_digits_checked_before_it_is_read(port):
+    """int() raised ValueError past 4300 digits, uncaught: the door's thread died, the box's stream stayed open and
+    nothing was signed. (It also read other scripts' digits.)"""
+    for head in (f"CONNECT example.org:{port} HTTP/1.1\r\nHost: x\r\n\r\n",
+                 f"GET http://example.org:{port}/ HTTP/1.1\r\nHost: x\r\n\r\n"):
+        with pytest.raises(ProxyRequestError) as e:
+            ProxyRequestParser().feed(head.encode("utf-8"))
+        assert e.value.status == 400 and "\n" not in str(e.value)
+    assert ProxyRequestParser().feed(b"CONNECT example.org:00443 HTTP/1.1\r\nHost: x\r\n\r\n").port == 443
+
+
+@pytest.mark.parametrize("where", ["decide", "relay"])
+def test_a_fault_of_the_egress_door_answers_502_closes_the_stream_and_is_signed(where, monkeypatch):
+    """Whatever the door did not foresee ends that connection answered, closed and signed, never a dead thread."""
+    from tests.bound_relay import FakeBox, FakeStream
+    from tkbox_nb import protocol as p
+    from tkbox_nb.doors import egress
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["93.184.216.34:*"]\n'), [])
+
+    def boom(*args, **kwargs):
+        raise ValueError("something the door did not foresee")
+    if where == "decide":
+        monkeypatch.setattr(egress, "stated_facts", boom)
+    else:
+        monkeypatch.setattr(egress.socket, "create_connection", boom)
+    stream = FakeStream()
+    stream.events.put(("data", p.CH_BYTES, b"CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: x\r\n\r\n"))
+    egress.EgressDoor(box)._serve(stream)
+    sent = [box.conn.out.get(timeout=1) for _ in range(2)]
+    assert sent[0].startswith(b"HTTP/1.1 502 ") and b"(ValueError)" in sent[0] and sent[1] is None
+    assert b"foresee" not in sent[0]
+    log = box.recorder.log
+    if where == "decide":
+        assert [(e[0], e[4]) for e in log] == [("decide", "deny")]
+        assert log[0][3]["host_error"] == "the egress door failed on this connection (ValueError)"
+    else:
+        assert [e[0] for e in log] == ["decide", "complete"] and log[0][4] == "allow"
+        assert log[1][2:4] == ("error", {"error": "connect to 93.184.216.34:443: the egress door failed on this "
+                                                  "connection (ValueError)"})

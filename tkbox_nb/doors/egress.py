@@ -101,6 +101,7 @@ class EgressDoor:
     # -- one connection ------------------------------------------------------------------------------------------
     def _serve(self, stream: Stream) -> None:
         conn = self.box.conn
+        crossing, relaying = None, False
         try:
             req = self._read_request(stream)
             if req is None:
@@ -117,6 +118,7 @@ class EgressDoor:
                 from .secrets import PlaceholderWatch, bound_for, rewrite_request
                 bound = bound_for(crossing.args["host"], self.box.bindings)
                 if req.tunnel and bound:  # every binding goes along: another's placeholder here is a misuse too
+                    relaying = True  # from here the relay signs the connection's end, whatever it ends on
                     return self._relay_bound(stream, req, crossing, address, self.box.bindings)
                 if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
                     from .intercept import record_secret_crossings
@@ -129,6 +131,7 @@ class EgressDoor:
                     if refused:
                         self.box.recorder.complete(crossing, "error", {"error": "refused by the secrets door"})
                         return self._answer(stream, 403, f"tkbox secrets door: refused: {refused}\n")
+            relaying = True
             self._relay(stream, req, crossing, address, watch)
         except ProxyRequestError as e:
             self._answer(stream, e.status, f"tkbox egress door: {e}\n")
@@ -136,6 +139,30 @@ class EgressDoor:
             pass
         except p.ProtocolError as e:
             self.box.fail_closed(f"door protocol violation: {e}")
+        except Exception as e:  # a fault of this door: this connection ends, answered, closed and signed
+            self._failed(stream, crossing, relaying, e)
+
+    def _failed(self, stream: Stream, crossing, relaying: bool, e: Exception) -> None:
+        """An exception the door did not foresee: the box gets a 502 and its stream is closed (a thread that died
+        left both open, and nothing signed). The error is signed (its type only: the door may have held a secret's
+        value): as the end of the connection's crossing, or a refused one when none was decided yet."""
+        why = f"the egress door failed on this connection ({type(e).__name__})"
+        if relaying:  # the relay answered what it could and signed the end itself
+            try:
+                self.box.conn.close(stream.sid)
+            except (StreamClosed, OSError):
+                pass
+            return
+        self._answer(stream, 502, f"tkbox egress door: {why}\n")
+        try:
+            if crossing is None:
+                crossing = self.box.recorder.decide("egress", "connect", {
+                    "host": "", "port": 0, "method": "", "tunnel": False, "addresses": [], "address": "",
+                    "address_class": "ok", "host_error": why})
+            if crossing.allowed:
+                self.box.recorder.complete(crossing, "error", {"error": why})
+        except Exception:  # a recorder that fails here has failed the box already (RunRecorder.broken)
+            pass
 
     def _read_request(self, stream: Stream) -> ProxyRequest | None:
         parser = ProxyRequestParser()
@@ -171,7 +198,9 @@ class EgressDoor:
         try:
             upstream = socket.create_connection((address, req.port),
                                                 timeout=self.box.policy.get("egress", "connect_timeout_s"))
-        except OSError as e:
+        except Exception as e:  # OSError: unreachable; anything else a fault of the door, this connection's end
+            if not isinstance(e, OSError):
+                e = f"the egress door failed on this connection ({type(e).__name__})"
             self.box.recorder.complete(crossing, "error", {"error": f"connect to {address}:{req.port}: {e}"[:300]})
             return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
         upstream.settimeout(None)
@@ -208,6 +237,8 @@ class EgressDoor:
             up.join(timeout=5)
         except (OSError, StreamClosed) as e:
             counts["error"] = str(e)[:200]
+        except Exception as e:  # a fault of this door: the connection still ends signed
+            counts["error"] = f"the egress door failed on this connection ({type(e).__name__})"
         finally:
             if refused:
                 counts["error"] = f"refused by the secrets door: {refused[0]}"[:300]

@@ -9,6 +9,7 @@ ProxyRequestError with the HTTP status to answer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -38,9 +39,11 @@ class ProxyRequest:
 
 
 def _port(text: str, default: int | None) -> int:
+    """A port: one to five ASCII digits, 1 to 65535, checked before int() (which raises past 4300 digits, and reads
+    other scripts' digits too)."""
     if text == "" and default is not None:
         return default
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not re.fullmatch(r"[0-9]{1,5}", text) or not 0 < int(text) < 65536:
         raise ProxyRequestError(400, f"bad port {text[:20]!r}")
     return int(text)
 
