@@ -386,6 +386,8 @@ def egress_request(data: bytes) -> None:
         assert "host_error" not in facts and address and facts["address_class"] != "always"
         assert refused_name(facts["host"]) is None
         assert all(classify(ipaddress.ip_address(a))[0] != "always" for a in facts["addresses"])
+        if calls:  # the whole answer was judged, not only what was stated of it
+            assert all(classify(ipaddress.ip_address(a))[0] != "always" for a in answers)
 
 
 def _hostname_seeds() -> list[bytes]:

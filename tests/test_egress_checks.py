@@ -231,3 +231,24 @@ def test_a_fault_of_the_egress_door_answers_502_closes_the_stream_and_is_signed(
         assert [e[0] for e in log] == ["decide", "complete"] and log[0][4] == "allow"
         assert log[1][2:4] == ("error", {"error": "connect to 93.184.216.34:443: the egress door failed on this "
                                                   "connection (ValueError)"})
+
+
+def test_a_long_answer_is_judged_whole_before_it_is_cut():
+    """An answer of more than MAX_ADDRESSES addresses was cut before it was judged, so a refused address past the cut
+    went unseen and the rest were allowed. Every address is judged; the refused ones are stated first, so the policy
+    (and a verifier re-deriving it) refuses the whole answer; the count cut is stated."""
+    from tkbox_nb.doors.egress import MAX_ADDRESSES, stated_facts
+    policy = Policy.from_toml('[egress]\nallow = ["cdn.example.org:443"]\n')
+    req = ProxyRequestParser().feed(b"CONNECT cdn.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+    public = [f"1.1.{i // 200}.{i % 200 + 1}" for i in range(40)]
+    for hidden in ("192.168.1.1", "198.51.100.7", "::ffff:10.0.0.1", "169.254.169.254"):
+        facts, address = stated_facts(req, policy, lambda name, port: public + [hidden] + public[:5])
+        assert len(facts["addresses"]) == MAX_ADDRESSES and facts["addresses_dropped"] == 41 - MAX_ADDRESSES
+        assert facts["addresses"][0] == address == hidden and facts["address_class"] != "ok"
+        v = policy.decide(dict(facts, door="egress", kind="connect"))
+        assert v.verdict == "deny" and v.rule in ("egress.always", "egress.special"), v
+    facts, address = stated_facts(req, policy, lambda name, port: public)
+    assert facts["addresses_dropped"] == 8 and address == "1.1.0.1" and facts["address_class"] == "ok"
+    assert policy.decide(dict(facts, door="egress", kind="connect")).allowed
+    facts, _ = stated_facts(req, policy, lambda name, port: public[:3])
+    assert "addresses_dropped" not in facts and len(facts["addresses"]) == 3

@@ -76,11 +76,17 @@ def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
                 facts["resolve_error"] = f"{value} did not resolve: {getattr(e, 'strerror', None) or e}"[:300]
     except HostError as e:
         facts["host"], facts["host_error"] = req.host[:200], str(e)[:300]
-    unique = sorted(set(addresses), key=lambda a: (":" in a, a))[:MAX_ADDRESSES]
-    facts["addresses"] = unique
+    # every address is judged before the answer is cut to MAX_ADDRESSES: the refused ones are stated first, so one
+    # refused address still refuses the whole answer however long it is (and the policy re-derives that from them)
+    cidrs, rank = policy.allow_cidrs(), {"always": 0, "special": 1, "ok": 2}
+    judged = {a: classify(ipaddress.ip_address(a), cidrs)[0] for a in set(addresses)}
+    unique = sorted(judged, key=lambda a: (rank[judged[a]], ":" in a, a))
+    if len(unique) > MAX_ADDRESSES:
+        facts["addresses_dropped"] = len(unique) - MAX_ADDRESSES
+    facts["addresses"] = unique = unique[:MAX_ADDRESSES]
     address = unique[0] if unique else ""
     facts["address"] = address
-    classes = [classify(ipaddress.ip_address(a), policy.allow_cidrs())[0] for a in unique]
+    classes = set(judged.values())
     refused = "host_error" not in facts and refused_name(facts["host"])
     facts["address_class"] = "always" if "always" in classes or refused else \
         "special" if "special" in classes else "ok"
