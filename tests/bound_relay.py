@@ -150,15 +150,15 @@ def binding(**kw) -> Binding:
 
 
 def relay(upstream: Upstream, request: bytes | Callable[[Binding], bytes], bindings: list | None = None,
-          timeout: float = 5.0) -> Relayed:
-    """One CONNECT to HOST (bound) through the egress door: the box sends `request` over TLS and reads until the
-    door closes the stream (or `timeout`); the box's stream is then closed."""
+          timeout: float = 5.0, door: EgressDoor | None = None) -> Relayed:
+    """One CONNECT to HOST (bound) through the egress door (a new one for a new box, or `door`): the box sends
+    `request` over TLS and reads until the door closes the stream (or `timeout`); the box's stream is then closed."""
     bindings = bindings if bindings is not None else [binding()]
-    box = FakeBox(upstream.policy(), bindings)
+    box = door.box if door else FakeBox(upstream.policy(), bindings)
     stream = FakeStream()
     crossing = Crossing("egress-1", "egress", {"host": HOST}, None, decision="allow", decision_id="d")
     req = ProxyRequest("CONNECT", HOST, upstream.port, True)
-    thread = threading.Thread(target=EgressDoor(box)._relay_bound,
+    thread = threading.Thread(target=(door or EgressDoor(box))._relay_bound,
                               args=(stream, req, crossing, "127.0.0.1", bindings), daemon=True)
     thread.start()
     data = request(bindings[0]) if callable(request) else request

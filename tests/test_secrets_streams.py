@@ -369,3 +369,37 @@ def test_a_value_cannot_be_read_in_pieces_with_range(tmp_path):
         assert b"REALSECRET" not in out.read
         assert out.signed_end["error"] == "refused by the secrets door: a partial response (206, Content-Range) " \
                                           "cannot be scrubbed of secret values"
+
+
+def test_connections_to_bound_hosts_are_served_a_bounded_number_at_once(tmp_path, monkeypatch):
+    """Each request to a bound host is read whole (up to 16 MiB) before it is swapped and checked, and a box could
+    open as many such connections as it has streams: the host held gigabytes. At most MAX_BOUND_AT_ONCE are served at
+    once; one more waits BOUND_WAIT_S and is then answered 503, and its signed end says why."""
+    import threading
+
+    from tests.bound_relay import FakeBox, FakeStream, Upstream, binding, relay
+    from tkbox_nb.doors import egress
+    from tkbox_nb.doors.proxy_request import ProxyRequest
+    from tkbox_nb.recorder import Crossing
+    monkeypatch.setattr(egress, "MAX_BOUND_AT_ONCE", 2)
+    monkeypatch.setattr(egress, "BOUND_WAIT_S", 0.3)
+    upstream = Upstream(tmp_path, lambda head: b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+    door = egress.EgressDoor(FakeBox(upstream.policy(), [binding()]))
+    assert door.bound_slots.acquire(blocking=False) and door.bound_slots.acquire(blocking=False)  # two busy
+    stream = FakeStream()
+    crossing = Crossing("egress-9", "egress", {"host": "api.tkb.test"}, None, decision="allow", decision_id="d")
+    t = threading.Thread(target=door._relay_bound, args=(stream, ProxyRequest("CONNECT", "api.tkb.test", upstream.port,
+                                                                             True), crossing, "127.0.0.1", []))
+    t.start()
+    t.join(5)
+    answer = door.box.conn.out.get(timeout=1)
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"busy" in answer
+    assert door.box.conn.out.get(timeout=1) is None and not any(upstream.seen)
+    assert door.box.recorder.log[-1][2:] == ("error", {"error": "2 connections to bound hosts are being served; "
+                                                                "this one waited 0.3s"}, None)
+    door.bound_slots.release()
+    for _ in range(3):  # a slot is given back when its connection ends, however it ends
+        out = relay(upstream, f"GET / HTTP/1.1\r\nHost: api.tkb.test:{upstream.port}\r\n\r\n".encode(), door=door)
+        out.thread.join(5)
+        assert out.read.endswith(b"\r\n\r\nok")
+    assert door.bound_slots.acquire(blocking=False) and not door.bound_slots.acquire(blocking=False)

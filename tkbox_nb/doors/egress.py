@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 HEAD_TIMEOUT_S = 30.0
 MAX_ADDRESSES = 32
+MAX_BOUND_AT_ONCE = 16   # connections to bound hosts served at once: each may hold a request body of 16 MiB
+BOUND_WAIT_S = 30.0      # how long one more waits for a slot before it is answered 503
 REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "Request Header Fields Too Large",
-           502: "Bad Gateway"}
+           502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 def resolve(name: str, port: int, nameservers: list[str], timeout: float) -> list[str]:
@@ -96,6 +98,9 @@ def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
 class EgressDoor:
     def __init__(self, box: "DoorContext"):
         self.box = box
+        # bounds what a box can make the host hold: the secrets door reads each request to a bound host whole
+        # (intercept.MAX_REQUEST_BODY) before it swaps and checks it, so at most this many such bodies at once
+        self.bound_slots = threading.BoundedSemaphore(MAX_BOUND_AT_ONCE)
 
     def accept(self, stream: Stream, body: dict) -> bool:
         """Called by the door connection for each stream the box opens; True when it is an egress stream."""
@@ -282,6 +287,10 @@ class EgressDoor:
         from .secrets import error_text
         started, counts = time.monotonic(), {"bytes_up": 0, "bytes_down": 0, "intercepted": True}
         values = [b.value for b in bindings]  # an error on this path may quote a value (h11 names an illegal header)
+        if not self.bound_slots.acquire(timeout=BOUND_WAIT_S):
+            why = f"{MAX_BOUND_AT_ONCE} connections to bound hosts are being served; this one waited {BOUND_WAIT_S:g}s"
+            self.box.recorder.complete(crossing, "error", {"error": why})
+            return self._answer(stream, 503, f"tkbox secrets door: busy: {why}\n")
         try:
             relay_bound(self.box, stream, crossing.args["host"], req.port, address, req.rest, bindings, counts)
         except Refused as e:  # a request for another host, a response the scrubber cannot read
@@ -293,6 +302,7 @@ class EgressDoor:
         except Exception as e:  # h11 errors on either side end this connection only
             counts["error"] = error_text(e, values)
         finally:
+            self.bound_slots.release()
             try:
                 self.box.conn.close(stream.sid)
             except (OSError, StreamClosed):
