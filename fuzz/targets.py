@@ -35,6 +35,7 @@ from tkbox_nb.box_outputs import BOX_PROMPT, HTML_WIDGETS, OUTPUT_WIDGETS, widge
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
 from tkbox_nb.doors.box_ca import BoxCA
+from tkbox_nb.doors.client_hello import ClientHelloReader, HelloError, TunnelGate
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
 from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
 from tkbox_nb.doors.intercept import Refused, bound_target, end_to_end, for_the_connect_host, read_request
@@ -346,6 +347,12 @@ def proxy_request(data: bytes) -> None:
         assert all(k.lower() not in HOP_BY_HOP for k, _ in req.headers)
         head = parser.upstream_head(req)
         assert head.startswith(req.method.encode() + b" /") and b"\r\nconnection: close\r\n" in head.lower()
+        try:  # the body as it goes upstream, and nothing after the request's end
+            parser.body(b"")
+            ended = parser.ended
+            assert parser.body(b"GET / HTTP/1.1\r\nHost: other\r\n\r\n") == b"" or not ended
+        except ProxyRequestError as e:
+            assert e.status == 400
 
 
 WIDE = Policy.from_toml('[egress]\nallow = ["*:*"]\nallow_cidrs = ["0.0.0.0/0", "::/0"]\n')
@@ -388,6 +395,53 @@ def egress_request(data: bytes) -> None:
         assert all(classify(ipaddress.ip_address(a))[0] != "always" for a in facts["addresses"])
         if calls:  # the whole answer was judged, not only what was stated of it
             assert all(classify(ipaddress.ip_address(a))[0] != "always" for a in answers)
+
+
+def _client_hellos() -> list[bytes]:
+    import ssl
+    out = []
+    for name in ("api.example.org", None):
+        context = ssl.create_default_context()
+        context.check_hostname = name is not None
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        try:
+            context.wrap_bio(incoming, outgoing, server_hostname=name).do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        out.append(b"\x00" + outgoing.read())
+    return out + [b"\x05GET / HTTP/1.1\r\n"]
+
+
+@target("client-hello", _client_hellos)
+def client_hello(data: bytes) -> None:
+    """ClientHelloReader and TunnelGate: any bytes in any split give the one same answer (a name, None, NOT_TLS) or
+    HelloError; nothing passes the gate before the answer, all of it after; a name passes only as the CONNECT host."""
+    inp = Input(data)
+    step, stream = _step(inp.byte()), inp.rest()
+    try:
+        whole = ClientHelloReader().feed(stream)
+    except HelloError:
+        whole = HelloError
+    reader, answer = ClientHelloReader(), False
+    try:
+        for chunk in _split(stream, step):
+            answer = reader.feed(chunk)
+            if answer is not False:
+                break
+    except HelloError:
+        answer = HelloError
+    if answer is not False:
+        assert answer is whole or answer == whole, (answer, whole)
+    gate, passed = TunnelGate("api.example.org"), b""
+    try:
+        for chunk in _split(stream, step):
+            passed += gate.feed(chunk)
+    except HelloError:
+        assert passed == b""
+        return
+    assert passed in (b"", stream)
+    if passed and isinstance(whole, str):
+        assert check_host(whole)[1] == "api.example.org"
 
 
 def _hostname_seeds() -> list[bytes]:

@@ -191,7 +191,8 @@ def test_an_allow_entry_that_is_an_ip_literal_allows_the_address_it_spells(entry
     assert policy.decide(dict(facts, host=other, address=other, addresses=[other])).rule == "egress.allow"
 
 
-@pytest.mark.parametrize("port", ["9" * 5000, "0" * 4301 + "443", "٤٤٣", "000443", "+443", " 443", "44_3", "0", "65536"])
+@pytest.mark.parametrize("port", ["9" * 5000, "0" * 4301 + "443", "٤٤٣", "000443", "+443", " 443", "44_3", "0",
+                                  "65536"])
 def test_a_port_is_one_to_five_ascii_digits_checked_before_it_is_read(port):
     """int() raised ValueError past 4300 digits, uncaught: the door's thread died, the box's stream stayed open and
     nothing was signed. (It also read other scripts' digits.)"""
@@ -252,3 +253,161 @@ def test_a_long_answer_is_judged_whole_before_it_is_cut():
     assert policy.decide(dict(facts, door="egress", kind="connect")).allowed
     facts, _ = stated_facts(req, policy, lambda name, port: public[:3])
     assert "addresses_dropped" not in facts and len(facts["addresses"]) == 3
+
+
+def client_hello(server_name: str | None) -> bytes:
+    """A real ClientHello, as Python's ssl writes it, naming `server_name` (None: no SNI)."""
+    import ssl
+    context = ssl.create_default_context()
+    if server_name is None:
+        context.check_hostname = False
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+def _records(hello: bytes, size: int) -> bytes:
+    """The same ClientHello in handshake records of `size` bytes."""
+    body = hello[5:]
+    return b"".join(b"\x16\x03\x01" + len(body[i:i + size]).to_bytes(2, "big") + body[i:i + size]
+                    for i in range(0, len(body), size))
+
+
+def test_the_server_name_of_a_client_hello_is_read_however_it_comes():
+    from tkbox_nb.doors.client_hello import NOT_TLS, ClientHelloReader
+    for name in ("allowed.example", None):
+        hello = client_hello(name)
+        for data in (hello, _records(hello, 16), _records(hello, 1000)):
+            assert ClientHelloReader().feed(data) == name
+            reader = ClientHelloReader()
+            got = [reader.feed(data[i:i + 7]) for i in range(0, len(data), 7)]
+            assert got[-1] == name and set(got[:-1]) <= {False} and reader.buffered == data
+    assert ClientHelloReader().feed(b"GET / HTTP/1.1\r\n") is NOT_TLS
+    assert ClientHelloReader().feed(b"SSH-2.0-OpenSSH_9.2\r\n") is NOT_TLS
+    assert ClientHelloReader().feed(b"\x16") is False
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"\x16\x03\x01\x00\x00", "a TLS record of 0 bytes"),
+    (b"\x16\x03\x01\x50\x00", "a TLS record of 20480 bytes"),
+    (b"\x16\x03\x01\x00\x04\x02\x00\x00\x00", "not a ClientHello"),
+    (b"\x16\x03\x01\x00\x04\x01\xff\x00\x00", "a ClientHello of 16711680 bytes"),
+    (b"\x16\x03\x01\x00\x04\x01\x00\x00\x01\x15\x03\x01\x00\x01\x00", "not the handshake's"),
+    (b"\x16\x03\x01\x00\x06\x01\x00\x00\x02\x03\x03", "cut short"),
+    ((b"\x16\x03\x01\x00\x04\x01\x00\x10\x00" + b"\x16\x03\x01\x00\x01x" * 40), "more than 32 records"),
+])
+def test_a_client_hello_the_door_cannot_read_is_refused(data, why):
+    from tkbox_nb.doors.client_hello import ClientHelloReader, HelloError
+    with pytest.raises(HelloError, match=why):
+        ClientHelloReader().feed(data)
+
+
+def test_a_tunnel_goes_up_only_once_its_client_hello_names_the_connect_host():
+    """A front end serving many sites routes by the TLS server name, not by the address the door dialled: a CONNECT
+    to an allowed host carrying a ClientHello for another reached that other site. Nothing goes up before the name is
+    read; another name is refused; no name (an address), or no TLS at all, passes (docs/policy.md)."""
+    from tkbox_nb.doors.client_hello import HelloError, TunnelGate
+    hello = client_hello("not-allowed.example")
+    gate = TunnelGate("allowed.example")
+    with pytest.raises(HelloError, match="'not-allowed.example' is not the CONNECT host allowed.example"):
+        gate.feed(hello[:100]) + gate.feed(hello[100:])
+    for host, name in (("allowed.example", "Allowed.Example."), ("93.184.216.34", None)):
+        hello, gate = client_hello(name), TunnelGate(host)
+        assert gate.feed(hello[:100]) == b"" and gate.feed(hello[100:]) == hello and gate.feed(b"more") == b"more"
+    with pytest.raises(HelloError, match="is not the CONNECT host 93.184.216.34"):
+        TunnelGate("93.184.216.34").feed(client_hello("allowed.example"))
+    assert TunnelGate("allowed.example").feed(b"GET / HTTP/1.1\r\n") == b"GET / HTTP/1.1\r\n"
+
+
+def test_a_forwarded_request_goes_up_alone_however_the_box_pipelines_another():
+    """Plain HTTP went up raw after the head, so a request pipelined after the first (to another Host at the same
+    address) reached the server; each connection is now its one decided request, its body framed again."""
+    parser = ProxyRequestParser()
+    second = b"GET /steal HTTP/1.1\r\nHost: other.example\r\n\r\n"
+    req = parser.feed(b"POST http://example.org/a HTTP/1.1\r\nHost: example.org\r\nContent-Length: 5\r\n\r\nab")
+    head = parser.upstream_head(req)
+    assert head.startswith(b"POST /a HTTP/1.1\r\nhost: example.org\r\n")
+    assert parser.body(b"") == b"ab" and parser.body(b"c") == b"c" and not parser.ended
+    assert parser.body(b"de" + second) == b"de" and parser.ended and parser.body(second) == b""
+    assert parser.dropped == 2 * len(second)
+    parser = ProxyRequestParser()
+    req = parser.feed(b"GET http://example.org/ HTTP/1.1\r\nHost: example.org\r\n\r\n" + second)
+    parser.upstream_head(req)
+    assert parser.body(b"") == b"" and parser.ended and parser.dropped == len(second)
+    parser = ProxyRequestParser()
+    req = parser.feed(b"POST http://example.org/ HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\na")
+    parser.upstream_head(req)
+    assert parser.body(b"bc\r\n0\r\n\r\n" + second) == b"3\r\nabc\r\n0\r\n\r\n" and parser.ended
+    parser = ProxyRequestParser()
+    req = parser.feed(b"POST http://example.org/ HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    parser.upstream_head(req)
+    with pytest.raises(ProxyRequestError, match="a request body the door cannot read"):
+        parser.body(b"zz\r\n")
+
+
+def _through_the_door(monkeypatch, sent: bytes) -> tuple[bytes, list, list]:
+    """`sent` from the box through EgressDoor._serve to a listener standing in for the allowed host's public
+    address: (what the listener got, the box's stream, the records)."""
+    import socket
+    import threading
+
+    from tests.bound_relay import FakeBox, FakeStream
+    from tkbox_nb import protocol as p
+    from tkbox_nb.doors import egress
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    got = []
+
+    def accept():
+        c, _ = listener.accept()
+        c.settimeout(2)
+        data = b""
+        try:
+            while len(data) < 65536:
+                more = c.recv(65536)
+                if not more:
+                    break
+                data += more
+                if b"\r\n\r\n" in data:
+                    c.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+                    break
+        except OSError:
+            pass
+        got.append(data)
+        c.close()
+    threading.Thread(target=accept, daemon=True).start()
+    real = socket.create_connection
+    monkeypatch.setattr(egress, "resolve", lambda name, port, ns, t: ["93.184.216.34"])
+    monkeypatch.setattr(egress.socket, "create_connection",
+                        lambda address, timeout=None: real(listener.getsockname(), timeout=timeout))
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
+    stream = FakeStream()
+    stream.events.put(("data", p.CH_BYTES, sent))
+    stream.events.put(("close", {}))
+    egress.EgressDoor(box)._serve(stream)
+    out = []
+    while (item := box.conn.out.get(timeout=2)) is not None:
+        out.append(item)
+    listener.close()
+    return b"".join(got), out, box.recorder.log
+
+
+def test_a_tunnel_naming_another_host_in_its_client_hello_is_refused_and_signed(monkeypatch):
+    hello = client_hello("not-allowed.example")
+    got, out, log = _through_the_door(monkeypatch, b"CONNECT allowed.example:443 HTTP/1.1\r\n"
+                                                   b"Host: allowed.example:443\r\n\r\n" + hello)
+    assert got == b"" and out == [b"HTTP/1.1 200 Connection established\r\n\r\n"]
+    assert log[-1][3]["error"] == "refused by the egress door: the TLS server name 'not-allowed.example' is not " \
+                                  "the CONNECT host allowed.example"
+
+
+def test_a_request_pipelined_after_a_forwarded_one_never_reaches_the_server(monkeypatch):
+    got, out, log = _through_the_door(monkeypatch, b"GET http://allowed.example/ HTTP/1.1\r\nHost: allowed.example"
+                                                   b"\r\n\r\nGET /steal HTTP/1.1\r\nHost: other.example\r\n\r\n")
+    assert got == b"GET / HTTP/1.1\r\nhost: allowed.example\r\nconnection: close\r\n\r\n"
+    assert b"".join(out).endswith(b"\r\n\r\nok") and log[-1][3]["dropped_after_request"] == 44

@@ -189,7 +189,8 @@ class EgressDoor:
                 raise p.ProtocolError(f"egress data on channel {event[1]}")
             req = parser.feed(event[2])
             if req is not None:
-                req.upstream = parser.upstream_head(req) if not req.tunnel else b""
+                if not req.tunnel:
+                    req.upstream, req.framer = parser.upstream_head(req), parser
                 return req
 
     def _decide(self, req: ProxyRequest):
@@ -216,18 +217,19 @@ class EgressDoor:
             return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
         upstream.settimeout(None)
         counts = {"bytes_up": 0, "bytes_down": 0}
-        refused: list[str] = []  # set by the upload thread when the secrets door refuses what the box sent
+        refused: list[tuple[str, str]] = []  # (door, why), set by the upload thread when what the box sent is refused
         try:
-            if req.tunnel:
+            if req.tunnel:  # the box's bytes go up once its ClientHello names the CONNECT host (client_hello.py)
+                from .client_hello import TunnelGate
                 conn.send_data(sid, p.CH_BYTES, b"HTTP/1.1 200 Connection established\r\n\r\n")
-                first = req.rest
-            else:
-                first = req.upstream + req.rest
-            if first:
-                upstream.sendall(first)
-                counts["bytes_up"] += len(first)
+                gate, pending = TunnelGate(crossing.args["host"]).feed, req.rest
+            else:  # one request: its body framed again, and nothing after it (a pipelined request) goes up
+                gate, pending = req.framer.body, b""
+                upstream.sendall(req.upstream)
+                counts["bytes_up"] += len(req.upstream)
             up = threading.Thread(target=self._box_to_upstream, args=(stream, upstream, counts, watch, refused,
-                                                                      crossing.args["host"]), daemon=True)
+                                                                      crossing.args["host"], gate, pending),
+                                  daemon=True)
             up.start()
             pipe = None
             if SplicePipe.usable() and conn.can_splice():
@@ -252,13 +254,15 @@ class EgressDoor:
             counts["error"] = f"the egress door failed on this connection ({type(e).__name__})"
         finally:
             if refused:
-                counts["error"] = f"refused by the secrets door: {refused[0]}"[:300]
-                if not counts["bytes_down"]:  # the upstream answered nothing: the box gets why
+                door, why = refused[0]
+                counts["error"] = f"refused by the {door} door: {why}"[:300]
+                if not counts["bytes_down"] and not req.tunnel:  # the upstream answered nothing: the box gets why
                     try:
-                        conn.send_data(sid, p.CH_BYTES, _answer_bytes(403, f"tkbox secrets door: refused: "
-                                                                           f"{refused[0]}\n"))
+                        conn.send_data(sid, p.CH_BYTES, _answer_bytes(403, f"tkbox {door} door: refused: {why}\n"))
                     except (OSError, StreamClosed):
                         pass
+            if getattr(req.framer, "dropped", 0):
+                counts["dropped_after_request"] = req.framer.dropped
             upstream.close()
             try:
                 conn.close(sid)
@@ -314,32 +318,46 @@ class EgressDoor:
         self.box.recorder.complete(crossing, "ok" if "error" not in counts else "error",
                                    dict(counts, duration_ms=int((time.monotonic() - started) * 1000)))
 
-    def _box_to_upstream(self, stream: Stream, upstream: socket.socket, counts: dict, watch=None,
-                         refused: list | None = None, host: str = "") -> None:
+    def _box_to_upstream(self, stream: Stream, upstream: socket.socket, counts: dict, watch, refused: list,
+                         host: str, gate, pending: bytes) -> None:
+        """Box -> upstream: each piece through `watch` (placeholders, plain HTTP) and then `gate` (a tunnel's
+        ClientHello check, or a forwarded request's body framing), which says what of it may go now; a refusal by
+        either ends the connection before the bytes go."""
+        from .client_hello import HelloError
+        data = pending
         while True:
-            event = stream.get()
-            if event[0] != "data" or event[1] != p.CH_BYTES:
-                break
-            found = watch.feed(event[2]) if watch is not None else []
+            found = watch.feed(data) if watch is not None and data else []
             if found:  # signed before these bytes go; refused: they never do, and the connection ends
                 from .intercept import record_secret_crossings
                 from .secrets import Rewrite
                 why = record_secret_crossings(self.box, host, self.box.bindings, Rewrite(headers=[], misuses=found),
                                               tls=False)
                 if why:
-                    refused.append(why)
-                    try:  # wakes the download; the upstream sees no end of the body, so it never answers it
-                        upstream.shutdown(socket.SHUT_RD)
-                    except OSError:
-                        pass
-                    return
+                    return self._refuse_upload(upstream, refused, "secrets", why)
             try:
-                upstream.sendall(event[2])
+                data = gate(data)
+            except (HelloError, ProxyRequestError) as e:
+                return self._refuse_upload(upstream, refused, "egress", str(e)[:200])
+            try:
+                if data:
+                    upstream.sendall(data)
             except OSError:
                 break
-            counts["bytes_up"] += len(event[2])
+            counts["bytes_up"] += len(data)
+            event = stream.get()
+            if event[0] != "data" or event[1] != p.CH_BYTES:
+                break
+            data = event[2]
         try:
             upstream.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _refuse_upload(upstream: socket.socket, refused: list, door: str, why: str) -> None:
+        refused.append((door, why))
+        try:  # wakes the download; the upstream sees no end of what the box sent, so it never answers it
+            upstream.shutdown(socket.SHUT_RD)
         except OSError:
             pass
 

@@ -36,6 +36,7 @@ class ProxyRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     rest: bytes = b""   # bytes after the head: a tunnel's first bytes, or the start of a request body
     upstream: bytes = b""  # the head as the origin server gets it (forwarded requests)
+    framer: "ProxyRequestParser | None" = field(default=None, repr=False, compare=False)  # frames the body (body())
 
 
 def _port(text: str, default: int | None) -> int:
@@ -67,6 +68,9 @@ class ProxyRequestParser:
     def __init__(self):
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         self._size = 0
+        self._client: h11.Connection | None = None   # the upstream side of a forwarded request (upstream_head)
+        self.ended = False                           # the forwarded request's body is whole
+        self.dropped = 0                             # bytes the box sent after it (never forwarded)
 
     def feed(self, data: bytes) -> ProxyRequest | None:
         self._size += len(data)
@@ -103,9 +107,36 @@ class ProxyRequestParser:
 
     def upstream_head(self, req: ProxyRequest) -> bytes:
         """The request head as the origin server gets it: origin-form, hop-by-hop headers gone, Connection: close."""
-        client = h11.Connection(h11.CLIENT)
+        self._client = client = h11.Connection(h11.CLIENT)
         headers = [(k, v) for k, v in req.headers if k.lower() != b"host"]
         host = req.host if req.port == 80 else f"{req.host}:{req.port}"
         return client.send(h11.Request(method=req.method, target=req.target,
                                        headers=[(b"host", host.encode("ascii")), *headers,
                                                 (b"connection", b"close")]))
+
+    def body(self, data: bytes) -> bytes:
+        """After upstream_head: the request's body as the origin server gets it, from the bytes the box sends after
+        the head (its own buffered `rest` first), framed again by its Content-Length or chunks. Once the request has
+        ended, nothing more: a request pipelined after it (to another Host, say) never goes upstream, as each
+        connection is one decided request (`dropped` counts its bytes). ProxyRequestError for a body h11 cannot read."""
+        if self.ended:
+            self.dropped += len(data)
+            return b""
+        out = bytearray()
+        try:
+            if data:
+                self._conn.receive_data(data)
+            while True:
+                event = self._conn.next_event()
+                if event is h11.NEED_DATA:
+                    return bytes(out)
+                if isinstance(event, h11.Data):
+                    out += self._client.send(event)
+                    continue
+                if isinstance(event, h11.EndOfMessage):
+                    out += self._client.send(h11.EndOfMessage())
+                self.ended = True  # the end, or PAUSED on an Upgrade (stripped as hop-by-hop): nothing more goes
+                self.dropped += len(self._conn.trailing_data[0])
+                return bytes(out)
+        except h11.ProtocolError as e:
+            raise ProxyRequestError(400, f"a request body the door cannot read: {e}"[:200]) from None
