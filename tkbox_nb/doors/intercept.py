@@ -6,11 +6,12 @@ normal verified TLS socket (the host's trust store, or the policy's `egress.upst
 is h11. Per request: it must be for the CONNECT host alone (`bound_target`: one Host header naming it, an
 origin-form target), else it is refused 400 before any swap; `secrets.rewrite_request` swaps the placeholder in the
 bound header; each swap and each misuse is a signed crossing of the secrets door; a refused misuse is answered 403 and
-nothing goes upstream. Each response is
-scrubbed of every value before the box sees it, so it must come in bytes the scrubber reads: every request goes
-upstream with `Accept-Encoding: identity` whatever the box asked, and a response in any other content coding (or a
-transfer coding other than chunked) ends the connection, refused, before any of it reaches the box: a gzipped echo of
-the bound header would carry the value past a scrubber of raw bytes.
+nothing goes upstream. CONNECT or a switch of protocols inside is refused 501 (`read_request`), and hop-by-hop
+headers, Range and If-Range do not go up (`end_to_end`). Each response is scrubbed of every value before the box sees
+it, so it must come whole, in bytes the scrubber reads: every request goes upstream with `Accept-Encoding: identity`
+whatever the box asked, and a response in any other content coding (or a transfer coding other than chunked), a
+partial one (206, Content-Range) or a 101 ends the connection, refused, before any of it reaches the box: a gzipped
+echo of the bound header would carry the value past a scrubber of raw bytes. The box gets HTTP's own reason phrase.
 """
 
 from __future__ import annotations
