@@ -1,1 +1,2 @@
-"""Benchmarks (`python -m bench [TARGET ...]`): each prints tkbox's figure beside a baseline measured in the same run."""
+"""Benchmarks (`python -m bench [TARGET ...]`): each prints tkbox's figure beside a baseline measured in the same
+run."""

@@ -156,16 +156,19 @@ def _vm(n: int) -> None:
         print(f"qemu ({backend.accel.upper()}) against bwrap, image {image.digest[:12]} "
               f"({image.size_bytes() / 2**20:.0f} MiB), n={n} cells; load average {os.getloadavg()[0]:.2f} on "
               f"{os.cpu_count()} CPUs")
-        print(f"  image cache check     : {check:6.3f} s   ({'built now' if built else 'rebuild skipped: inputs unchanged'})")
+        cache = 'built now' if built else 'rebuild skipped: inputs unchanged'
+        print(f"  image cache check     : {check:6.3f} s   ({cache})")
         print(f"  warm-start state      : {made:6.3f} s   ({state.path.stat().st_size / 2**20:.0f} MiB; "
               f"{'made now' if made > 1 else 'found'})")
         print(f"  start to first command: bwrap {b_start:6.3f} s   qemu {q_start:6.3f} s   (target qemu < 4 s)  "
               f"cold boot {c_start:6.3f} s")
         print(f"  start to first cell   : bwrap {b_cell:6.3f} s   qemu {q_cell:6.3f} s   (target qemu < 4 s)  "
               f"cold boot {c_cell:6.3f} s")
-        print(f"  execute('1+1') median : bwrap {bm:6.2f} ms  qemu {qm:6.2f} ms   ratio {qm / bm:.1f}x (target <= 5x)")
-        print(f"  ... its floor         : bwrap {bf:6.2f} ms  qemu {qf:6.2f} ms   (the kernel's own busy to idle, timed "
-              f"in the box); above it: bwrap {b_above:+.2f} ms, qemu {q_above:+.2f} ms (median per cell)")
+        print(f"  execute('1+1') median : bwrap {bm:6.2f} ms  qemu {qm:6.2f} ms   "
+              f"ratio {qm / bm:.1f}x (target <= 5x)")
+        print(f"  ... its floor         : bwrap {bf:6.2f} ms  qemu {qf:6.2f} ms   "
+              f"(the kernel's own busy to idle, timed in the box); "
+              f"above it: bwrap {b_above:+.2f} ms, qemu {q_above:+.2f} ms (median per cell)")
         print(f"  guest speed           : a Python loop takes {host_loop * 1e3:.1f} ms on the host, "
               f"{loops[0] * 1e3:.1f} ms in the VM ({loops[0] / host_loop:.0f}x); the floors' ratio is {qf / bf:.0f}x")
     finally:

@@ -39,7 +39,8 @@ def _cells(home: Path, n: int) -> str:
     decisions, results = _count(bundle, "exec", "cell")
     ok = decisions == results == n + 2 and last == str(n) and verify_bundle(bundle, home / 'trust.json').valid
     return (f"{n} cells in one box: {elapsed:.1f} s ({elapsed / n * 1000:.1f} ms per cell); signed {decisions} cell "
-            f"decisions and {results} results for {n + 2} cells; {'nothing lost, verifies' if ok else 'LOST OR INVALID'}")
+            f"decisions and {results} results for {n + 2} cells; "
+            f"{'nothing lost, verifies' if ok else 'LOST OR INVALID'}")
 
 
 def _boxes(home: Path, boxes: int, commands: int) -> str:
@@ -123,7 +124,8 @@ def _long_run(home: Path, n: int) -> str:
     ok = rows == n and report.valid
     return (f"a {n}-crossing run: recorded in {record:.0f} s ({record / n * 1000:.2f} ms per crossing), bundle "
             f"{bundle.stat().st_size / 1e6:.1f} MB; open + DataFrame {view:.1f} s, static view {html:.1f} s, verify "
-            f"{verify:.1f} s; {rows} exec rows for {n} crossings, {'nothing lost, verifies' if ok else 'LOST OR INVALID'}")
+            f"{verify:.1f} s; {rows} exec rows for {n} crossings, "
+            f"{'nothing lost, verifies' if ok else 'LOST OR INVALID'}")
 
 
 def main(n: int | None = None) -> None:

@@ -81,8 +81,9 @@ HOSTS = [b"example.org", b"Example.ORG.", b"b\xc3\xbccher.example", b"xn--bcher-
          b"a..b", b"metadata.google.internal", b"\xef\xbd\x85xample.org", b"_srv.example.org", b"x" * 260]
 
 # spellings of bound hosts a box may write in a CONNECT: each must get the leaf of the one address (or name) dialled
-BOUND_HOST_SPELLINGS = [b"198.18.7.2", b"198.18.7.2.", b"3323070210", b"0xc6.0x12.7.2", b"0306.022.07.02", b"198.18.1794",
-                        b"[198.18.7.2]", b"[2001:db8::1]", b"[2001:DB8:0:0:0:0:0:1]", b"[2001:db8::1%25eth0]",
+BOUND_HOST_SPELLINGS = [b"198.18.7.2", b"198.18.7.2.", b"3323070210", b"0xc6.0x12.7.2", b"0306.022.07.02",
+                        b"198.18.1794", b"[198.18.7.2]", b"[2001:db8::1]", b"[2001:DB8:0:0:0:0:0:1]",
+                        b"[2001:db8::1%25eth0]",
                         b"[::ffff:198.18.7.2]", b"[64:ff9b::c612:702]", b"api.example.org", b"API.Example.org.",
                         b"_srv.example.org", b"a-b.c" + b".d" * 120]
 
@@ -164,7 +165,7 @@ def make_seed_bundle(out_dir: Path = CORPUS) -> Path:
     return out_dir / "seed.tkb"
 
 
-# -- kernel images (tkbox_nb/backends/kernel_image.py): a tiny vmlinux, wrapped in a bzImage, compressed each way -------
+# -- kernel images (tkbox_nb/backends/kernel_image.py): a tiny vmlinux, wrapped in a bzImage, compressed each way ------
 KERNEL_BASE = 0x1000000  # where Linux's x86-64 vmlinux loads (CONFIG_PHYSICAL_START)
 COMPRESSIONS = ("gzip", "xz", "lzma", "lz4", "zstd")
 

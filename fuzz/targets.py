@@ -470,7 +470,8 @@ _ANY = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
 
 
 @target("address", lambda: [b"\x00\x7f\x00\x00\x01", b"\x01" + bytes(15) + b"\x01", b"\x02::ffff:169.254.169.254",
-                            b"\x02" + b"0x7f.1", b"\x01\x20\x01\x00\x00\x41\x36\xe3\x78\x80\x00\x63\xbf\x3f\xff\xfd\xd2",
+                            b"\x02" + b"0x7f.1",
+                            b"\x01\x20\x01\x00\x00\x41\x36\xe3\x78\x80\x00\x63\xbf\x3f\xff\xfd\xd2",
                             b"\x00\xc6\x12\x00\x01"])
 def address(data: bytes) -> None:
     """parse_ip_literal and classify: an address, None or ValueError; every address gets a class, no allow_cidrs
@@ -802,7 +803,8 @@ def _signed_meaning(files: dict[str, bytes]) -> Any:
         return json.dumps([[lines(b) for n, b in sorted(files.items()) if n.startswith("runs/")],
                            lines(files.get("box/disclosures.jsonl")),
                            [lines(b) for n, b in sorted(files.items()) if n.startswith("box/content-")],
-                           {n: b.decode("utf-8", "replace") for n, b in files.items() if n.startswith("box/policies/")}],
+                           {n: b.decode("utf-8", "replace") for n, b in files.items()
+                            if n.startswith("box/policies/")}],
                           sort_keys=True)
     except ValueError:
         return None
@@ -967,8 +969,10 @@ def audit_sanitizers(data: bytes) -> None:
 # -- the patch door --------------------------------------------------------------------------------------------------
 def _patch_seeds() -> list[bytes]:
     from tkbox_nb.guest.patch import encode
-    e = lambda path, content=b"x", **kw: encode(dict({"path": path, "op": "add", "type": "file", "mode": 0o644}, **kw),
-                                                content)
+
+    def e(path, content=b"x", **kw):
+        return encode(dict({"path": path, "op": "add", "type": "file", "mode": 0o644}, **kw), content)
+
     good = e("a.txt", b"one\n") + e("d/b.py", b"\x00bin") + e("gone", b"", op="delete")
     bad = (e("../x") + e(".GIT/config") + e("l", b"", type="symlink", target="/etc") + e("big", b"y" * 300)
            + e("m", b"", op="rename", **{"from": "/etc/shadow"}) + e("A") + e("a"))

@@ -34,11 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-S, I, B, O = "string", "integer", "boolean", "object"
+S, INT, B, OBJ = "string", "integer", "boolean", "object"
 # From Firecracker's swagger definitions (MachineConfiguration, BootSource, Drive, Vsock, InstanceActionInfo)
 SCHEMAS = {
     "/machine-config": {"required": {"vcpu_count", "mem_size_mib"},
-                        "props": {"vcpu_count": (I, 1, 32), "mem_size_mib": (I, 1, None), "smt": (B,),
+                        "props": {"vcpu_count": (INT, 1, 32), "mem_size_mib": (INT, 1, None), "smt": (B,),
                                   "track_dirty_pages": (B,), "cpu_template": (S,),
                                   "huge_pages": (S, ("None", "Transparent", "2M"))}},
     "/boot-source": {"required": {"kernel_image_path"},
@@ -46,16 +46,16 @@ SCHEMAS = {
     "/drives/": {"required": {"drive_id", "is_root_device"},
                  "props": {"drive_id": (S,), "is_root_device": (B,), "is_read_only": (B,), "path_on_host": (S,),
                            "partuuid": (S,), "cache_type": (S, ("Unsafe", "Writeback")),
-                           "io_engine": (S, ("Sync", "Async")), "rate_limiter": (O,), "socket": (S,)}},
+                           "io_engine": (S, ("Sync", "Async")), "rate_limiter": (OBJ,), "socket": (S,)}},
     "/vsock": {"required": {"guest_cid", "uds_path"},
-               "props": {"guest_cid": (I, 3, None), "uds_path": (S,), "vsock_id": (S,)}},
+               "props": {"guest_cid": (INT, 3, None), "uds_path": (S,), "vsock_id": (S,)}},
     "/actions": {"required": {"action_type"},
                  "props": {"action_type": (S, ("FlushMetrics", "InstanceStart", "SendCtrlAltDel"))}},
     "/network-interfaces/": {"required": {"iface_id", "host_dev_name"},
-                             "props": {"iface_id": (S,), "host_dev_name": (S,), "guest_mac": (S,), "mtu": (I, 68, 65535),
-                                       "rx_rate_limiter": (O,), "tx_rate_limiter": (O,)}},
+                             "props": {"iface_id": (S,), "host_dev_name": (S,), "guest_mac": (S,),
+                                       "mtu": (INT, 68, 65535), "rx_rate_limiter": (OBJ,), "tx_rate_limiter": (OBJ,)}},
 }
-TYPES = {S: str, I: int, B: bool, O: dict}
+TYPES = {S: str, INT: int, B: bool, OBJ: dict}
 
 
 def check(path: str, body) -> str | None:
@@ -77,7 +77,7 @@ def check(path: str, body) -> str | None:
             return f"invalid type for `{name}`: expected {kind}"
         if kind == S and len(spec) > 1 and value not in spec[1]:
             return f"unknown variant `{value}` for `{name}`"
-        if kind == I and len(spec) > 1 and (value < spec[1] or spec[2] is not None and value > spec[2]):
+        if kind == INT and len(spec) > 1 and (value < spec[1] or spec[2] is not None and value > spec[2]):
             return f"`{name}` out of range"
     if key == "/drives/" and body["drive_id"] != path.split("/")[-1]:
         return "The id from the path does not match the id from the body!"

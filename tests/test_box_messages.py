@@ -266,7 +266,8 @@ def test_javascript_and_payloads_are_removed_and_named():
 def test_a_next_input_naming_a_host_magic_is_dropped(text):
     reply = check_box_message(message("shell", "execute_reply", {
         "status": "ok", "payload": [{"source": "set_next_input", "text": text, "replace": True}]}))
-    assert reply.content["payload"] == [] and reply.dropped == ["execute_reply.payload:set_next_input naming a host magic"]
+    assert reply.content["payload"] == []
+    assert reply.dropped == ["execute_reply.payload:set_next_input naming a host magic"]
 
 
 def test_next_input_and_exit_keep_their_meaning():
@@ -278,7 +279,8 @@ def test_next_input_and_exit_keep_their_meaning():
     assert reply.dropped == ["execute_reply.payload:edit_magic"]
 
 
-@pytest.mark.parametrize("payload", [{"source": "set_next_input", "text": 7}, {"source": "ask_exit", "keepkernel": "y"}])
+@pytest.mark.parametrize("payload", [{"source": "set_next_input", "text": 7},
+                                     {"source": "ask_exit", "keepkernel": "y"}])
 def test_a_payload_of_the_wrong_shape_is_dropped(payload):
     reply = check_box_message(message("shell", "execute_reply", {"status": "ok", "payload": [payload]}))
     assert reply.content["payload"] == [] and len(reply.dropped) == 1

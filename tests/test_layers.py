@@ -24,8 +24,8 @@ PACKAGE = REPO / "tkbox_nb"
 # Bottom first. A module belongs to the layer of the longest name below that is it or a package holding it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("guest", ["tkbox_nb.guest"]),
-    ("door stream", ["tkbox_nb._version", "tkbox_nb.atomic_file", "tkbox_nb.errors", "tkbox_nb.protocol", "tkbox_nb.connection",
-                     "tkbox_nb.testnet"]),
+    ("door stream", ["tkbox_nb._version", "tkbox_nb.atomic_file", "tkbox_nb.errors", "tkbox_nb.protocol",
+                     "tkbox_nb.connection", "tkbox_nb.testnet"]),
     ("policy and door rules", [
         "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",
         "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader", "tkbox_nb.doors.proxy_request",
@@ -168,8 +168,8 @@ def test_each_known_violation_still_exists_and_still_breaks_the_rule():
 
 # Inside backends (docs/layers.md): each tier may import only lower tiers, and no module imports another of its own
 # tier, so no concrete backend knows another; `registry` alone knows them all. The package's `__init__` is above all.
-BACKEND_TIERS: list[list[str]] = [["base", "seccomp"], ["initramfs"], ["image", "kernel_image"], ["microvm"], ["warm_start"],
-                                  ["bwrap", "qemu", "firecracker"], ["registry"]]
+BACKEND_TIERS: list[list[str]] = [["base", "seccomp"], ["initramfs"], ["image", "kernel_image"], ["microvm"],
+                                  ["warm_start"], ["bwrap", "qemu", "firecracker"], ["registry"]]
 
 
 def backend_order_breaks(edges: set[tuple[str, str]], modules: dict | None = None) -> list[str]:

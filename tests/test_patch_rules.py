@@ -100,9 +100,11 @@ def test_fuzz_patch_reader(data):
     ("x" * 256, "patch.path"), ("/".join(["d"] * 40), "patch.path"), ("/".join(["d" * 200] * 6), "patch.path"),
     ("a\udcffb", "patch.path"),
     (".git/config", "patch.git"), (".GIT/hooks/pre-commit", "patch.git"), (".git./config", "patch.git"),
-    (".git /config", "patch.git"), ("sub/.git/config", "patch.git"), (".git", "patch.git"), ("GIT~1/config", "patch.git"),
+    (".git /config", "patch.git"), ("sub/.git/config", "patch.git"), (".git", "patch.git"),
+    ("GIT~1/config", "patch.git"),
     (".github/workflows/ci.yml", "patch.deny_default[0]"), (".GitHub/Workflows/x.yml", "patch.deny_default[0]"),
-    (".env", "patch.deny_default[2]"), ("app/.env", "patch.deny_default[2]"), ("app/.env.local", "patch.deny_default[3]"),
+    (".env", "patch.deny_default[2]"), ("app/.env", "patch.deny_default[2]"),
+    ("app/.env.local", "patch.deny_default[3]"),
     (".ENV", "patch.deny_default[2]"),
 ])
 def test_bad_paths_are_refused_with_their_rule(path, rule):

@@ -44,5 +44,5 @@ def unload_ipython_extension(ip):
     unload(ip)
 
 
-__all__ = ["__version__", "Box", "BoxEnded", "CellResult", "CommandResult", "Policy", "Run", "open_run", "TkboxError", "PolicyError", "BundleError", "SignerError",
-           "DoorRefused", "view"]
+__all__ = ["__version__", "Box", "BoxEnded", "CellResult", "CommandResult", "Policy", "Run", "open_run", "TkboxError",
+           "PolicyError", "BundleError", "SignerError", "DoorRefused", "view"]

@@ -246,8 +246,9 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
                 f"{str(a.get('request', ''))[7:19]} response "
                 f"{str(r.get('response') or r.get('response_digest') or '')[7:19]}")))
         elif c.door == "patch" and a.get("kind") == "file":  # the last decision per path, order-free
-            last_patch[str(a.get("path"))] = _one(c.seq, "patch", f"{a.get('op')} {a.get('path')} {c.decision} "
-                                                                   f"({a.get('rule')}) {str(a.get('content', ''))[7:19]}")
+            last_patch[str(a.get("path"))] = _one(c.seq, "patch",
+                                                  f"{a.get('op')} {a.get('path')} {c.decision} "
+                                                  f"({a.get('rule')}) {str(a.get('content', ''))[7:19]}")
     out["patch"] = [last_patch[p] for p in sorted(last_patch)]
     return out
 

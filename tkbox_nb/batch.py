@@ -298,7 +298,8 @@ def html_report(results: list[BatchResult]) -> str:
                     f"<td>{html.escape(r.status)}</td><td>{r.differences}</td><td>{r.duration:.1f} s</td>"
                     f"<td>{html.escape(r.new_bundle or '')}</td><td>{html.escape(r.reason)}{detail}</td></tr>")
     verdict = ", ".join(f"{counts[s]} {s}" for s in STATUSES)
-    return (f"<!doctype html><meta charset='utf-8'><title>tkbox batch rerun</title><style>body{{font-family:sans-serif}}"
+    return (f"<!doctype html><meta charset='utf-8'><title>tkbox batch rerun</title>"
+            f"<style>body{{font-family:sans-serif}}"
             f"td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}table{{border-collapse:collapse}}"
             f".different td:nth-child(2){{color:#a60}}.failed td:nth-child(2){{color:#b00}}"
             f".equivalent td:nth-child(2){{color:#070}}</style><h1>tkbox batch rerun: {html.escape(verdict)}</h1>"

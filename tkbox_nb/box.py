@@ -233,7 +233,8 @@ class Box:
             if self.recorder.broken:
                 raise BoxEnded(f"no bundle yet: the run could not be closed ({self.recorder.broken}); its records up "
                                f"to the loss stay in the signer's store, run {self.recorder.run_id}: once the signer "
-                               "answers again, `tkbox signer recover` (or the next box) closes it and writes its bundle")
+                               "answers again, `tkbox signer recover` (or the next box) closes it and writes its "
+                               "bundle")
             if self.bundle_path is None:
                 out = self.signer.home / "bundles"
                 out.mkdir(mode=0o700, exist_ok=True)

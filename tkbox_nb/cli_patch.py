@@ -57,7 +57,8 @@ def _cmd_apply(a) -> int:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            print(f"{r['state']:<12} {str(r['op']):<7} {r['path']}  ({r['rule']}{': ' + r['reason'] if r['reason'] else ''})")
+            reason = ": " + r["reason"] if r["reason"] else ""
+            print(f"{r['state']:<12} {str(r['op']):<7} {r['path']}  ({r['rule']}{reason})")
         done = sum(r["state"] == "applied" for r in rows)
         print(f"{len(rows)} file(s) in the patch: {sum(r['state'] != 'refused' for r in rows)} allowed"
               + ("" if a.list else f", {done} applied to {workspace}"))

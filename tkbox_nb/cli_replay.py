@@ -98,8 +98,8 @@ def _cmd_rerun(a) -> int:
     a.bundle = a.bundle[0]
     from .replay import rerun
     _not_an_input(a.output, a.bundle)
-    done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend, workspace=a.workspace,
-                 env=_env_values(a.env))
+    done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend,
+                 workspace=a.workspace, env=_env_values(a.env))
     for note in done.notes:
         print(f"tkbox rerun: {note}", file=sys.stderr)
     print(f"wrote {done.path}: a new signed run, naming the original ({done.named}) in its box manifest (rerun_of)")

@@ -75,7 +75,8 @@ class BoxMagicsExtension:
     def __init__(self, shell, nb: NotebookBox | None = None):
         self.shell = shell
         self.nb = nb or NotebookBox()
-        self.host = HostMagics(self.nb, lambda prompt: getpass.getpass(prompt))  # looked up late: ipykernel swaps it per cell
+        # getpass is looked up late: ipykernel swaps it per cell
+        self.host = HostMagics(self.nb, lambda prompt: getpass.getpass(prompt))
 
     def register(self) -> None:
         ip = self.shell

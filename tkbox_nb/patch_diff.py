@@ -54,7 +54,8 @@ def render(files: list[DiffFile]) -> bytes:
             if mode != old_mode:
                 out.append(f"old mode {old_mode}\nnew mode {mode}\n")
             if f.op == "rename":
-                out.append(f"similarity index {100 if f.old == f.new else 50}%\nrename from {src}\nrename to {f.path}\n")
+                out.append(f"similarity index {100 if f.old == f.new else 50}%\n"
+                           f"rename from {src}\nrename to {f.path}\n")
         old, new = f.old or b"", f.new or b""
         if old == new:
             continue

@@ -66,8 +66,8 @@ class Crossing:
 class RunRecorder:
     """Opens one run on the machine signer for one box and records its crossings."""
 
-    def __init__(self, signer: "MachineSigner | CentralSigner", policy: Policy, box: dict[str, Any], agent: str = "tkbox",
-                 replay_of: str | None = None):
+    def __init__(self, signer: "MachineSigner | CentralSigner", policy: Policy, box: dict[str, Any],
+                 agent: str = "tkbox", replay_of: str | None = None):
         self.signer = signer
         self.policy = policy
         self.start_policy = policy  # the box manifest names the policy the box started with; later ones are listed

@@ -1,4 +1,5 @@
-"""Test and benchmark hosts in a network namespace on 198.18.0.0/15: a web server, dnsmasq, and a DNS server whose answer flips.
+"""Test and benchmark hosts in a network namespace on 198.18.0.0/15: a web server, dnsmasq, and a DNS server whose
+answer flips.
 
 Everything runs inside a namespace made here and removed on exit (processes, the veth pair, the namespace). The
 host reaches it through a veth on 198.18.N.1; the namespace's services listen on 198.18.N.2 (web on 8080, dnsmasq on
@@ -148,8 +149,10 @@ class NamespaceNet:
                     "http://other.tkb.test:8080/hello.txt", *([self.tls_chain] if self.tls_chain else []))
             p = self.prefix
             self.ns("dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--bind-interfaces",
-                    f"--listen-address={self.web}", "--port=53", "--user=root", f"--pid-file={self.root / 'dnsmasq.pid'}",
-                    f"--address=/web.tkb.test/{p}.2", f"--address=/other.tkb.test/{p}.2", f"--address=/api.tkb.test/{p}.2",
+                    f"--listen-address={self.web}", "--port=53", "--user=root",
+                    f"--pid-file={self.root / 'dnsmasq.pid'}",
+                    f"--address=/web.tkb.test/{p}.2", f"--address=/other.tkb.test/{p}.2",
+                    f"--address=/api.tkb.test/{p}.2",
                     "--address=/loop.tkb.test/127.0.0.1", "--address=/private.tkb.test/10.0.0.1",
                     "--address=/meta.tkb.test/169.254.169.254",
                     f"--host-record=mixed.tkb.test,{p}.2,fd00::1", f"--host-record=mapped.tkb.test,{p}.2,::ffff:7f00:1")

@@ -239,7 +239,8 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
     # disclosures: each opens its record's commitment
     disclosed: dict[tuple[int, str], dict] = {}
     for i, d in enumerate(b.disclosures):
-        where = "%s line %d" % (b.disclosure_lines[i] if i < len(b.disclosure_lines) else ("box/disclosures.jsonl", i + 1))
+        where = "%s line %d" % (b.disclosure_lines[i] if i < len(b.disclosure_lines)
+                                else ("box/disclosures.jsonl", i + 1))
         if not (isinstance(d, dict) and isinstance(d.get("run_seq"), int) and isinstance(d.get("salt"), str)
                 and _HEX64.fullmatch(d["salt"]) and d.get("type") in ("policy.decision", "tool.result")
                 and isinstance(d.get("content"), dict)):

@@ -252,8 +252,8 @@ class RunView:
         self.w_select.options = options
         if self.report is not None:
             color = "#2e7d32" if self.report.valid else "#c62828"
-            self.w_verdict.value = (f"<span class='tkbox-verdict' style='color:{color}'><b>{_esc(self.report.summary())}"
-                                    f"</b></span>")
+            self.w_verdict.value = (f"<span class='tkbox-verdict' style='color:{color}'>"
+                                    f"<b>{_esc(self.report.summary())}</b></span>")
 
     def _on_filter(self, change) -> None:
         self.door, self.decision, self.text = self.w_door.value, self.w_decision.value, self.w_text.value.strip()

@@ -24,10 +24,11 @@ NB02 = [
     new_code_cell("%box_secret DEMO_TOKEN --host api.example.com --format 'Bearer {value}' --env TKBOX_DEMO_TOKEN"),
     new_code_cell("import os\ntoken = os.environ['DEMO_TOKEN']\n"
                   "print('the box holds a placeholder:', token[:16] + '...')"),
-    new_code_cell("import urllib.request, urllib.error\n"
+    new_code_cell("import urllib.error\nimport urllib.request\n"
                   "def get(url, headers={}):\n"
                   "    try:\n"
-                  "        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:\n"
+                  "        req = urllib.request.Request(url, headers=headers)\n"
+                  "        with urllib.request.urlopen(req, timeout=10) as r:\n"
                   "            return r.status, r.read().decode()\n"
                   "    except urllib.error.HTTPError as e:\n"
                   "        return e.code, e.read().decode()\n\n"
@@ -48,7 +49,8 @@ NB03 = [
         "Needs: bubblewrap. Runs offline. (`samples/model-calls.tkb` was recorded by `tools/make_model_sample.py`.)"),
     new_code_cell("from pathlib import Path\nfrom tkbox_nb import Box\n"
                   "from tkbox_nb.doors.model_replay import recordings_from_bundle\n\n"
-                  "recordings = recordings_from_bundle('samples/model-calls.tkb', trust='samples/trust.json')  # verified first\n"
+                  "recordings = recordings_from_bundle('samples/model-calls.tkb', trust='samples/trust.json')"
+                  "  # verified first\n"
                   f"POLICY = {NB03_POLICY!r}\n"
                   "agent = Path('samples/model_agent.py').read_text()\nprint(agent)"),
     new_code_cell("with Box(policy=POLICY, model_replay=recordings, bundle_path='model-replay.tkb') as box:\n"
@@ -78,7 +80,8 @@ NB04 = [
     new_code_cell("!tkbox replay samples/quickstart.tkb --trust samples/trust.json -o replayed.ipynb\n"
                   "import nbformat\n"
                   "replayed = nbformat.read('replayed.ipynb', 4)\n"
-                  "[(c.metadata['tkbox']['decision_seq'], c.source.splitlines()[0]) for c in replayed.cells if c.cell_type == 'code']"),
+                  "[(c.metadata['tkbox']['decision_seq'], c.source.splitlines()[0]) "
+                  "for c in replayed.cells if c.cell_type == 'code']"),
     new_code_cell("!tkbox rerun samples/quickstart.tkb --trust samples/trust.json -o rerun.tkb"),
     new_code_cell("import os\n"
                   "if os.path.exists('rerun.tkb'):\n"
@@ -93,34 +96,48 @@ NB05 = [
         "Shows: a small agent loop (scripted here, so it runs offline and the same every time; a model-driven agent "
         "would send the same kind of steps) that works on a project inside a box: it installs a package from a wheel "
         "in its workspace, fixes a bug, adds a test and runs it, and also tries what an agent should not: a CI "
-        "workflow, a `.env` file, a `.git` hook and a symlink out. Its workspace changes come back as a patch, each file "
-        "decided and signed; the refused files never reach the host; the rest is reviewed and applied file by file with "
-        "`tkbox apply`.\n\n"
+        "workflow, a `.env` file, a `.git` hook and a symlink out. Its workspace changes come back as a patch, each "
+        "file decided and signed; the refused files never reach the host; the rest is reviewed and applied file by "
+        "file with `tkbox apply`.\n\n"
         "Needs: bubblewrap. Runs offline."),
     new_code_cell(
-        "import base64, hashlib, io, shutil, subprocess, zipfile\nfrom pathlib import Path\n\n"
-        "project = Path('agent-project')\nshutil.rmtree(project, ignore_errors=True)\n(project / 'wheels').mkdir(parents=True)\n"
+        "import base64\nimport hashlib\nimport io\nimport shutil\nimport zipfile\nfrom pathlib import Path\n\n"
+        "project = Path('agent-project')\nshutil.rmtree(project, ignore_errors=True)\n"
+        "(project / 'wheels').mkdir(parents=True)\n"
         "(project / 'calc.py').write_text('def mean(xs):\\n    return sum(xs) / len(xs) + 1  # a bug\\n')\n\n"
+        "def record_hash(data):  # a wheel RECORD's hash: urlsafe base64 of the SHA-256, unpadded\n"
+        "    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()\n\n"
         "def wheel(name, version, source):  # a tiny pure-Python wheel, made here so nothing is downloaded\n"
+        "    info = f'{name}-{version}.dist-info'\n"
         "    files = {f'{name}.py': source.encode(),\n"
-        "             f'{name}-{version}.dist-info/METADATA': f'Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n'.encode(),\n"
-        "             f'{name}-{version}.dist-info/WHEEL': b'Wheel-Version: 1.0\\nGenerator: demo\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n'}\n"
-        "    record = ''.join(f\"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\\n\" for n, d in files.items())\n"
-        "    files[f'{name}-{version}.dist-info/RECORD'] = (record + f'{name}-{version}.dist-info/RECORD,,\\n').encode()\n"
+        "             f'{info}/METADATA': f'Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n'.encode(),\n"
+        "             f'{info}/WHEEL': b'Wheel-Version: 1.0\\nGenerator: demo\\nRoot-Is-Purelib: true\\n'\n"
+        "                              b'Tag: py3-none-any\\n'}\n"
+        "    record = ''.join(f'{n},sha256={record_hash(d)},{len(d)}\\n' for n, d in files.items())\n"
+        "    files[f'{info}/RECORD'] = (record + f'{info}/RECORD,,\\n').encode()\n"
         "    buf = io.BytesIO()\n"
         "    with zipfile.ZipFile(buf, 'w') as z:\n"
         "        for n, d in files.items():\n"
         "            z.writestr(n, d)\n"
         "    return buf.getvalue()\n\n"
-        "(project / 'wheels' / 'tinystats-1.0-py3-none-any.whl').write_bytes(wheel('tinystats', '1.0', 'def median(xs):\\n    xs = sorted(xs)\\n    return xs[len(xs) // 2]\\n'))\n"
+        "median = 'def median(xs):\\n    xs = sorted(xs)\\n    return xs[len(xs) // 2]\\n'\n"
+        "(project / 'wheels' / 'tinystats-1.0-py3-none-any.whl').write_bytes(wheel('tinystats', '1.0', median))\n"
         "sorted(p.relative_to(project).as_posix() for p in project.rglob('*') if p.is_file())"),
     new_code_cell(
         "from tkbox_nb import Box\n\n"
         "box = Box(workspace=project, bundle_path='agent.tkb', policy='[patch]\\napply = \"review\"\\n').start()\n"
-        "plan = [  # what the agent decided to do, one command at a time; each is an exec crossing, decided and signed\n"
-        "    ['python3', '-m', 'pip', 'install', '--no-index', '--find-links', 'wheels', '--target', '/tmp/vendor', '--quiet', 'tinystats'],\n"
+        "plan = [  # what the agent decided to do, one command at a time; each is an exec crossing, "
+        "decided and signed\n"
+        "    ['python3', '-m', 'pip', 'install', '--no-index', '--find-links', 'wheels', '--target', '/tmp/vendor',\n"
+        "     '--quiet', 'tinystats'],\n"
         "    ['sed', '-i', 's/ + 1  # a bug//', 'calc.py'],\n"
-        "    ['sh', '-c', 'mkdir -p tests && printf \"import sys; sys.path[:0] = [\\\\\".\\\\\", \\\\\"/tmp/vendor\\\\\"]\\\\nimport calc, tinystats\\\\nassert calc.mean([1, 2, 3]) == 2\\\\nassert tinystats.median([3, 1, 2]) == 2\\\\nprint(\\\\\"tests pass\\\\\")\\\\n\" > tests/test_calc.py'],\n"
+        "    ['sh', '-c', 'mkdir -p tests && printf \"'\n"
+        "                 'import sys; sys.path[:0] = [\\\\\".\\\\\", \\\\\"/tmp/vendor\\\\\"]\\\\n'\n"
+        "                 'import calc, tinystats\\\\n'\n"
+        "                 'assert calc.mean([1, 2, 3]) == 2\\\\n'\n"
+        "                 'assert tinystats.median([3, 1, 2]) == 2\\\\n'\n"
+        "                 'print(\\\\\"tests pass\\\\\")\\\\n'\n"
+        "                 '\" > tests/test_calc.py'],\n"
         "    ['python3', 'tests/test_calc.py'],\n"
         "    # and what it should not do:\n"
         "    ['sh', '-c', 'mkdir -p .github/workflows && echo \"on: push\" > .github/workflows/release.yml'],\n"
@@ -131,7 +148,8 @@ NB05 = [
         "for step in plan:\n"
         "    r = box.run(step)\n"
         "    print(r.exit_code, ' '.join(step)[:70], (r.stdout + r.stderr).decode().strip()[-60:])"),
-    new_code_cell("patch = box.patch()  # the agent proposes its changes: every file decided and signed, nothing applied yet\npatch"),
+    new_code_cell("patch = box.patch()  # the agent proposes its changes: every file decided and signed, "
+                  "nothing applied yet\npatch"),
     new_code_cell("print(patch.diff.decode())"),
     new_code_cell("box.stop()\n!tkbox apply agent.tkb --list"),
     new_code_cell("!tkbox apply agent.tkb -w agent-project\n"

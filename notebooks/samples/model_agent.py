@@ -1,5 +1,6 @@
 # The agent of notebooks/03-model-calls.ipynb: one OpenAI chat call and one Anthropic message, through the model door.
-import openai, anthropic
+import openai
+import anthropic
 chat = openai.OpenAI().chat.completions.create(
     model="gpt-4o-mini", max_tokens=50, messages=[{"role": "user", "content": "Name one prime number."}])
 print("openai:", chat.choices[0].message.content, "| tokens:", chat.usage.total_tokens)

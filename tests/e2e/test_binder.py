@@ -26,7 +26,8 @@ def binder_env(tmp_path_factory):
            "TKBOX_HOME": str(tmp / "tkbox-home"), "LANG": "C.UTF-8",
            **{k: v for k, v in os.environ.items() if k.startswith(("PIP_", "http", "HTTP", "no_proxy", "NO_PROXY"))}}
     (tmp / "home").mkdir()
-    for step in ([str(venv / "bin" / "pip"), "install", "-q", "-r", "binder/requirements.txt"], ["sh", "binder/postBuild"]):
+    for step in ([str(venv / "bin" / "pip"), "install", "-q", "-r", "binder/requirements.txt"],
+                 ["sh", "binder/postBuild"]):
         r = subprocess.run(step, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
     # on Binder no box can start: here, no bubblewrap on the PATH (a shell, for the notebooks' `!` lines)

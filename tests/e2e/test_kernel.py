@@ -843,8 +843,9 @@ def _statuses(c: Client, msg_id: str, timeout: float = 60) -> list[str]:
 def test_a_cell_is_busy_once_from_the_start_and_idle_once_at_its_end(client):
     """As with a plain ipykernel, each execute_request gets exactly one busy, first, and one idle, last, with its
     header as parent: the host publishes busy as it takes the cell and drops the box's kernel's own."""
-    for code, inner in (("print(1)", ["execute_input", "stream"]), ("%box_status\nprint(2)", ["stream",
-                        "execute_input", "stream"]), ("%box_status", ["stream"]), ("1 / 0", ["execute_input", "error"])):
+    for code, inner in (("print(1)", ["execute_input", "stream"]),
+                        ("%box_status\nprint(2)", ["stream", "execute_input", "stream"]),
+                        ("%box_status", ["stream"]), ("1 / 0", ["execute_input", "error"])):
         msg_id = client.kc.execute(code)
         assert _statuses(client, msg_id) == ["status:busy", *inner, "status:idle"], code
         client.kc.get_shell_msg(timeout=30)

@@ -48,7 +48,8 @@ class TestIPyKernelSamples(jkt.KernelTests):
     invalid_code_samples = ["import = 7q"]
     code_page_something = "zip?"
     code_generate_error = "raise"
-    code_execute_result = [{"code": "1+2+3", "result": "6"}, {"code": "[n*n for n in range(1, 4)]", "result": "[1, 4, 9]"}]
+    code_execute_result = [{"code": "1+2+3", "result": "6"},
+                           {"code": "[n*n for n in range(1, 4)]", "result": "[1, 4, 9]"}]
     code_display_data = [
         {"code": "from IPython.display import HTML, display; display(HTML('<b>test</b>'))", "mime": "text/html"},
         {"code": "from IPython.display import Math, display; display(Math('\\frac{1}{2}'))", "mime": "text/latex"},

@@ -13,7 +13,10 @@ import pytest
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
 
-from .test_kernel import Client, client, kernel_env, only_bundle  # noqa: F401  (fixtures)
+from . import test_kernel
+
+# the Tracekit Box kernel's fixtures, shared with test_kernel.py (pytest finds a fixture by its name here)
+client, kernel_env = test_kernel.client, test_kernel.kernel_env
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 

@@ -239,22 +239,24 @@ def test_budgets_stop_the_call_that_exceeds_them_and_unlisted_models_are_refused
     code = r'''
 import openai, anthropic
 o, a = openai.OpenAI(), anthropic.Anthropic()
+msgs = [{"role": "user", "content": "x"}]
 def attempt(name, f):
     try:
         f()
         print(name, "ok")
     except (openai.APIStatusError, anthropic.APIStatusError) as e:
         print(name, type(e).__name__, e.status_code, e.message)
-attempt("big", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=500, messages=[{"role": "user", "content": "x"}]))
-attempt("nolimit", lambda: o.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}]))
-attempt("model", lambda: o.chat.completions.create(model="gpt-4o", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-attempt("claude-model", lambda: a.messages.create(model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-attempt("one", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-attempt("two", lambda: a.messages.create(model="claude-3-5-haiku-latest", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
-attempt("three", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
+attempt("big", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=500, messages=msgs))
+attempt("nolimit", lambda: o.chat.completions.create(model="gpt-4o-mini", messages=msgs))
+attempt("model", lambda: o.chat.completions.create(model="gpt-4o", max_tokens=5, messages=msgs))
+attempt("claude-model", lambda: a.messages.create(model="gpt-4o-mini", max_tokens=5, messages=msgs))
+attempt("one", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=msgs))
+attempt("two", lambda: a.messages.create(model="claude-3-5-haiku-latest", max_tokens=5, messages=msgs))
+attempt("three", lambda: o.chat.completions.create(model="gpt-4o-mini", max_tokens=5, messages=msgs))
 '''
     try:
-        # the Anthropic key from a [secrets.NAME] binding this time: the box sees its placeholder, the upstream the value
+        # the Anthropic key from a [secrets.NAME] binding this time: the box sees its placeholder, the upstream the
+        # value
         policy = models_policy(net, mode="live", extra="max_calls = 2\nmax_output_tokens_per_call = 100\n"
                                '[secrets.ANT]\nhosts = ["api.anthropic.com"]\nheader = "x-api-key"\n'
                                'source = "env:TKB_TEST_ANTHROPIC_KEY"\n', anthropic_key='secret = "ANT"')

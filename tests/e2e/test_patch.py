@@ -219,8 +219,8 @@ sys.exit(agent.main())
 
 
 @pytest.mark.parametrize("tail", ["", "yield b'\\x00\\x00\\x00\\x09{\"path\":1}'",
-                                  "yield patch.encode({'path': 'x', 'op': 'add', 'type': 'file', 'mode': 420}, b'')[:-1]"
-                                  " + b'\\x00\\x00\\x10\\x00' + b'a'"])
+                                  "yield patch.encode({'path': 'x', 'op': 'add', 'type': 'file', 'mode': 420}, "
+                                  "b'')[:-1] + b'\\x00\\x00\\x10\\x00' + b'a'"])
 def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer, tmp_path, tail):
     ws = tmp_path / "ws"
     ws.mkdir()

@@ -211,7 +211,8 @@ def test_the_patch_comes_back_from_the_vm_decided_file_by_file(signer, qemu_imag
 RAW_CHAT = r'''
 import json, os, urllib.request
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
-    data=json.dumps({"model": "gpt-4o-mini", "max_tokens": 20, "messages": [{"role": "user", "content": "hi vm"}]}).encode(),
+    data=json.dumps({"model": "gpt-4o-mini", "max_tokens": 20,
+                     "messages": [{"role": "user", "content": "hi vm"}]}).encode(),
     headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ.get("OPENAI_API_KEY", "")})
 try:
     body = json.load(urllib.request.urlopen(req, timeout=60))
@@ -295,7 +296,8 @@ sys.path.insert(0, "/opt/tkbox")
 from tkbox_guest import protocol as p
 agent = os.getppid()
 os.kill(agent, signal.SIGSTOP)
-[n] = [n for n in os.listdir("/proc/%d/fd" % agent) if os.readlink("/proc/%d/fd/%s" % (agent, n)).startswith("/dev/vport")]
+[n] = [n for n in os.listdir("/proc/%d/fd" % agent)
+       if os.readlink("/proc/%d/fd/%s" % (agent, n)).startswith("/dev/vport")]
 fd = ctypes.CDLL(None, use_errno=True).syscall(438, os.pidfd_open(agent), int(n), 0)
 assert fd >= 0, os.strerror(ctypes.get_errno())
 os.write(fd, ATTACK)

@@ -24,7 +24,8 @@ CELLS = [
     "import random\nrandom.seed(7)\nprint('draws', [random.randint(0, 100) for _ in range(3)])",
     "import pandas as pd\npd.DataFrame({'door': ['exec', 'egress', 'model'], 'n': [1, 2, 3]})",
     "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(2, 2))\nax.plot([1, 4, 9])\nplt.show()",
-    "import urllib.request\nprint(urllib.request.urlopen('http://web.tkb.test:8080/hello.txt', timeout=20).read().decode())",
+    "import urllib.request\n"
+    "print(urllib.request.urlopen('http://web.tkb.test:8080/hello.txt', timeout=20).read().decode())",
     "import openai\nr = openai.OpenAI().chat.completions.create(model='gpt-4o-mini', max_tokens=20, "
     "messages=[{'role': 'user', 'content': 'reproduce me'}])\nprint(r.choices[0].message.content)",
 ]

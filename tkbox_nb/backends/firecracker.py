@@ -156,7 +156,8 @@ def wait_for_socket(path: Path, proc: subprocess.Popen, timeout_s: float) -> Non
     while not path.exists():
         if proc.poll() is not None:
             out = proc.stdout.read1(4096).decode("utf-8", "replace").strip()
-            raise TkboxError(f"firecracker exited before its API socket appeared ({out.splitlines()[-1][:300] if out else proc.returncode})")
+            last = out.splitlines()[-1][:300] if out else proc.returncode
+            raise TkboxError(f"firecracker exited before its API socket appeared ({last})")
         if time.monotonic() > deadline:
             raise TkboxError(f"firecracker made no API socket within {timeout_s:.0f} s")
         time.sleep(0.01)
@@ -205,7 +206,8 @@ class FirecrackerBackend(ImageBackend):
         try:
             image = self._image or current_image()
             out.append(("image", image is not None,
-                        f"{image.digest[:12]} in {image.path.parent}" if image else "no guest image built (tkbox image build)"))
+                        f"{image.digest[:12]} in {image.path.parent}" if image
+                        else "no guest image built (tkbox image build)"))
         except TkboxError as e:
             out.append(("image", False, str(e)))
         return out

@@ -114,7 +114,8 @@ def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, pip:
            ) -> tuple[dict, dict]:
     """(root inputs, all inputs): what the root's digest and the image's digest are computed over."""
     pip = check_pip(list(pip or []))
-    pkgs = check_packages(list(packages if packages is not None else DEFAULT_PACKAGES) + (["python3-pip"] if pip else []))
+    pkgs = check_packages(list(packages if packages is not None else DEFAULT_PACKAGES)
+                          + (["python3-pip"] if pip else []))
     check_packages([kernel])
     root = {"builder": BUILDER_VERSION, "suite": SUITE, "mirror": debian_mirror(), "packages": pkgs,
             "trim": list(TRIM), "remove": list(REMOVE)}
@@ -205,7 +206,8 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
     excludes = [f"--dpkgopt=path-exclude=/{p}/*" for p in ("usr/share/doc", "usr/share/man", "usr/share/info",
                                                               "usr/share/locale")]
     _run(["mmdebstrap", "--variant=essential", "--mode=root" if os.geteuid() == 0 else "--mode=unshare",
-          "--include=" + ",".join(root_inputs["packages"]), *excludes, "--aptopt=APT::Install-Recommends \"false\"", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+          "--include=" + ",".join(root_inputs["packages"]), *excludes, "--aptopt=APT::Install-Recommends \"false\"",
+          "--dpkgopt=path-include=/usr/share/doc/*/copyright",
           *_pip_hook(root_inputs.get("pip", [])), SUITE, str(tree), root_inputs["mirror"]], progress, "mmdebstrap",
          stream=True)
     for rel in TRIM:

@@ -104,7 +104,8 @@ def accept_door(listener: socket.socket, proc: subprocess.Popen, timeout_s: floa
             if proc.poll() is not None or time.monotonic() > deadline:
                 out = proc.stdout.read1(4096).decode("utf-8", "replace").strip() if proc.poll() is not None \
                     else "no connection"
-                raise TkboxError(f"{vmm} did not connect its door ({out.splitlines()[-1][:300] if out else proc.poll()})")
+                last = out.splitlines()[-1][:300] if out else proc.poll()
+                raise TkboxError(f"{vmm} did not connect its door ({last})")
 
 
 def stop_process_group(proc: subprocess.Popen) -> None:

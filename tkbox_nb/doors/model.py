@@ -245,7 +245,8 @@ class ModelDoor:
             raise _Failed(502, f"{req.provider} upstream: {error_text(e, [key])}", "api_error") from None
 
     def _key(self, name: str, provider: dict) -> str:
-        """The provider's key, read on the host (once per source): a [secrets.NAME] binding's value or key = env:/file:."""
+        """The provider's key, read on the host (once per source): a [secrets.NAME] binding's value, or
+        key = env:/file:."""
         if "secret" in provider:
             for b in self.box.bindings:
                 if b.name == provider["secret"]:  # its value was checked when it was bound (secrets.check_binding)

@@ -55,7 +55,8 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
         if now and facts.get("from_base") is None:
             return Verdict("deny", "patch.from", "the rename source is not a regular file the box started with")
         if facts.get("from_taken"):
-            return Verdict("deny", "patch.from", f"the rename source went to {str(facts['from_taken'])[:200]!r} already")
+            taken = str(facts["from_taken"])[:200]
+            return Verdict("deny", "patch.from", f"the rename source went to {taken!r} already")
     if not (ftype == "file" or op == "delete" and ftype == "symlink"):
         return Verdict("deny", "patch.type", f"a {str(ftype)[:20]} is never applied (only regular files)")
     for key, rule, what in (("duplicate_of", "patch.duplicate", "the same path twice"),
@@ -76,7 +77,8 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
         return Verdict("deny", "patch.max_files", f"more than {policy.get('patch', 'max_files')} files")
     if op != "delete":
         if size > policy.get("patch", "max_file_bytes"):
-            return Verdict("deny", "patch.max_file_bytes", f"{size} bytes, over {policy.get('patch', 'max_file_bytes')}")
+            return Verdict("deny", "patch.max_file_bytes",
+                           f"{size} bytes, over {policy.get('patch', 'max_file_bytes')}")
         if total + size > policy.get("patch", "max_total_bytes"):
             return Verdict("deny", "patch.max_total_bytes",
                            f"the patch would pass {policy.get('patch', 'max_total_bytes')} bytes")
