@@ -420,3 +420,4 @@ def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
                              "not_asked": {"status": "ok", "data": {"text/plain": "2"}}}}))
     wire = rebuilt(reply, dict(host_header, msg_type="execute_reply"), parents, "B1", frozenset({"asked"}))
     assert set(wire["content"]["user_expressions"]) == {"asked"}
+    assert wire["content"]["user_expressions"]["asked"]["ename"] == "UnsignedExpression"  # never the box's value

@@ -46,20 +46,12 @@ from ..notebook_box import HostMagics, NotebookBox
 from .cells import Cells
 from .comms import CommGate
 from .host_comms import HostComms
-from .relay import Parents, rebuilt
+from .relay import Parents, rebuilt, unsigned_expressions
 from .stdin import Stdin
 
 PROTOCOL_VERSION = "5.3"
 FORWARDED = {"complete_request", "inspect_request", "is_complete_request", "history_request", "comm_info_request"}
 COMMS = {"comm_open", "comm_msg", "comm_close"}
-
-
-def unsigned_expressions(names: list) -> dict:
-    """The execute_reply's user_expressions: an error for each, as none is evaluated. Only a cell's code is decided and
-    signed at the exec door, so an expression the frontend asks for would run in the box unsigned."""
-    why = "user_expressions are not evaluated in a Tracekit box: only the cell's code is decided and signed"
-    return {name: {"status": "error", "ename": "UnsignedExpression", "evalue": why, "traceback": [why]}
-            for name in names}
 
 
 def _url(info: dict, port_name: str) -> str:
@@ -326,8 +318,6 @@ class TkboxKernel:
         if target is None:
             return
         wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(parent))
-        if t == "execute_reply" and ("user_expressions" in wire["content"] or wire["content"].get("status") == "ok"):
-            wire["content"]["user_expressions"] = unsigned_expressions(sorted(self.cells.asked.get(parent, ())))
         if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
             wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
                                         if not self.host_comms.owns(k)} | self.host_comms.info()

@@ -7,8 +7,9 @@ version; only the `msg_type`, checked by box_messages, is the box's), and as par
 request the box's parent names (or `{}`): the box can neither break a client nor invent a parent.
 
 A box's display ids are namespaced (`tkbox-BOX_ID-ID`), so an `update_display_data` from the box updates only that
-box's own displays, never the host's (the run view) nor another box's. An `execute_reply`'s `user_expressions` keep
-only the keys the frontend's request asked for (their values already rebuilt by box_messages).
+box's own displays, never the host's (the run view) nor another box's. An `execute_reply`'s `user_expressions` are
+never the box's: none was sent to it (only a cell's code is signed), so each key the frontend asked for is answered
+as an error (`unsigned_expressions`), whatever the box's reply held there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from ..box_messages import BoxMessage
 from ..box_outputs import box_display_id
 
 MAX_PARENTS = 4096  # frontend requests whose headers are kept, newest last
+
+
+def unsigned_expressions(names: list) -> dict:
+    """The execute_reply's user_expressions: an error for each, as none is evaluated. Only a cell's code is decided and
+    signed at the exec door, so an expression the frontend asks for would run in the box unsigned."""
+    why = "user_expressions are not evaluated in a Tracekit box: only the cell's code is decided and signed"
+    return {name: {"status": "error", "ename": "UnsignedExpression", "evalue": why, "traceback": [why]}
+            for name in names}
 
 
 class Parents:
@@ -44,15 +53,14 @@ class Parents:
 def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
             asked: frozenset[str] | None = None) -> dict[str, Any]:
     """The message the frontend gets for `msg`: `header` made on the host (its msg_type the box's), the parent the
-    frontend sent, the box's display ids namespaced, only the user expressions asked for."""
+    frontend sent, the box's display ids namespaced, the user expressions asked for answered unevaluated."""
     content = msg.content
     if msg.msg_type in ("display_data", "update_display_data"):
         transient = content.get("transient")
         if isinstance(transient, dict) and "display_id" in transient:
             shown = box_display_id(box_id, str(transient["display_id"]))
             content = dict(content, transient=dict(transient, display_id=shown))
-    elif msg.msg_type == "execute_reply" and isinstance(content.get("user_expressions"), dict):
-        content = dict(content, user_expressions={k: v for k, v in content["user_expressions"].items()
-                                                  if k in (asked or ())})
+    elif msg.msg_type == "execute_reply" and ("user_expressions" in content or content.get("status") == "ok"):
+        content = dict(content, user_expressions=unsigned_expressions(sorted(asked or ())))
     return {"header": header, "parent_header": parents.get(msg.parent_id), "metadata": msg.metadata,
             "content": content}
