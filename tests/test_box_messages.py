@@ -418,6 +418,43 @@ def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
         "status": "ok", "execution_count": 1, "payload": [],
         "user_expressions": {"asked": {"status": "ok", "data": {"text/plain": "1"}},
                              "not_asked": {"status": "ok", "data": {"text/plain": "2"}}}}))
-    wire = rebuilt(reply, dict(host_header, msg_type="execute_reply"), parents, "B1", frozenset({"asked"}))
-    assert set(wire["content"]["user_expressions"]) == {"asked"}
-    assert wire["content"]["user_expressions"]["asked"]["ename"] == "UnsignedExpression"  # never the box's value
+    wire = rebuilt(reply, dict(host_header, msg_type="execute_reply"), parents, "B1", frozenset({"asked", "lost"}))
+    # only the keys asked: the result kept (rebuilt, and signed by box_kernel), one with none answered as an error
+    exprs = wire["content"]["user_expressions"]
+    assert set(exprs) == {"asked", "lost"}
+    assert exprs["asked"] == {"status": "ok", "data": {"text/plain": "1"}, "metadata": {}}
+    assert exprs["lost"]["status"] == "error" and exprs["lost"]["ename"] == "NotEvaluated"
+
+
+def test_user_expressions_asked_are_read_strictly_with_limits():
+    from tkbox_nb.box_messages import MAX_EXPRESSION_CHARS, MAX_USER_EXPRESSIONS, user_expressions_request
+    from tkbox_nb.errors import TkboxError
+    assert user_expressions_request(None) == {} and user_expressions_request({}) == {}
+    assert user_expressions_request({"a": "1+1"}) == {"a": "1+1"}
+    user_expressions_request({f"k{i}": "x" for i in range(MAX_USER_EXPRESSIONS)})
+    for bad in ({f"k{i}": "x" for i in range(MAX_USER_EXPRESSIONS + 1)}, {"a": "x" * (MAX_EXPRESSION_CHARS + 1)},
+                {"a": 1}, {"": "x"}, ["a"], "a", {"a": "x\x00"}):
+        with pytest.raises(TkboxError) as e:
+            user_expressions_request(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_late_outputs_are_held_per_cell_within_their_caps_and_drops_counted():
+    from tkbox_nb.box_late import LateOutputs
+    late = LateOutputs(cell_messages=3, cell_bytes=100, box_messages=5)
+    assert not late.add("unknown", "x", 1)  # names no ended cell
+    late.cell_ended("a", 7)
+    late.cell_ended("b", 9)
+    assert [late.add("a", i, 10) for i in range(4)] == [True, True, True, False]  # 3 messages a cell
+    assert late.add("b", "big", 90) and not late.add("b", "over", 20)  # 100 bytes a cell
+    assert late.add("b", "small", 10) and not late.add("b", "box cap", 1)  # 5 messages a box
+    batches = late.take()  # on the timer: what waits, with the drops of those cells
+    assert [(b.msg_id, b.seq, b.items, b.dropped) for b in batches] == [
+        ("a", 7, [0, 1, 2], 1), ("b", 9, ["big", "small"], 2)]
+    assert not late.add("a", "more", 1) and late.take() == []  # a cell with only drops waits for a boundary
+    assert [(b.msg_id, b.items, b.dropped) for b in late.take(boundary=True)] == [("a", [], 1)]
+    assert late.take(boundary=True) == [] and not late.waiting()
+    late2 = LateOutputs()
+    late2.cell_ended("c", 1)
+    late2.add("c", "x", 1)
+    assert late2.discard() == 1 and late2.take(boundary=True) == []

@@ -2,8 +2,9 @@
 
 What is compared, each in run order and each difference naming the crossing's record number (seq) in both runs:
 - the box: the policy it started with (by hash) and the workspace it started from (by digest, when it had one);
-- the exec door, cells and commands interleaved as they were decided: a cell's code and its outputs (consecutive
-  chunks of one stream merged, every MIME value of a display or result: text sanitized, binary data by digest); a
+- the exec door, cells and commands interleaved as they were decided: a cell's code, its outputs (its late outputs,
+  signed after its end, appended; consecutive chunks of one stream merged, every MIME value of a display or result:
+  text sanitized, binary data by digest) and its user_expressions (each name, expression and result); a
   command's argv, working directory, the names of the environment it set (never values), its stdin (by digest),
   timeout, exit status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs;
   by digest with a short diff when large);
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TkboxError
-from .replay import RERUN_SKIPS, _outputs
+from .replay import RERUN_SKIPS, _outputs, late_outputs, user_expressions
 from .run import Crossing, Run, open_run
 
 EXIT_EQUIVALENT, EXIT_DIFFERENT, EXIT_INCOMPARABLE = 0, 1, 3
@@ -173,15 +174,34 @@ def _text(run: Run, digest: Any) -> str:
     return (run.content(digest) or b"").decode("utf-8", "replace") if isinstance(digest, str) else ""
 
 
-def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]]) -> Item | None:
+def _expressions(run: Run, c: Crossing, extra: list[tuple[str, str]]) -> str:
+    """A cell's user_expressions as compared: each name, its expression and its result (data as cell outputs are
+    compared, an error by name and value), in name order."""
+    asked, results = user_expressions(run, c)
+    if not asked:
+        return "(none)"
+    out = {}
+    for name in sorted(asked):
+        r = results.get(name) if isinstance(results.get(name), dict) else {}
+        if r.get("status") == "ok":
+            data = r.get("data") if isinstance(r.get("data"), dict) else {}
+            got: Any = {str(m): _mime_value(str(m), v, extra) for m, v in sorted(data.items())}
+        else:
+            got = ["error", str(r.get("ename")), _sanitize(str(r.get("evalue")), extra)]
+        out[str(name)] = [str(asked[name]), got]
+    return json.dumps(out, sort_keys=True)
+
+
+def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[int, list[str]]) -> Item | None:
     a, r = c.args or {}, c.result or {}
-    if a.get("kind") == "cell":
-        outs = _output_items(_outputs(run, r.get("outputs")), extra)
+    if a.get("kind") == "cell":  # its late outputs (signed after its end) compared as outputs of the cell
+        outs = _output_items(_outputs(run, r.get("outputs"), late.get(c.seq, [])), extra)
         # compared one text line to a line (so a large one gets a line diff), shown on one line or by digest
         value, shown = json.dumps(outs, indent=0), json.dumps(outs)
         return Item(c.seq, "cell", {
             "cell code": _field(f"{c.decision}: " + _text(run, a.get("code"))),
-            "cell outputs": (value, shown if len(shown) <= LARGE else _field(shown, large=True)[1])})
+            "cell outputs": (value, shown if len(shown) <= LARGE else _field(shown, large=True)[1]),
+            "cell user_expressions": _field(_expressions(run, c, extra), large=True)})
     if a.get("kind") != "command":
         return None
     argv = a.get("argv") if isinstance(a.get("argv"), list) else []
@@ -221,10 +241,11 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
         "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
         "workspace": _field(str(((start.args if start else None) or {}).get("workspace_digest")
                                 or "none (the box started with an empty workspace)"))})]
+    late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}
         if c.door == "exec":
-            item = _exec_item(run, c, extra)
+            item = _exec_item(run, c, extra, late)
             if item is not None:
                 out["exec"].append(item)
             elif a.get("kind") in ("comm", "comm_fault"):

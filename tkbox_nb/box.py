@@ -19,6 +19,7 @@ from typing import Any, Callable
 from . import protocol as p
 from .backends import BoxSpec, get_backend
 from .box_kernel import BoxKernel, Cell
+from .box_messages import user_expressions_request
 from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
 from .doors.exec import CommandResult, ExecDoor
@@ -37,6 +38,7 @@ class CellResult:
     status: str
     outputs: list[dict[str, Any]] = field(default_factory=list)
     execution_count: int | None = None
+    user_expressions: dict[str, Any] = field(default_factory=dict, repr=False)  # each asked: its result, signed
 
 
 CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
@@ -221,6 +223,11 @@ class Box:
                     self.last_patch = self.patch_door.collect()
                 except TkboxError as e:
                     reason = f"{reason}; the patch was not collected: {e}"
+            if not self.ended:
+                try:  # late outputs held for ended cells are signed before the box goes
+                    self.flush_late()
+                except Exception as e:
+                    reason = f"{reason}; late outputs not signed: {str(e)[:200]}"
             if self.running is not None:
                 self.running.kill()
             if self.conn is not None:
@@ -287,12 +294,22 @@ class Box:
         """Run `argv` in the box (after a signed allow) and return its exit status and output. `cwd` (default
         /workspace) and `timeout` are recorded; of `env`, only the names are (never the values)."""
         self._check_alive()
+        self.flush_late()
         return self.exec_door.run(argv, stdin, timeout, cwd, env)
 
-    def decide_cell(self, code: str) -> "Crossing":
-        """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box)."""
+    def decide_cell(self, code: str, user_expressions: dict[str, str] | None = None) -> "Crossing":
+        """The exec door for one cell and its user_expressions (decided with its code, box_messages.
+        user_expressions): a signed allow, or DoorRefused (and nothing goes into the box)."""
         self._check_alive()
-        return self.exec_door.decide_cell(code)
+        expressions = user_expressions_request(user_expressions)
+        self.flush_late()
+        return self.exec_door.decide_cell(code, expressions)
+
+    def flush_late(self) -> None:
+        """Sign (and so let be shown) the late outputs held for cells already ended, before the next crossing."""
+        kernel = self._kernel
+        if kernel is not None and not kernel.ended:
+            kernel.flush_late(boundary=True)
 
     def kernel(self) -> BoxKernel:
         """The box's Jupyter kernel (a real ipykernel in the box), started on first use."""
@@ -319,12 +336,14 @@ class Box:
             raise TkboxError(f"the box's kernel did not start: {kernel.ended}")
         return kernel
 
-    def execute(self, code: str, on_output: Callable[[dict], None] | None = None) -> CellResult:
-        """Run a Python cell in the box's kernel (state persists); outputs follow the Jupyter message model."""
-        crossing = self.decide_cell(code)
+    def execute(self, code: str, on_output: Callable[[dict], None] | None = None,
+                user_expressions: dict[str, str] | None = None) -> CellResult:
+        """Run a Python cell in the box's kernel (state persists); outputs follow the Jupyter message model.
+        `user_expressions` (name -> expression) are evaluated after it, as ipykernel does, decided with its code."""
+        crossing = self.decide_cell(code, user_expressions)
         try:
             kernel = self.kernel()
-            cell = kernel.execute_request(code, crossing, on_output)
+            cell = kernel.execute_request(code, crossing, on_output, user_expressions=user_expressions)
         except TkboxError:
             self.recorder.complete(crossing, "error", {"ended": "the box's kernel is not available"})
             raise
@@ -341,7 +360,7 @@ class Box:
             raise BoxEnded(f"the box has ended: {self.ended}")
         if cell.ended:
             raise TkboxError(f"the cell did not finish: {cell.ended}")
-        return CellResult(cell.status, cell.outputs, cell.execution_count)
+        return CellResult(cell.status, cell.outputs, cell.execution_count, cell.expression_results or {})
 
     def watch(self, cells: list["Cell"]) -> None:
         """End the box if a cell in flight ran past `[exec] timeout_s`, or if the box died under it."""

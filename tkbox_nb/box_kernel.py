@@ -7,11 +7,18 @@ listener (the Tracekit Box kernel, which forwards it to the frontend). A malform
 
 A cell ends when both its `execute_reply` and its `status: idle` have come, as a Jupyter client reckons it. The
 first reply is the cell's (the one signed and the one forwarded): a second `execute_reply` for a tracked cell is a
-protocol violation that ends the box. Once a cell is signed, what the box still sends naming it (a late thread's
-print, a display update, or anything after a fake reply and idle) is dropped, never forwarded unsigned, and counted:
-the count is signed in the next cell's result (`late_outputs`); the Tracekit Box kernel signs it first, as one
-`late_output` fault at the next cell boundary or as it stops the box (kernel/comms.py), and a box ended for a
-violation names it in its end reason.
+protocol violation that ends the box. Once a cell is signed, an output the box still sends naming it (a background
+thread's print, a display update) is held (box_late.py), signed in a batch of its own (exec, kind `late_output`,
+naming the cell's seq), and only then given to the listeners, which forward it under the cell's parent as ipykernel
+would; past the caps it is dropped and counted, the count signed too. Anything else naming a signed cell (a comm
+message) is dropped, never forwarded unsigned, and counted: the count is signed in the next cell's result
+(`late_outputs`); the Tracekit Box kernel signs it first, as one `late_output` fault at the next cell boundary or as
+it stops the box (kernel/comms.py). A box ended for a violation names what it dropped unsigned in its end reason.
+
+A request's `user_expressions` (decided with the cell's code, box.decide_cell) are evaluated by the box's kernel;
+their results, rebuilt from an allowlist (box_messages), are kept for exactly the keys asked, count against the
+cell's output limit, are signed in the cell's end, and the `execute_reply` that carries them is given to the
+listeners only once that end is signed (the messages after it wait behind it, so their order stays).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import protocol as p
+from .box_late import FLUSH_S, Batch, LateOutputs
 from .box_messages import BoxMessage, check_box_message
 from .box_outputs import widget_kind
 
@@ -33,6 +41,8 @@ if TYPE_CHECKING:
     from .recorder import Crossing
 
 READY_TIMEOUT_S = 90.0
+NOT_ANSWERED = {"status": "error", "ename": "NotAnswered", "evalue": "the box's kernel gave no result for it",
+                "traceback": []}
 PROTOCOL_VERSION = "5.3"
 
 
@@ -63,6 +73,10 @@ class Cell:
     idle: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     ended: str | None = None
+    expressions: dict[str, str] | None = None  # the user_expressions sent with it (decided with its code)
+    expression_results: dict[str, Any] | None = None  # what the box answered, rebuilt; signed in the cell's end
+    held: BoxMessage | None = None  # its execute_reply, given to the listeners once the results are signed
+    behind: list[BoxMessage] = field(default_factory=list)  # messages after the held reply, in order
 
     @property
     def status(self) -> str:
@@ -93,7 +107,10 @@ class BoxKernel:
         self.comms: dict[str, str] = {}
         self.signed: set[str] = set()  # cells whose end is signed: what names them later is dropped and counted
         self.late = 0  # messages dropped so, not yet in a signed record
+        self.late_outputs = LateOutputs()  # outputs naming signed cells, held until signed (box_late.py)
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # one signer of late outputs at a time, so their records keep order
+        self._flush_timer: threading.Timer | None = None
         self.stream = box.conn.open({"kind": "kernel"})
         threading.Thread(target=self._read, daemon=True, name="tkbox-kernel-reader").start()
 
@@ -111,17 +128,19 @@ class BoxKernel:
         self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message({"channel": "bridge", "op": "interrupt"}))
 
     def execute_request(self, code: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None,
-                        silent: bool = False) -> Cell:
-        """Send one cell (already allowed through the exec door) and return what tracks it."""
+                        silent: bool = False, user_expressions: dict[str, str] | None = None) -> Cell:
+        """Send one cell (already allowed through the exec door, with its user_expressions) and return what tracks
+        it."""
         header = new_header("execute_request", self.session)
-        cell = self.track(header["msg_id"], crossing, on_output)
+        cell = self.track(header["msg_id"], crossing, on_output, user_expressions)
         self.send("shell", {"header": header, "content": {
-            "code": code, "silent": silent, "store_history": not silent, "user_expressions": {},
+            "code": code, "silent": silent, "store_history": not silent, "user_expressions": user_expressions or {},
             "allow_stdin": False, "stop_on_error": True}})
         return cell
 
-    def track(self, msg_id: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None) -> Cell:
-        cell = Cell(msg_id, crossing, on_output)
+    def track(self, msg_id: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None,
+              expressions: dict[str, str] | None = None) -> Cell:
+        cell = Cell(msg_id, crossing, on_output, expressions=dict(expressions) if expressions else None)
         with self._lock:
             if self.ended:
                 raise p.ProtocolError(self.ended)
@@ -150,7 +169,9 @@ class BoxKernel:
                     break
         except p.ProtocolError as e:
             reason = f"door protocol violation: {e}"
-            late = self.take_late()
+            with self._lock:
+                unsigned = self.late_outputs.discard()  # a box that broke the protocol gets nothing more shown
+            late = self.take_late() + unsigned
             if late:  # signed in the box's end, as no cell boundary comes to sign their count
                 reason += f" ({late} messages naming cells already signed were dropped before it)"
             self.box.fail_closed(reason)
@@ -178,26 +199,78 @@ class BoxKernel:
         elif msg.parent_id in self.signed:
             if msg.msg_type == "execute_reply":
                 raise p.ProtocolError("a second execute_reply for a cell")
-            if msg.msg_type != "status":
+            output = msg.as_output()
+            if output is not None:
+                self._late(msg, output)
+            elif msg.msg_type != "status":
                 with self._lock:
                     self.late += 1
             return
         if msg.channel == "iopub":
             self._track_comm(msg.msg_type, msg.content)
-        for listener in list(self.listeners):
-            listener(msg)
+        if cell is not None and cell.held is None and msg.msg_type == "execute_reply" and cell.expressions:
+            cell.held = msg  # it carries the expressions' results: shown once they are signed
+        elif cell is not None and cell.held is not None:
+            cell.behind.append(msg)
+        else:
+            self._tell(msg)
         if cell is not None and cell.reply is not None and cell.idle:
             with self._lock:
                 self.cells.pop(cell.msg_id, None)
                 self.signed.add(cell.msg_id)
-            self._sign_end(cell)
+                self.late_outputs.cell_ended(cell.msg_id, cell.crossing.run_seq)
+            if self._sign_end(cell) and cell.held is not None:
+                for waiting in [cell.held, *cell.behind]:
+                    self._tell(waiting)
             cell.done.set()
+
+    def _tell(self, msg: BoxMessage) -> None:
+        for listener in list(self.listeners):
+            listener(msg)
+
+    # -- late outputs (box_late.py) ------------------------------------------------------------------------------
+    def _late(self, msg: BoxMessage, output: dict) -> None:
+        """An output naming a signed cell: held, to be signed within FLUSH_S (or dropped and counted past a cap)."""
+        with self._lock:
+            if self.late_outputs.add(msg.parent_id, (msg, output), len(json.dumps(output))) \
+                    and self._flush_timer is None:
+                self._flush_timer = threading.Timer(FLUSH_S, self.flush_late)
+                self._flush_timer.daemon = True
+                self._flush_timer.start()
+
+    def flush_late(self, boundary: bool = False) -> None:
+        """Sign the late outputs held (one record per cell), then give them to the listeners; `boundary` (the next
+        crossing, the box's stop): the counts of those dropped past a cap too."""
+        with self._flush_lock:
+            with self._lock:
+                if self._flush_timer is not None:
+                    self._flush_timer.cancel()
+                self._flush_timer = None
+                batches = self.late_outputs.take(boundary)
+            for batch in batches:
+                if self._sign_late(batch):
+                    for msg, _ in batch.items:
+                        self._tell(msg)
+
+    def _sign_late(self, batch: Batch) -> bool:
+        facts: dict[str, Any] = {"cell_seq": batch.seq, "messages": len(batch.items)}
+        if batch.dropped:
+            facts["dropped"] = batch.dropped
+        content = {"outputs": json.dumps([o for _, o in batch.items], sort_keys=True).encode("utf-8")} \
+            if batch.items else {}
+        recorder = self.box.recorder
+        crossing = recorder.decide("exec", "late_output", facts, content)
+        if not crossing.allowed:
+            return False
+        sanitised = sorted({d for msg, _ in batch.items for d in msg.dropped})[:50]
+        return recorder.complete(crossing, "ok", {"dropped": sanitised} if sanitised else {})
 
     def _collect(self, cell: Cell, msg: BoxMessage) -> None:
         cell.dropped += msg.dropped
         if msg.msg_type == "execute_reply":
             if cell.reply is not None:  # the first reply is the cell's; a box that sends two breaks the protocol
                 raise p.ProtocolError("a second execute_reply for a cell")
+            self._expressions(cell, msg)
             cell.reply = msg.content
         elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
             cell.idle = True
@@ -212,7 +285,25 @@ class BoxKernel:
             if cell.on_output is not None:
                 cell.on_output(output)
 
+    def _expressions(self, cell: Cell, msg: BoxMessage) -> None:
+        """The reply's user_expressions: exactly the keys sent (one the box left out answered as an error), none when
+        none was sent; counted against the cell's output limit, as they are signed with its outputs."""
+        got = msg.content.get("user_expressions") if isinstance(msg.content.get("user_expressions"), dict) else {}
+        results = {key: got.get(key, NOT_ANSWERED) for key in sorted(cell.expressions or {})}
+        if results:
+            limit = self.box.policy.get("exec", "max_output_bytes")
+            cell.output_bytes += len(json.dumps(results))
+            if cell.output_bytes > limit:
+                raise p.ProtocolError(f"cell output over exec.max_output_bytes ({limit})")
+            cell.expression_results = results
+        msg.content = dict(msg.content, user_expressions=results)
+
     def _finish(self, reason: str) -> None:
+        if "door protocol violation" not in f"{reason} {getattr(self.box, 'ended', None)}":
+            try:  # what was held is signed (and shown) while the run is open: the box ends, its output stays
+                self.flush_late(boundary=True)
+            except Exception:
+                pass
         with self._lock:
             if self.ended is None:
                 self.ended = reason
@@ -231,7 +322,7 @@ class BoxKernel:
             late, self.late = self.late, 0
         return late
 
-    def _sign_end(self, cell: Cell) -> None:
+    def _sign_end(self, cell: Cell) -> bool:
         """Sign the end of a cell: its status and execution count, its outputs disclosed. The exec door's record,
         written here because only the kernel knows when a cell has ended (its reply and idle, or the kernel gone)."""
         result: dict = {"execution_count": cell.execution_count}
@@ -243,5 +334,7 @@ class BoxKernel:
         if late:
             result["late_outputs"] = late
         status = cell.status if not cell.ended else "error"
-        self.box.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result,
-                                   {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")})
+        content = {"outputs": json.dumps(cell.outputs, sort_keys=True).encode("utf-8")}
+        if cell.expression_results:
+            content["user_expressions"] = json.dumps(cell.expression_results, sort_keys=True).encode("utf-8")
+        return self.box.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result, content)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import box_outputs
+from .errors import TkboxError
 from .protocol import ProtocolError
 
 CHANNEL_TYPES: dict[str, frozenset[str]] = {
@@ -40,7 +41,28 @@ HEADER_STR_LIMIT = 256
 MAX_BUFFERS = 64
 MAX_PAYLOADS = 16
 MAX_NEXT_INPUT = 1 << 20
-MAX_USER_EXPRESSIONS = 64
+MAX_USER_EXPRESSIONS = 64  # a request's user_expressions, and a reply's results
+MAX_EXPRESSION_CHARS = 4096  # one expression's text
+MAX_EXPRESSION_NAME = 256  # one expression's name (its key)
+
+
+def user_expressions_request(value: Any) -> dict[str, str]:
+    """A frontend's (or a caller's) `user_expressions`, read strictly before anything is decided: names and
+    expressions as text, at most MAX_USER_EXPRESSIONS of them, each within its limit; None or {} is none. Anything
+    else is a TkboxError of one line, and nothing is decided or sent."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TkboxError("user_expressions must map names to expressions (text)")
+    if len(value) > MAX_USER_EXPRESSIONS:
+        raise TkboxError(f"{len(value)} user_expressions asked, at most {MAX_USER_EXPRESSIONS}: none evaluated")
+    for name, expr in value.items():
+        if not isinstance(name, str) or not name or len(name) > MAX_EXPRESSION_NAME or "\x00" in name:
+            raise TkboxError(f"a user_expressions name must be text of 1 to {MAX_EXPRESSION_NAME} characters")
+        if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS or "\x00" in expr:
+            raise TkboxError(f"user_expressions[{name[:40]!r}] must be text of at most {MAX_EXPRESSION_CHARS} "
+                             "characters")
+    return dict(value)
 
 
 @dataclass
@@ -237,10 +259,13 @@ def _execute_reply(c: dict, payloads: list, dropped: list[str]) -> dict[str, Any
     for key, value in list(exprs.items())[:MAX_USER_EXPRESSIONS]:
         value = value if isinstance(value, dict) else {}
         what = f"execute_reply.user_expressions[{str(key)[:40]}]"
-        if value.get("status") == "ok" and isinstance(value.get("data"), dict):
+        if not isinstance(key, str) or len(key) > MAX_EXPRESSION_NAME:
+            dropped.append("execute_reply.user_expressions (a name that is not one asked)")
+        elif value.get("status") == "ok" and isinstance(value.get("data"), dict):
             out["user_expressions"][key] = {"status": "ok", "data": _mimebundle(value["data"], what, dropped),
                                             "metadata": {}}
-        elif value.get("status") == "error":
+        elif value.get("status") == "error" and isinstance(value.get("ename"), str) \
+                and isinstance(value.get("evalue"), str):
             out["user_expressions"][key] = _error(value)
         else:
             dropped.append(what)

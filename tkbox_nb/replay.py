@@ -1,10 +1,12 @@
 """A signed run back as a notebook (replay) and executed again in a fresh box (rerun); audit.py compares two runs.
 
-`to_notebook` reads only what the bundle discloses: each cell's code and recorded outputs, in the order the run
-decided them, with the run id, record sequence numbers and digests in each cell's metadata; host-side magics come back
-as the host events they were (tagged `tkbox-host`), refused cells as refused (tagged `tkbox-refused`), commands as
-markdown. `rerun` executes a replayed notebook in a fresh box under the original policy (or a given one) and names the
-original run (`rerun_of` in its box manifest). `audit` compares two runs after sanitizing volatile values.
+`to_notebook` reads only what the bundle discloses: each cell's code and recorded outputs (its late outputs, signed
+after its end, appended), in the order the run decided them, with the run id, record sequence numbers, digests and
+user_expressions (asked and answered) in each cell's metadata; host-side magics come back as the host events they
+were (tagged `tkbox-host`), refused cells as refused (tagged `tkbox-refused`), commands as markdown. `rerun`
+executes a replayed notebook (each cell with its user_expressions) in a fresh box under the original policy (or a
+given one) and names the original run (`rerun_of` in its box manifest). `audit` compares two runs after sanitizing
+volatile values.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret")
 KERNELSPEC = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
 
 
-def _outputs(run: Run, ref: Any) -> list[dict]:
-    """The recorded outputs of a cell, as nbformat outputs (display updates and clears applied in order)."""
+def _items(run: Run, ref: Any) -> list:
     raw = run.content(ref) if isinstance(ref, str) else None
     if raw is None:
         return []
@@ -35,8 +36,38 @@ def _outputs(run: Run, ref: Any) -> list[dict]:
         items = json.loads(raw)
     except ValueError:
         return []
+    return items if isinstance(items, list) else []
+
+
+def late_outputs(run: Run) -> dict[int, list[str]]:
+    """The signed late outputs of each cell (what its threads sent after its end was signed), by the cell's decision
+    seq: the digests of their batches, in run order."""
+    out: dict[int, list[str]] = {}
+    for c in run.crossings():
+        a = c.args or {}
+        if c.door == "exec" and a.get("kind") == "late_output" and c.decision == "allow" \
+                and isinstance(a.get("cell_seq"), int) and isinstance(a.get("outputs"), str):
+            out.setdefault(a["cell_seq"], []).append(a["outputs"])
+    return out
+
+
+def user_expressions(run: Run, c) -> tuple[dict, dict]:
+    """A cell's user_expressions as decided (name -> expression) and their signed results (name -> result); {} for
+    none, or for what the bundle does not disclose as a JSON object."""
+    def obj(ref: Any) -> dict:
+        try:
+            value = json.loads(run.content(ref) or b"null") if isinstance(ref, str) else None
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+    return obj((c.args or {}).get("user_expressions")), obj((c.result or {}).get("user_expressions"))
+
+
+def _outputs(run: Run, ref: Any, late: list[str] = ()) -> list[dict]:
+    """The recorded outputs of a cell, then its late outputs (`late`: their batches' digests), as nbformat outputs
+    (display updates and clears applied in order)."""
     out: list[dict] = []
-    for o in items if isinstance(items, list) else []:
+    for o in [x for r in [ref, *late] for x in _items(run, r)]:
         t = o.get("output_type") if isinstance(o, dict) else None
         if t == "clear_output":
             out = []
@@ -61,6 +92,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
     nb.cells.append(nbformat.v4.new_markdown_cell(
         f"Replay of run `{run.run_id}` ({run.box.get('backend', '?')}, {run.box.get('isolation', '?')}) from "
         f"`{run.path.name}`: cells and outputs as recorded. Verify the bundle (`tkbox verify`) before trusting them."))
+    late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}
         meta = {"run_id": run.run_id, "decision_seq": c.seq, "result_seq": c.result_seq, "decision": c.decision,
@@ -70,8 +102,13 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
             cell = nbformat.v4.new_code_cell(code)
             cell.metadata["tkbox"] = dict(meta, code_digest=a.get("code"),
                                           outputs_digest=(c.result or {}).get("outputs"))
+            asked, results = user_expressions(run, c)
+            if asked:  # not part of a notebook cell: kept in its metadata, as decided and as answered
+                cell.metadata["tkbox"].update(user_expressions=asked, user_expression_results=results)
+            if late.get(c.seq):
+                cell.metadata["tkbox"]["late_outputs_digests"] = late[c.seq]
             if c.decision == "allow":
-                cell.outputs = _outputs(run, (c.result or {}).get("outputs"))
+                cell.outputs = _outputs(run, (c.result or {}).get("outputs"), late.get(c.seq, []))
                 cell.execution_count = (c.result or {}).get("execution_count")
             else:
                 cell.metadata["tags"] = ["tkbox-refused"]
@@ -179,8 +216,12 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
                     magics.run(name, line, body)
             continue
         try:
-            if a.get("kind") == "cell":
-                nb.ensure_box().execute((run.content(a.get("code", "")) or b"").decode("utf-8", "replace"))
+            if a.get("kind") == "cell":  # with the user_expressions it was decided with
+                asked = user_expressions(run, c)[0]
+                if a.get("user_expressions") and not asked:
+                    raise TkboxError(f"cell {c.seq}: its user_expressions are not disclosed in the bundle")
+                nb.ensure_box().execute((run.content(a.get("code", "")) or b"").decode("utf-8", "replace"),
+                                        user_expressions={str(k): str(v) for k, v in asked.items()} or None)
                 continue
             stdin = run.content(a["stdin"]) if a.get("stdin") else None
             if a.get("stdin") and stdin is None:

@@ -144,6 +144,9 @@ class Run:
             return (code.splitlines() or [""])[0][:120]
         if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             return shlex.join(str(x) for x in a["argv"])[:120]
+        if c.door == "exec" and a.get("kind") == "late_output":  # a cell's thread, after the cell's end was signed
+            dropped = f", {a.get('dropped')} dropped past the cap" if a.get("dropped") else ""
+            return f"late output of cell #{a.get('cell_seq')}: {a.get('messages')} messages{dropped}"[:120]
         if c.door == "model" and a.get("kind") == "call":
             usage = (c.result or {}).get("usage") or {}
             tokens = f" {usage.get('input_tokens', '?')}+{usage.get('output_tokens', '?')} tokens" if usage else ""
@@ -166,7 +169,7 @@ class Run:
         rows = []
         for c in self.crossings():
             a = c.args or {}
-            main = a.get("code") or a.get("stdin") or ""
+            main = a.get("code") or a.get("stdin") or (a.get("outputs") if a.get("kind") == "late_output" else "") or ""
             rows.append({
                 "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": str(a.get("kind", "")),
                 "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": str(a.get("rule", "")),

@@ -339,26 +339,57 @@ def test_bundle_holds_one_signed_exec_decision_per_cell_and_verifies(kernel_env)
     assert [x.args["magic"] for x in host] == ["box_status"]
 
 
-def test_user_expressions_are_never_evaluated_unsigned(client, kernel_env):
-    """Only a cell's code is decided and signed: the user_expressions of an execute_request ran in the box with no
-    signed decision naming them. Now none is sent into the box; each is answered as an UnsignedExpression error."""
-    expr = "__import__('pathlib').Path('/workspace/proof').write_text('UNSIGNED')"
-    for code in ("a = 1", "%box_status"):  # a cell for the box, and one the host answers alone
-        msg_id = client.kc.execute(code, user_expressions={"x": expr, "y": "a"})
-        while True:
-            reply = client.kc.get_shell_msg(timeout=90)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        content = reply["content"]
-        assert content["status"] == "ok" and sorted(content["user_expressions"]) == ["x", "y"], content
-        assert all(v["status"] == "error" and v["ename"] == "UnsignedExpression"
-                   for v in content["user_expressions"].values())
-    reply, outs = client.run("import os\nprint(os.path.exists('/workspace/proof'), a)")
-    assert ("stream", {"name": "stdout", "text": "False 1\n"}) in outs, outs
+def test_user_expressions_are_evaluated_decided_with_their_cell_and_signed(client, kernel_env, tmp_path):
+    """As in a plain ipykernel, each user expression is evaluated after its cell and answered {status, data,
+    metadata} or as an error; it is code the box runs, so it is decided with the cell's code (the decision commits to
+    it) and its result is signed in the cell's end. Past the limits, or in a cell of host magics only, nothing is
+    evaluated; a cell asked no expression is stated as before (no `user_expressions` in its decision)."""
+    kc = client.kc
+    client.run("a = 21")
+    mid = kc.execute("b = a * 2", user_expressions={"v": "b", "e": "1/0", "s": "str(b) + '!'"})
+    reply = _shell_reply(kc, mid)
+    assert reply["status"] == "ok", reply
+    exprs = reply["user_expressions"]
+    assert exprs["v"] == {"status": "ok", "data": {"text/plain": "42"}, "metadata": {}}
+    assert exprs["s"]["data"] == {"text/plain": "'42!'"}
+    assert exprs["e"]["status"] == "error" and exprs["e"]["ename"] == "ZeroDivisionError"
+    # over the limits: one error line, and nothing of the request runs (not its code, not its expressions)
+    side = "__import__('pathlib').Path('/workspace/proof').write_text('ran')"
+    for asked in ({f"k{i}": "1" for i in range(65)}, {"long": "1 + " * 2000 + "1"}):
+        mid = kc.execute(side, user_expressions=asked)
+        reply = _shell_reply(kc, mid)
+        assert reply["status"] == "error" and reply["ename"] == "UserExpressionsRefused", reply
+        assert "\n" not in reply["evalue"] and ("at most 64" in reply["evalue"] or "4096" in reply["evalue"])
+    # a cell of host magics only evaluates nothing in the box
+    mid = kc.execute("%box_status", user_expressions={"x": side})
+    reply = _shell_reply(kc, mid)
+    assert reply["status"] == "ok" and reply["user_expressions"]["x"]["ename"] == "NotEvaluated"
+    reply, outs = client.run("import os\nprint(os.path.exists('/workspace/proof'), b)")
+    assert ("stream", {"name": "stdout", "text": "False 42\n"}) in outs, outs
     client.stop()
-    run = open_run(only_bundle(kernel_env))
-    cells = [run.content(x.args["code"]) for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
-    assert cells == [b"a = 1", b"import os\nprint(os.path.exists('/workspace/proof'), a)"]  # all that ran, signed
+    bundle = only_bundle(kernel_env)
+    report = verify_bundle(bundle)
+    assert report.valid, report.summary()
+    run = open_run(bundle)
+    cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    assert [run.content(x.args["code"]) for x in cells] == [
+        b"a = 21", b"b = a * 2", b"import os\nprint(os.path.exists('/workspace/proof'), b)"]  # all that ran
+    assert "user_expressions" not in cells[0].args and "user_expressions" not in cells[0].result
+    asked = json.loads(run.content(cells[1].args["user_expressions"]))
+    assert asked == {"v": "b", "e": "1/0", "s": "str(b) + '!'"}
+    answered = json.loads(run.content(cells[1].result["user_expressions"]))
+    assert answered["v"] == exprs["v"] and answered["e"]["ename"] == "ZeroDivisionError"
+    # the replayed notebook keeps them in the cell's metadata
+    nb = run.to_notebook()
+    meta = [c.metadata["tkbox"] for c in nb.cells if c.cell_type == "code"][1]
+    assert meta["user_expressions"] == asked and meta["user_expression_results"]["v"] == exprs["v"]
+
+
+def _shell_reply(kc, msg_id: str, timeout: float = 90) -> dict:
+    while True:
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
 
 
 def test_host_policy_magic_takes_effect_and_refusals_show_in_the_notebook(client, kernel_env):

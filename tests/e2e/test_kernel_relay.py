@@ -1,17 +1,22 @@
 """The Tracekit Box kernel against a frontend's expectations and a hostile box: the host's prompt kept apart from the
 box's, cells run one at a time in order, host magics that fail still end their cell, and what the box sends is
-rebuilt on the host (headers, parents, user expressions, display ids) and never shown after its cell was signed."""
+rebuilt on the host (headers, parents, user expressions, display ids), and what comes after its cell was signed is
+signed before it is shown."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 import zipfile
 
 import pytest
+from conftest import VENV_BIN, run_cli
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.box_late import FLUSH_S, MAX_CELL_MESSAGES
 
 from . import test_kernel
 
@@ -139,9 +144,9 @@ def test_the_box_s_headers_and_parents_never_reach_the_frontend(client):
     assert not any(c.get("text") == "orphan\n" for _, c in outs)
 
 
-def test_user_expressions_are_answered_unevaluated_and_nothing_of_the_box_s_reaches_the_frontend(client):
-    """Never sent to the box (only a cell's code is signed), each expression asked is answered as an error; whatever
-    the box's reply held there (scripted HTML, SVG, JavaScript) is replaced (box_messages rebuilds it anyway)."""
+def test_user_expression_results_are_rebuilt_and_nothing_of_the_box_s_reaches_the_frontend(client):
+    """Each expression asked is evaluated in the box and answered from its signed result, rebuilt from an allowlist:
+    scripted HTML sanitised, SVG and JavaScript dropped, metadata empty, and no key the frontend did not ask for."""
     kc = client.kc
     client.run("class R:\n    def _repr_html_(self): return '<img src=x onerror=alert(1)><script>alert(2)</script>'\n"
                "    def _repr_svg_(self): return '<svg xmlns=\"http://www.w3.org/2000/svg\" onload=\"alert(3)\"/>'\n"
@@ -149,8 +154,10 @@ def test_user_expressions_are_answered_unevaluated_and_nothing_of_the_box_s_reac
     mid = kc.execute("pass", user_expressions={"v": "r", "e": "1/0"})
     exprs = _reply(kc, mid)["content"]["user_expressions"]
     assert set(exprs) == {"v", "e"}
-    assert all(x["status"] == "error" and x["ename"] == "UnsignedExpression" and "data" not in x
-               for x in exprs.values()), exprs
+    assert exprs["e"]["status"] == "error" and exprs["e"]["ename"] == "ZeroDivisionError"
+    assert exprs["v"]["status"] == "ok" and exprs["v"]["metadata"] == {}
+    assert set(exprs["v"]["data"]) == {"text/plain", "text/html"}, exprs
+    assert "onerror" not in exprs["v"]["data"]["text/html"] and "<script" not in exprs["v"]["data"]["text/html"]
 
 
 def test_a_box_display_id_is_namespaced_to_its_box(client):
@@ -161,7 +168,8 @@ def test_a_box_display_id_is_namespaced_to_its_box(client):
 
 def test_a_fake_reply_ends_the_signed_record_and_nothing_after_it_is_shown_unsigned(client, kernel_env):
     """The box's own execute_reply and idle end its cell early: the first reply is the cell's (forwarded and
-    signed), what follows naming the cell is dropped and counted, and the real reply, a second one, ends the box."""
+    signed), what follows naming the cell is held as late output, and the real reply, a second one, ends the box:
+    what was held is dropped unsigned, never shown, and counted in the box's end reason."""
     kc = client.kc
     client.run("1+1")
     mid = kc.execute("k = get_ipython().kernel; p = k.get_parent()\n"
@@ -180,18 +188,113 @@ def test_a_fake_reply_ends_the_signed_record_and_nothing_after_it_is_shown_unsig
             pass
     assert {m["msg_type"] for m in seen if m["parent_header"].get("msg_id") == mid} <= {"execute_input", "status"}
     assert "UNSIGNED" not in repr([m["content"] for m in seen if m["msg_type"] != "execute_input"])
-    # a thread of the box printing after its cell ended: dropped, never shown, its count signed
-    reply, outs = client.run("import threading, time\n"
-                             "threading.Thread(target=lambda: (time.sleep(1), print('LATE-NEVER-SIGNED'))).start()")
-    time.sleep(2.5)
     reply, outs = client.run("print('next')")
-    assert reply["status"] == "ok" and "LATE" not in repr(outs)
+    assert reply["status"] == "ok"
     client.stop()
     first, second = sorted(kernel_env.glob("*.tkb"))
     assert "a second execute_reply" in open_run(first).box["end_reason"]
     assert "messages naming cells already signed were dropped" in open_run(first).box["end_reason"]
-    faults = [x.args for x in open_run(second).crossings() if x.args.get("kind") == "comm_fault"]
-    assert [f["msg_type"] for f in faults] == ["late_output"] and faults[0]["fault"].startswith("1 messages")
+    assert not [x for x in open_run(first).crossings() if x.args.get("kind") == "late_output"]
     for b in (first, second):
         with zipfile.ZipFile(b) as z:
-            assert not any(b"NEVER-SIGNED" in z.read(n) or b"UNSIGNED-AFTER" in z.read(n) for n in z.namelist())
+            assert not any(b"UNSIGNED-AFTER" in z.read(n) for n in z.namelist())
+
+
+def _late(kc, msg_id, seconds):
+    """The iopub messages naming `msg_id` that come within `seconds` (after its idle)."""
+    got, t = [], time.monotonic()
+    while time.monotonic() - t < seconds:
+        try:
+            m = kc.get_iopub_msg(timeout=0.2)
+        except Exception:
+            continue
+        if m["parent_header"].get("msg_id") == msg_id:
+            got.append(m)
+    return got
+
+
+def _verifies_both_ways(bundle, tmp_path):
+    r = run_cli("verify", str(bundle))
+    assert r.returncode == 0, r.stdout + r.stderr
+    trust = tmp_path / "trust.json"
+    assert run_cli("trust", "-o", str(trust)).returncode == 0
+    r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(bundle), "--trust", str(trust)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_thread_s_output_after_its_cell_ended_is_signed_then_shown_under_that_cell(client, kernel_env, tmp_path):
+    """As in a plain ipykernel, a background thread's print after its cell ended shows under that cell: the host
+    signs it first, as a record of its own naming the cell (exec, kind late_output), then forwards it with the
+    cell's parent; replay shows it as an output of that cell, and the bundle verifies both ways."""
+    kc = client.kc
+    client.run("1+1")
+    mid = kc.execute("import threading, time\n"
+                     "threading.Thread(target=lambda: (time.sleep(0.5), print('LATE-LINE', flush=True))).start()")
+    assert _reply(kc, mid)["content"]["status"] == "ok"
+    _iopub(kc, mid)
+    late = _late(kc, mid, 3)
+    assert [(m["msg_type"], m["content"]) for m in late] == [("stream", {"name": "stdout", "text": "LATE-LINE\n"})]
+    assert late[0]["parent_header"]["msg_type"] == "execute_request"  # the cell's own request, as ipykernel
+    reply, outs = client.run("print('next')")
+    assert reply["status"] == "ok" and [o for o in outs if o[0] == "stream"] == [
+        ("stream", {"name": "stdout", "text": "next\n"})]  # nothing late in the next cell
+    client.stop()
+    bundle = test_kernel.only_bundle(kernel_env)
+    _verifies_both_ways(bundle, tmp_path)
+    run = open_run(bundle)
+    cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    records = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "late_output"]
+    assert len(records) == 1 and records[0].decision == "allow", records
+    assert records[0].args["cell_seq"] == cells[1].seq and records[0].args["messages"] == 1
+    assert cells[1].seq < records[0].seq < cells[2].seq  # signed after the cell's end, before the next crossing
+    assert b"LATE-LINE" in run.content(records[0].args["outputs"])
+    nb = run.to_notebook()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [o.get("text") for o in code[1].outputs] == ["LATE-LINE\n"]
+    assert run_cli("audit", str(bundle), str(bundle)).returncode == 0
+
+
+def test_a_flood_of_late_output_is_capped_and_the_cap_is_signed(client, kernel_env, tmp_path):
+    """A thread that floods after its cell ended gets its first MAX_CELL_MESSAGES outputs signed (in batches, each
+    a record) and shown; the rest are dropped, never shown, and their count signed at the next crossing."""
+    kc = client.kc
+    client.run("1+1")
+    mid = kc.execute("import threading, time\nfrom IPython.display import display\n"
+                     "def flood():\n    time.sleep(0.3)\n    for i in range(1500): display(i)\n"
+                     "threading.Thread(target=flood).start()")
+    assert _reply(kc, mid)["content"]["status"] == "ok"
+    _iopub(kc, mid)
+    late = _late(kc, mid, 8)
+    assert len(late) == MAX_CELL_MESSAGES and {m["msg_type"] for m in late} == {"display_data"}
+    assert [m["content"]["data"]["text/plain"] for m in late] == [str(i) for i in range(MAX_CELL_MESSAGES)]
+    reply, outs = client.run("print('next')")
+    assert reply["status"] == "ok"
+    client.stop()
+    bundle = test_kernel.only_bundle(kernel_env)
+    _verifies_both_ways(bundle, tmp_path)
+    records = [x.args for x in open_run(bundle).crossings() if x.args.get("kind") == "late_output"]
+    assert sum(r["messages"] for r in records) == MAX_CELL_MESSAGES
+    assert sum(r.get("dropped", 0) for r in records) == 1500 - MAX_CELL_MESSAGES
+    assert len(records) <= 8 / FLUSH_S + 2  # batched: at most one record per cell each FLUSH_S, and the count
+
+
+def test_a_rerun_sends_the_same_user_expressions_and_audit_names_a_result_that_differs(client, kernel_env, tmp_path):
+    """`tkbox rerun` makes each cell again with the user_expressions it was decided with; two runs that differ only
+    in an expression's result are DIFFERENT at `cell user_expressions`, the seq of the cell named in both."""
+    kc = client.kc
+    client.run("import time")
+    mid = kc.execute("x = 6 * 7", user_expressions={"x": "x", "now": "time.time_ns()"})
+    assert _reply(kc, mid)["content"]["user_expressions"]["x"]["data"] == {"text/plain": "42"}
+    client.stop()
+    original = test_kernel.only_bundle(kernel_env)
+    again = tmp_path / "again.tkb"
+    r = run_cli("rerun", str(original), "-o", str(again))
+    assert r.returncode == 0, r.stderr
+    cells = [[x for x in open_run(b).crossings() if x.args.get("kind") == "cell"] for b in (original, again)]
+    assert cells[0][1].args["user_expressions"] == cells[1][1].args["user_expressions"]  # decided the same
+    r = run_cli("audit", str(original), str(again), "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    diffs = json.loads(r.stdout)["differences"]
+    assert [d["kind"] for d in diffs] == ["cell user_expressions"], diffs
+    assert (diffs[0]["seq_a"], diffs[0]["seq_b"]) == (cells[0][1].seq, cells[1][1].seq)

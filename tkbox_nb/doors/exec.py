@@ -8,6 +8,7 @@ cell's result is signed by the host end of the box's kernel (box_kernel.py), whi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,11 +85,18 @@ class ExecDoor:
             raise BoxEnded(f"the box has ended: {box.ended}")
         return CommandResult(code, stdout, stderr)
 
-    def decide_cell(self, code: str) -> "Crossing":
-        """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box)."""
+    def decide_cell(self, code: str, user_expressions: dict[str, str] | None = None) -> "Crossing":
+        """The exec door for one cell: a signed allow, or DoorRefused (and nothing goes into the box). The
+        user_expressions the box will evaluate after it (already read strictly) are decided with its code: the
+        decision commits to them (`user_expressions`, canonical JSON) only when there are any, so a cell without
+        them is stated exactly as before."""
         if not isinstance(code, str):
             raise TkboxError("code must be a string")
-        return self.decide("cell", {}, {"code": code.encode("utf-8")})
+        content = {"code": code.encode("utf-8")}
+        if user_expressions:
+            content["user_expressions"] = json.dumps(user_expressions, sort_keys=True, ensure_ascii=False,
+                                                     separators=(",", ":")).encode("utf-8")
+        return self.decide("cell", {}, content)
 
 
 def _append(out: dict[int, bytearray], channel: int, data: bytes, limit: int) -> None:

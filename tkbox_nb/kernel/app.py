@@ -46,7 +46,7 @@ from ..notebook_box import HostMagics, NotebookBox
 from .cells import Cells
 from .comms import CommGate
 from .host_comms import HostComms
-from .relay import Parents, rebuilt, unsigned_expressions
+from .relay import Parents, rebuilt, unevaluated
 from .stdin import Stdin
 
 PROTOCOL_VERSION = "5.3"
@@ -239,7 +239,7 @@ class TkboxKernel:
         content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
         names = sorted(self.cells.asked.pop(header["msg_id"], frozenset()))
         if status == "ok":
-            content.update(payload=[], user_expressions=unsigned_expressions(names))
+            content.update(payload=[], user_expressions=unevaluated(names))
         else:
             content.update(ename=error[0], evalue=error[1], traceback=[f"{error[0]}: {error[1]}"])
             if not silent:

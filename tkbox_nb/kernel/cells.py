@@ -8,6 +8,11 @@ before it. With `stop_on_error` (the default), a cell that ends in error aborts 
 
 A host magic that raises anything still ends its cell: an `execute_reply` with status `error` and the exception's
 name and message, its traceback on the kernel's stderr, and `idle`.
+
+A request's `user_expressions` are read strictly first (box_messages.user_expressions_request: text, at most 64, each
+within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
+nothing. They go to the box with the cell's code, decided with it; a cell that is only host magics evaluates none
+(each is answered `NotEvaluated`, relay.unevaluated).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ..box_messages import user_expressions_request
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import split_host_magics
 from .box_wait import wait_for_box
@@ -93,8 +99,7 @@ class Cells:
         header, content = msg["header"], msg["content"]
         silent = bool(content.get("silent"))
         stops = not silent and content.get("stop_on_error", True) is not False
-        asked = content.get("user_expressions")  # never sent to the box: each is answered as an error (app.py)
-        self.asked[header["msg_id"]] = frozenset(str(x) for x in asked) if isinstance(asked, dict) else frozenset()
+        self.asked[header["msg_id"]] = frozenset()  # the user_expressions keys, once read (_run)
         self._host_status = None
         self.k.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
         try:
@@ -113,6 +118,12 @@ class Cells:
         k = self.k
         header, content = msg["header"], msg["content"]
         code = content.get("code", "")
+        try:
+            expressions = user_expressions_request(content.get("user_expressions"))
+        except TkboxError as e:  # nothing of the request runs
+            k._host_reply(channel, idents, header, "error", silent, ("UserExpressionsRefused", str(e)))
+            return
+        self.asked[header["msg_id"]] = frozenset(expressions)
         magics, remainder = split_host_magics(code)
         if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
             k.parent = (idents, header, bool(content.get("allow_stdin")))
@@ -145,13 +156,13 @@ class Cells:
                 k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = k.nb.ensure_box()
             k.comms.flush(box)  # comm faults seen while no run was open
-            crossing = box.decide_cell(code)
+            crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
         try:
             k._ensure_kernel(box)
-            k.kernel.track(header["msg_id"], crossing)
+            k.kernel.track(header["msg_id"], crossing, expressions=expressions)
         except Exception as e:
             box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
@@ -160,4 +171,4 @@ class Cells:
         k.busy_here.add(header["msg_id"])
         self.current = {"msg_id": header["msg_id"], "header": header, "reply": False, "idle": False,
                         "status": None, "stop_on_error": stops}
-        k.kernel.send("shell", dict(msg, content=dict(content, user_expressions={})))  # not signed: not sent
+        k.kernel.send("shell", dict(msg, content=dict(content, user_expressions=expressions)))  # as decided

@@ -9,8 +9,9 @@ the first cell takes the box that starts with the kernel, or between boxes) is s
 before that run's first cell is decided (docs/jupyter.md, "Two comm managers behind one kernel"). A run signs its
 first `MAX_SIGNED` faults one by one; past them (or past `MAX_PENDING` held ones) faults are only counted, and the
 count is signed as one record for each side they came from, at the next cell boundary or as the kernel stops the
-box (else in the next run to open): a box cannot spam the signer by naming made-up comms. The count of messages the
-box sent naming cells already signed (dropped by box_kernel.py) is signed the same way, as one `late_output` record.
+box (else in the next run to open): a box cannot spam the signer by naming made-up comms. The count of messages
+other than outputs the box sent naming cells already signed (dropped by box_kernel.py; late outputs are signed and
+shown there, box_late.py) is signed the same way, as one `late_output` record.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class CommGate:
         if not k.nb.live or k.kernel is None or k.kernel.ended:
             return  # a comm_open with no box to take it, as with a kernel that has no such target
         data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
+        k.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (box_late.py)
         crossing = k.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
             k.kernel.send(channel, msg, msg.get("buffers") or [])

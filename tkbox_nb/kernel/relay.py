@@ -8,8 +8,9 @@ request the box's parent names (or `{}`): the box can neither break a client nor
 
 A box's display ids are namespaced (`tkbox-BOX_ID-ID`), so an `update_display_data` from the box updates only that
 box's own displays, never the host's (the run view) nor another box's. An `execute_reply`'s `user_expressions` are
-never the box's: none was sent to it (only a cell's code is signed), so each key the frontend asked for is answered
-as an error (`unsigned_expressions`), whatever the box's reply held there.
+the results the host kept and signed (box_kernel: rebuilt from an allowlist by box_messages, for exactly the keys
+sent, in the cell's signed end), and only for the keys the frontend asked for; a key with no result there is
+answered as an error (`unevaluated`), never with anything else of the box's.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from ..box_outputs import box_display_id
 MAX_PARENTS = 4096  # frontend requests whose headers are kept, newest last
 
 
-def unsigned_expressions(names: list) -> dict:
-    """The execute_reply's user_expressions: an error for each, as none is evaluated. Only a cell's code is decided and
-    signed at the exec door, so an expression the frontend asks for would run in the box unsigned."""
-    why = "user_expressions are not evaluated in a Tracekit box: only the cell's code is decided and signed"
-    return {name: {"status": "error", "ename": "UnsignedExpression", "evalue": why, "traceback": [why]}
-            for name in names}
+HOST_CELL = "not evaluated: this cell ran only host-side magics, nothing in the box"
+
+
+def unevaluated(names: list, why: str = HOST_CELL) -> dict:
+    """An error for each of the user_expressions `names`, none evaluated (a cell of host-side magics only, or a key
+    the box gave no signed result for)."""
+    return {name: {"status": "error", "ename": "NotEvaluated", "evalue": why, "traceback": [why]} for name in names}
 
 
 class Parents:
@@ -53,7 +55,8 @@ class Parents:
 def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
             asked: frozenset[str] | None = None) -> dict[str, Any]:
     """The message the frontend gets for `msg`: `header` made on the host (its msg_type the box's), the parent the
-    frontend sent, the box's display ids namespaced, the user expressions asked for answered unevaluated."""
+    frontend sent, the box's display ids namespaced, the user expressions asked for answered with the signed results
+    (box_kernel set them in the reply), any other key dropped."""
     content = msg.content
     if msg.msg_type in ("display_data", "update_display_data"):
         transient = content.get("transient")
@@ -61,6 +64,9 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
             shown = box_display_id(box_id, str(transient["display_id"]))
             content = dict(content, transient=dict(transient, display_id=shown))
     elif msg.msg_type == "execute_reply" and ("user_expressions" in content or content.get("status") == "ok"):
-        content = dict(content, user_expressions=unsigned_expressions(sorted(asked or ())))
+        results = content.get("user_expressions") if isinstance(content.get("user_expressions"), dict) else {}
+        missing = unevaluated([k for k in sorted(asked or ()) if k not in results],
+                              "not evaluated: the box's reply has no signed result for it")
+        content = dict(content, user_expressions={k: results[k] for k in sorted(asked or ()) if k in results} | missing)
     return {"header": header, "parent_header": parents.get(msg.parent_id), "metadata": msg.metadata,
             "content": content}

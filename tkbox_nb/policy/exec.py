@@ -25,8 +25,13 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
 
 
 def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
-    """A cell, a widget's comm message, or a command (by its program's name: deny_commands first, then commands)."""
+    """A cell, a cell's late output, a widget's comm message, or a command (by its program's name: deny_commands
+    first, then commands)."""
     if kind == "cell":
+        if policy.get("exec", "cells"):
+            return Verdict("allow", "exec.cells")
+        return Verdict("deny", "exec.cells", "the policy runs no cells ([exec] cells = false)")
+    if kind == "late_output":  # what a cell's thread sent after the cell's end was signed, shown once signed
         if policy.get("exec", "cells"):
             return Verdict("allow", "exec.cells")
         return Verdict("deny", "exec.cells", "the policy runs no cells ([exec] cells = false)")
