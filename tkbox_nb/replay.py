@@ -57,7 +57,7 @@ def user_expressions(run: Run, c) -> tuple[dict, dict]:
     def obj(ref: Any) -> dict:
         try:
             value = json.loads(run.content(ref) or b"null") if isinstance(ref, str) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # a disclosed item is hostile until verified
             return {}
         return value if isinstance(value, dict) else {}
     return obj((c.args or {}).get("user_expressions")), obj((c.result or {}).get("user_expressions"))

@@ -398,14 +398,20 @@ def test_host_policy_magic_takes_effect_and_refusals_show_in_the_notebook(client
     reply, outs = client.run("print('should not run')")
     assert reply["status"] == "error" and reply["ename"] == "DoorRefused"
     assert not any(t == "stream" and "should not run" in c["text"] for t, c in outs)
+    # a refused cell sends nothing into the box, its user_expressions neither (they are decided with its code)
+    mid = client.kc.execute("pass", user_expressions={"x": "open('/workspace/proof', 'w').write('ran')"})
+    reply = _shell_reply(client.kc, mid)
+    assert reply["status"] == "error" and reply["ename"] == "DoorRefused"
     reply, outs = client.run("%%box_policy\n[exec]\ncells = true\n")
     assert "in force for every crossing from now" in outs[0][1]["text"]
-    reply, outs = client.run("print('runs')")
-    assert reply["status"] == "ok"
+    reply, outs = client.run("import os; print('runs', os.path.exists('/workspace/proof'))")
+    assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "runs False\n"}) in outs, outs
     client.stop()
     run = open_run(only_bundle(kernel_env))
     cells = [(x.decision, x.args["rule"]) for x in run.crossings() if x.door == "exec"]
-    assert cells == [("deny", "exec.cells"), ("allow", "exec.cells")]
+    assert cells == [("deny", "exec.cells"), ("deny", "exec.cells"), ("allow", "exec.cells")]
+    refused = [x for x in run.crossings() if x.door == "exec"][1]
+    assert b"/workspace/proof" in run.content(refused.args["user_expressions"])  # what was refused, signed
     assert [x.args["magic"] for x in run.crossings() if x.door == "host"] == ["box_policy", "box_policy"]
     assert verify_bundle(only_bundle(kernel_env)).valid
 
