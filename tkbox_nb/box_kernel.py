@@ -286,10 +286,13 @@ class BoxKernel:
                 cell.on_output(output)
 
     def _expressions(self, cell: Cell, msg: BoxMessage) -> None:
-        """The reply's user_expressions: exactly the keys sent (one the box left out answered as an error), none when
-        none was sent; counted against the cell's output limit, as they are signed with its outputs."""
+        """The reply's user_expressions: exactly the keys sent (one the box left out of an ok reply answered as an
+        error), none when none was sent; counted against the cell's output limit, as they are signed with its
+        outputs."""
         got = msg.content.get("user_expressions") if isinstance(msg.content.get("user_expressions"), dict) else {}
-        results = {key: got.get(key, NOT_ANSWERED) for key in sorted(cell.expressions or {})}
+        # as ipykernel: a cell that did not end ok evaluates none (its reply has {}), so none is missing then
+        ok = msg.content.get("status") == "ok"
+        results = {key: got.get(key, NOT_ANSWERED) for key in sorted(cell.expressions or {}) if ok or key in got}
         if results:
             limit = self.box.policy.get("exec", "max_output_bytes")
             cell.output_bytes += len(json.dumps(results))

@@ -353,6 +353,9 @@ def test_user_expressions_are_evaluated_decided_with_their_cell_and_signed(clien
     assert exprs["v"] == {"status": "ok", "data": {"text/plain": "42"}, "metadata": {}}
     assert exprs["s"]["data"] == {"text/plain": "'42!'"}
     assert exprs["e"]["status"] == "error" and exprs["e"]["ename"] == "ZeroDivisionError"
+    # as ipykernel: a cell that fails evaluates none
+    reply = _shell_reply(kc, kc.execute("1/0", user_expressions={"v": "b"}))
+    assert reply["status"] == "error" and reply["user_expressions"] == {}, reply
     # over the limits: one error line, and nothing of the request runs (not its code, not its expressions)
     side = "__import__('pathlib').Path('/workspace/proof').write_text('ran')"
     for asked in ({f"k{i}": "1" for i in range(65)}, {"long": "1 + " * 2000 + "1"}):
@@ -373,7 +376,7 @@ def test_user_expressions_are_evaluated_decided_with_their_cell_and_signed(clien
     run = open_run(bundle)
     cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
     assert [run.content(x.args["code"]) for x in cells] == [
-        b"a = 21", b"b = a * 2", b"import os\nprint(os.path.exists('/workspace/proof'), b)"]  # all that ran
+        b"a = 21", b"b = a * 2", b"1/0", b"import os\nprint(os.path.exists('/workspace/proof'), b)"]  # all that ran
     assert "user_expressions" not in cells[0].args and "user_expressions" not in cells[0].result
     asked = json.loads(run.content(cells[1].args["user_expressions"]))
     assert asked == {"v": "b", "e": "1/0", "s": "str(b) + '!'"}

@@ -66,7 +66,8 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
     elif msg.msg_type == "execute_reply" and ("user_expressions" in content or content.get("status") == "ok"):
         results = content.get("user_expressions") if isinstance(content.get("user_expressions"), dict) else {}
         missing = unevaluated([k for k in sorted(asked or ()) if k not in results],
-                              "not evaluated: the box's reply has no signed result for it")
+                              "not evaluated: the box's reply has no signed result for it") \
+            if content.get("status") == "ok" else {}  # as ipykernel: a cell that failed evaluates none
         content = dict(content, user_expressions={k: results[k] for k in sorted(asked or ()) if k in results} | missing)
     return {"header": header, "parent_header": parents.get(msg.parent_id), "metadata": msg.metadata,
             "content": content}
