@@ -161,6 +161,34 @@ def test_bad_proxy_requests_get_an_http_error(head, status):
     assert e.value.status in (status, 400)
 
 
+SMUGGLED = b"GET /admin HTTP/1.1\r\nHost: other-site.example\r\n\r\n"
+AMBIGUOUS_FRAMING = [
+    b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n",
+    b"Transfer-Encoding: gzip, chunked\r\n",
+    b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+    b"Content-Length: 4\r\nContent-Length: 5\r\n",
+    b"Content-Length: 4, 5\r\n",
+]
+
+
+@pytest.mark.parametrize("framing", AMBIGUOUS_FRAMING)
+def test_a_forwarded_request_framed_ambiguously_is_refused_400(framing):
+    """CL.TE smuggling: with both Content-Length and Transfer-Encoding the door read chunks and sent both headers up,
+    so an upstream framing by Content-Length read the chunk's content as a second request, to another Host. (h11
+    itself refuses the other ambiguities, and sends equal repeated Content-Lengths up as one.)"""
+    head = b"POST http://allowed.example/ HTTP/1.1\r\nHost: allowed.example\r\n" + framing + b"\r\n"
+    with pytest.raises(ProxyRequestError) as e:
+        ProxyRequestParser().feed(head + b"%x\r\n" % len(SMUGGLED) + SMUGGLED + b"\r\n0\r\n\r\n")
+    assert e.value.status == 400
+
+
+def test_a_forwarded_request_framed_once_still_passes():
+    for framing in (b"Content-Length: 4\r\n", b"Transfer-Encoding: chunked\r\n", b""):
+        r = ProxyRequestParser().feed(b"POST http://a.example/ HTTP/1.1\r\nHost: a.example\r\n" + framing + b"\r\n")
+        assert r is not None and r.host == "a.example"
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=600))
 def test_fuzz_proxy_request_parser(data):

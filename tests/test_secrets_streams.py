@@ -248,6 +248,23 @@ def test_a_request_to_switch_protocols_inside_the_tls_to_a_bound_host_is_refused
     assert e.value.status == 501
 
 
+@pytest.mark.parametrize("framing", [
+    b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n", b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n",
+])
+def test_a_request_to_a_bound_host_framed_ambiguously_is_refused_400(framing):
+    """CL.TE smuggling inside the TLS to a bound host: the second request hidden in the body would reach the bound
+    host with no swap or scrub decided for it. (h11 itself refuses conflicting lengths and other codings.)"""
+    import h11
+
+    from tkbox_nb.doors.intercept import Refused, read_request
+    smuggled = b"GET /admin HTTP/1.1\r\nHost: a\r\n\r\n"
+    chunks = iter([b"POST / HTTP/1.1\r\nHost: a\r\n" + framing + b"\r\n" + b"%x\r\n" % len(smuggled) + smuggled
+                   + b"\r\n0\r\n\r\n"])
+    with pytest.raises(Refused, match="Content-Length|Transfer-Encoding") as e:
+        read_request(lambda: next(chunks, b""), h11.Connection(h11.SERVER))
+    assert e.value.status == 400
+
+
 def test_hop_by_hop_headers_do_not_go_to_the_bound_host():
     from tkbox_nb.doors.intercept import end_to_end
     sent = [(b"Host", b"a"), (b"Connection", b"keep-alive, X-Hop"), (b"Keep-Alive", b"5"), (b"X-Hop", b"1"),

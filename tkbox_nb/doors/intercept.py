@@ -185,7 +185,7 @@ def relay_bound(box: "DoorContext", stream: Stream, host: str, port: int, addres
         while True:
             try:
                 request, body = read_request(tls.recv, from_box)
-            except Refused as e:  # CONNECT or a switch of protocols: nothing the door could scrub
+            except Refused as e:  # CONNECT or a switch of protocols (nothing to scrub), or ambiguous framing
                 tls.send(_answer(from_box, e.status, f"tkbox secrets door: refused: {e}\n"))
                 raise
             if request is None:
@@ -253,7 +253,8 @@ def switches_protocol(request: h11.Request) -> str:
 def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
     """The box's next request and its body (sans-IO but for `recv`, which gives the next bytes, b"" at the end, or
     raises Closed); None at the end. A malformed request raises h11.RemoteProtocolError; CONNECT or an Upgrade
-    (websocket, h2c) Refused (501), as its bytes after the switch could not be scrubbed, and h11 pauses on it.
+    (websocket, h2c) Refused (501), as its bytes after the switch could not be scrubbed, and h11 pauses on it; a body
+    framed ambiguously (proxy_request.framing_problem) Refused (400), as an upstream might read it otherwise.
     Fuzzed."""
     request, body = None, bytearray()
     while True:
@@ -270,6 +271,10 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
             why = switches_protocol(event)
             if why:
                 raise Refused(why, 501)
+            from .proxy_request import framing_problem
+            why = framing_problem(list(event.headers))
+            if why:  # before any byte of it goes upstream: no smuggled request behind an ambiguous length
+                raise Refused(why, 400)
             request = event
         elif isinstance(event, h11.Data):
             body += event.data

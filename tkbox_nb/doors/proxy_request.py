@@ -49,6 +49,21 @@ def _port(text: str, default: int | None) -> int:
     return int(text)
 
 
+def framing_problem(headers: list[tuple[bytes, bytes]]) -> str:
+    """Why the request's body framing is ambiguous, or "": both Content-Length and Transfer-Encoding (the door and an
+    upstream could each frame the body its own way and read a smuggled request in it), a Transfer-Encoding other than
+    exactly `chunked`, or more than one Content-Length (even equal, or a comma-separated list)."""
+    te = [v for k, v in headers if k.lower() == b"transfer-encoding"]
+    cl = [v for k, v in headers if k.lower() == b"content-length"]
+    if te and cl:
+        return "a request with both Content-Length and Transfer-Encoding"
+    if len(te) > 1 or (te and te[0].strip().lower() != b"chunked"):
+        return "a Transfer-Encoding other than one `chunked`"
+    if len(cl) > 1 or (cl and not re.fullmatch(rb"[0-9]{1,19}", cl[0].strip())):
+        return "more than one Content-Length, or one that is not a number"
+    return ""
+
+
 def split_authority(authority: str, default_port: int | None = None) -> tuple[str, int]:
     """`host:port` (IPv6 in brackets) into (host, port)."""
     if "@" in authority:
@@ -86,6 +101,9 @@ class ProxyRequestParser:
         if not isinstance(event, h11.Request):
             raise ProxyRequestError(400, "not an HTTP/1.1 proxy request")
         method, target = event.method.decode("ascii", "replace"), event.target.decode("ascii", "replace")
+        why = framing_problem(list(event.headers))
+        if why:
+            raise ProxyRequestError(400, why)
         trailing, _ = self._conn.trailing_data
         if method == "CONNECT":
             host, port = split_authority(target)
