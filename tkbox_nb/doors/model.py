@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -171,9 +172,13 @@ class ModelDoor:
             result["error"], failure = str(e)[:300], e
         except (StreamClosed, OSError, h11.LocalProtocolError) as e:
             result["error"] = f"the box's connection ended: {e}"[:300]
-        # signed before the box sees the end of the answer, so the box's next call is decided on totals that hold
-        # this one (and the verifier can recount them exactly, verify.py)
-        self._sign_end(crossing, req, mode, result, bytes(body), usage_reader.end(), started)
+        except Exception as e:  # a fault of this door: the call still gets its signed end, its reservation released
+            result["error"] = f"tkbox model door: internal error: {type(e).__name__}"
+            failure = _Failed(502, "internal error", "api_error")
+        finally:
+            # signed before the box sees the end of the answer, so the box's next call is decided on totals that
+            # hold this one (and the verifier can recount them exactly, verify.py); on any exception too
+            self._sign_end(crossing, req, mode, result, bytes(body), usage_reader.end(), started)
         try:
             if failure is not None and "status_code" not in result:  # nothing sent yet: the reason, in its shape
                 self._answer(stream, parser, req.provider, failure.status, f"tkbox model door: {failure}",
@@ -234,7 +239,8 @@ class ModelDoor:
                                      headers=headers, timeout=self.box.policy.model("timeout_s")) as r:
                 result["first_byte_ms"] = int((time.monotonic() - started) * 1000)
                 ctype = scrub.scrub(r.headers.get("content-type", "application/json").encode("utf-8", "replace"))
-                ctype = ctype.decode("utf-8", "replace")[:200]  # scrubbed: a head's words reach the box too
+                # scrubbed: a head's words reach the box too; visible ASCII only, as h11 sends no other str
+                ctype = re.sub(r"[^\x20-\x7e]", "?", ctype.decode("ascii", "replace"))[:200]
                 result.update(status_code=r.status_code, content_type=ctype)
                 self._send_head(stream, parser, r.status_code, ctype)
                 for chunk in r.iter_bytes():

@@ -25,6 +25,7 @@ ROUTES = {  # box path prefix -> (provider, allowed endpoints)
 # request headers a client may pass upstream; every other one (the box's dummy key among them) is dropped
 PASSED_HEADERS = {b"content-type", b"accept", b"anthropic-version", b"anthropic-beta", b"openai-beta"}
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+_FIELD_VALUE = re.compile(rb"[\x20-\x7e\t]*")
 MAX_OUTPUT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -129,4 +130,7 @@ class ModelRequestParser:
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in asked):
             raise ModelRequestError(400, "max_tokens must be a count", provider, endpoint)
         headers = [(k, v) for k, v in self._head.headers if k in PASSED_HEADERS]
+        for k, v in headers:  # h11 reads obs-text (bytes over 0x7f) in a value; the upstream client sends ASCII only
+            if not _FIELD_VALUE.fullmatch(v):
+                raise ModelRequestError(400, f"the {k.decode('ascii')} header is not visible ASCII", provider, endpoint)
         return ModelRequest(provider, endpoint, body, model, stream, max(asked) if asked else None, headers)
