@@ -78,6 +78,7 @@ ECHOES = {
     "json, utf-8, slash escaped": lambda v: json.dumps(v, ensure_ascii=False).replace("/", "\\/").encode(),
     "percent-encoded": lambda v: ("q=" + quote(v, safe="")).encode(),
     "percent-encoded, lower hex": lambda v: quote_plus(v, safe="").lower().encode(),
+    "percent-encoded, python's default safe /": lambda v: ("q=" + quote(v)).encode(),
     "basic auth echoed": lambda v: b"Basic " + base64.b64encode(b"user:" + v.encode()),
     "base64url in a field": lambda v: b'{"b": "' + base64.urlsafe_b64encode(b"xy" + v.encode() + b"z") + b'"}',
     "hex": lambda v: v.encode().hex().encode(),
@@ -99,6 +100,14 @@ def test_an_echoed_value_is_scrubbed_in_its_common_spellings_wherever_the_reads_
         for form in encoded_forms(value):
             assert form not in out, form
         assert value.encode() not in out and value.encode().hex().encode() not in out.lower()
+
+
+def test_a_value_percent_encoded_with_python_s_default_safe_slash_is_scrubbed():
+    """urllib.parse.quote(v) keeps `/` by default: a value with a `/` echoed so was not among the spellings."""
+    value = "p/ss+w0rd/with/slashes=1"
+    echoed = quote(value).encode()
+    scrubber = Scrubber([value])
+    assert scrubber.feed(b"q=" + echoed + b"&") + scrubber.flush() == b"q=" + b"*" * len(echoed) + b"&"
 
 
 def test_bytes_that_merely_resemble_a_spelling_pass_unchanged():

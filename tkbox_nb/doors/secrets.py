@@ -200,9 +200,9 @@ def _base64_cores(value: bytes, alphabet: str) -> list[bytes]:
 
 def encoded_forms(value: str) -> list[bytes]:
     """Every spelling of a secret value the scrubber removes: its UTF-8 bytes, and as a server echoing it commonly
-    writes it back: JSON-escaped (ASCII or not, `/` escaped or not), percent-encoded (`quote`, `quote_plus`, hex
-    digits in either case), base64 and base64url (at any alignment) and hex (either case). Longest first, so a
-    longer spelling is scrubbed before a shorter one inside it."""
+    writes it back: JSON-escaped (ASCII or not, `/` escaped or not), percent-encoded (`quote`, `quote_plus`, `/`
+    encoded or kept as quote's default safe; hex digits in either case), base64 and base64url (at any
+    alignment) and hex (either case). Longest first, so a longer spelling is scrubbed before a shorter one inside it."""
     import json
     from urllib.parse import quote, quote_plus
     raw = value.encode("utf-8")
@@ -210,7 +210,7 @@ def encoded_forms(value: str) -> list[bytes]:
     for ascii_only in (True, False):
         escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1].encode("utf-8")
         forms |= {escaped, escaped.replace(b"/", b"\\/")}
-    for percent in (quote(value, safe=""), quote_plus(value, safe="")):
+    for percent in (quote(value, safe=""), quote_plus(value, safe=""), quote(value)):
         forms |= {percent.encode("ascii"),
                   re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), percent).encode("ascii")}
     for alphabet in ("std", "url"):
