@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
 from tkbox_nb.doors.hostnames import HostError, check_host
 from tkbox_nb.doors.proxy_request import ProxyRequestError, ProxyRequestParser
+from tkbox_nb.errors import PolicyError
 from tkbox_nb.policy import Policy
 
 
@@ -135,6 +136,27 @@ def test_an_answer_mixing_allowed_and_refused_addresses_is_refused_whole():
     assert policy.decide(dict(facts, addresses=["93.184.216.34"])).allowed
     v = policy.decide(dict(facts, addresses=["93.184.216.34", "169.254.169.254"]))
     assert v.verdict == "deny" and "metadata" in v.reason
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[egress]\nallow = ["example.com:\u00b2"]', "must be HOST:PORT"),      # str.isdigit took '²', int() did not
+    ('[egress]\nallow = ["example.com:\u0663"]', "must be HOST:PORT"),      # an Arabic-Indic digit three
+    ('[egress]\nallow = ["example.com:123456"]', "must be HOST:PORT"),
+    ('[egress]\nconnect_timeout_s = nan', "must be a number of seconds"),
+    ('[egress]\nconnect_timeout_s = inf', "must be a number of seconds"),
+    ('[egress]\nconnect_timeout_s = 0', "must be a number of seconds"),
+    ('[egress]\nconnect_timeout_s = -1.5', "must be a number of seconds"),
+    ('[egress]\nconnect_timeout_s = 601', "must be a number of seconds"),
+    ('[exec]\ntimeout_s = inf', "must be a number of seconds"),
+])
+def test_bad_egress_settings_are_refused_with_one_line(text, error):
+    with pytest.raises(PolicyError) as e:
+        Policy.from_toml(text, "p.toml")
+    assert error in str(e.value) and "\n" not in str(e.value)
+
+
+def test_good_egress_timeouts_pass():
+    assert Policy.from_toml('[egress]\nconnect_timeout_s = 2.5\n').get("egress", "connect_timeout_s") == 2.5
 
 
 def test_proxy_requests_parse_connect_and_absolute_form():

@@ -53,6 +53,9 @@ def facts(**kw):
     ('[models.openai]\nkey = "env:K"\nsecret = "S"', "not both"),
     ('[models.mistral]\nkey = "env:K"', "unknown key"),
     ('[models]\nmode = 3', "must be a string"),
+    ('[models]\ntimeout_s = inf', "must be a number of seconds"),
+    ('[models]\ntimeout_s = nan', "must be a number of seconds"),
+    ('[models]\ntimeout_s = 1e9', "must be a number of seconds"),
 ])
 def test_bad_models_sections_are_refused_with_one_line(text, error):
     with pytest.raises(PolicyError) as e:

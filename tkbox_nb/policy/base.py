@@ -39,3 +39,12 @@ def tname(t: type | tuple[type, ...]) -> str:
     if isinstance(t, tuple):
         return "a number" if set(t) == {int, float} else " or ".join(names[x] for x in t)
     return names[t]
+
+
+def seconds_problem(value: Any, cap: float) -> str:
+    """Why a number of seconds is unusable (nan, infinite, not positive, past `cap`), or ""."""
+    import math
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not 0 < value <= cap:
+        return f"must be a number of seconds above 0 and at most {cap:g}"
+    return ""

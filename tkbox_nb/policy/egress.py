@@ -3,10 +3,11 @@ asks; and the decision on one connection (doors/egress.py states its facts, `tkb
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import PolicyError
-from .base import Settings, Verdict
+from .base import Settings, Verdict, seconds_problem
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
@@ -20,9 +21,12 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
     egress = out.get("egress", {})
     for pattern in egress.get("allow", []):
         host, sep, port = pattern.rpartition(":")
-        if not sep or not host or not (port == "*" or port.isdigit() and 0 < int(port) < 65536):
+        if not sep or not host or not (port == "*" or re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536):
             raise PolicyError(f"{name}: egress.allow entry {pattern!r} must be HOST:PORT (HOST may use * and ?, "
                               "PORT a number or *)")
+    why = seconds_problem(egress["connect_timeout_s"], 600) if "connect_timeout_s" in egress else ""
+    if why:
+        raise PolicyError(f"{name}: egress.connect_timeout_s {why}")
     import ipaddress
     for key in ("allow_cidrs", "nameservers"):
         for value in egress.get(key, []):

@@ -6,7 +6,7 @@ import fnmatch
 from typing import Any
 
 from ..errors import PolicyError
-from .base import Settings, Verdict
+from .base import Settings, Verdict, seconds_problem
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),
@@ -22,6 +22,9 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
         v = out.get("exec", {}).get(key)
         if v is not None and not v > 0:
             raise PolicyError(f"{name}: exec.{key} must be positive")
+    v = out.get("exec", {}).get("timeout_s")
+    if v is not None and seconds_problem(v, 30 * 86400):
+        raise PolicyError(f"{name}: exec.timeout_s {seconds_problem(v, 30 * 86400)}")
 
 
 def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from ..errors import PolicyError
-from .base import MAX_LIST, Settings, Verdict, tname
+from .base import MAX_LIST, Settings, Verdict, seconds_problem, tname
 
 MODEL_MODES = ("live", "record", "replay")
 MODEL_PROVIDERS = ("openai", "anthropic")
@@ -54,8 +54,8 @@ def validate(models: Any, name: str, secrets: dict[str, Any]) -> dict[str, Any]:
             raise PolicyError(f"{where} must be 0 (no limit) or more")
         if key == "max_request_bytes" and not 0 < value <= MAX_REQUEST_BYTES:
             raise PolicyError(f"{where} must be between 1 and {MAX_REQUEST_BYTES}")
-        if key == "timeout_s" and not value > 0:
-            raise PolicyError(f"{where} must be positive")
+        if key == "timeout_s" and seconds_problem(value, 3600):
+            raise PolicyError(f"{where} {seconds_problem(value, 3600)}")
         out[key] = value
     if out.get("mode") != "replay":
         for provider in out["providers"].values():
