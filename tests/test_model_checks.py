@@ -123,6 +123,18 @@ def _request(target: str, body: bytes, method: str = "POST", extra: bytes = b"")
             f"authorization: Bearer dummy\r\ncontent-length: {len(body)}\r\n").encode() + extra + b"\r\n" + body
 
 
+def test_n_choices_multiply_the_output_tokens_a_call_asks_for():
+    """`"n": 8` asks for eight choices of up to max_tokens each: the per-call and run budgets count all of them."""
+    req = ModelRequestParser(1 << 20).feed(_request("/openai/v1/chat/completions",
+                                                    b'{"model":"gpt-x","max_tokens":60,"n":8,"messages":[]}'))
+    assert req.max_output == 480
+    assert policy("max_output_tokens_per_call = 100\n").decide(facts(max_output=req.max_output)).verdict == "deny"
+    for bad in (b"0", b"-1", b"true", b"1.5", b"129"):
+        with pytest.raises(ModelRequestError, match="n must be a count"):
+            ModelRequestParser(1 << 20).feed(_request("/openai/v1/chat/completions",
+                                                      b'{"model":"gpt-x","max_tokens":6,"n":' + bad + b'}'))
+
+
 def test_parser_takes_a_call_and_drops_the_box_s_key_header():
     body = json.dumps({"model": "gpt-4o-mini", "max_tokens": 9, "stream": True, "messages": []}).encode()
     parser = ModelRequestParser(1 << 20)

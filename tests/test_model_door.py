@@ -86,3 +86,34 @@ def test_an_upstream_content_type_not_ascii_still_ends_the_call_signed(monkeypat
     assert out.startswith(b"HTTP/1.1 200") and b"content-type: application/json; x=?" in out
     _ends_signed(door)
     assert [e[2] for e in door.box.recorder.log if e[0] == "complete"] == ["ok"]
+
+
+def test_a_response_that_reports_no_usage_is_charged_what_the_call_reserved(monkeypatch):
+    """A streamed OpenAI chat without `stream_options.include_usage` reports no usage: it counted as 0 tokens, so
+    a run output budget let call after call through."""
+    stream = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    port = _upstream(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n" % len(stream) + stream)
+    monkeypatch.setenv("TKB_TEST_KEY", "sk-legal")
+    door = ModelDoor(FakeBox(Policy.from_toml(
+        '[models]\nallow = ["openai:*"]\nmax_output_tokens = 100\nmax_input_tokens = 1000\n[models.openai]\n'
+        f'base_url = "http://127.0.0.1:{port}"\nkey = "env:TKB_TEST_KEY"\n'), []))
+    body = b'{"model":"gpt-x","max_tokens":60,"stream":true,"messages":[]}'
+
+    def call() -> bytes:
+        s = FakeStream()
+        s.events.put(("data", p.CH_BYTES, b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
+        door._serve(s)
+        out = []
+        while not door.box.conn.out.empty():
+            out.append(door.box.conn.out.get() or b"")
+        return b"".join(out)
+
+    assert call().startswith(b"HTTP/1.1 200")
+    (end,) = [e for e in door.box.recorder.log if e[0] == "complete"]
+    assert end[3]["usage"] == {"input_tokens": len(body), "output_tokens": 60}
+    assert end[3]["usage_charged"] == ["output_tokens", "input_tokens"]
+    assert (door.output_tokens, door.input_tokens, door.reserved) == (60, len(body), 0)
+    assert call().startswith(b"HTTP/1.1 403")  # 60 charged + 60 asked is over the run's 100

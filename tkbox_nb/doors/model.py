@@ -198,7 +198,10 @@ class ModelDoor:
         the totals each later decision states are exactly the signed results before it (plus calls in flight)."""
         from ..recorder import sha256_digest
         recorder = self.box.recorder
+        charged = self._charge_unreported(req, result, usage)
         result.update(latency_ms=int((time.monotonic() - started) * 1000), usage=usage.as_dict())
+        if charged:
+            result["usage_charged"] = charged
         if usage.stop_reason:
             result["stop_reason"] = usage.stop_reason
         if mode != "replay":
@@ -217,6 +220,19 @@ class ModelDoor:
             self.input_tokens += usage.input_tokens or 0
             self.output_tokens += usage.output_tokens or 0
             recorder.complete(crossing, "ok" if ok else "error", result, content)
+
+    def _charge_unreported(self, req: ModelRequest, result: dict, usage) -> list[str]:
+        """Counts a response that the upstream answered does not report (an OpenAI stream without
+        `stream_options.include_usage`, say), charged in full when a budget counts them: output as the tokens the call
+        reserved, input as the request's size in bytes. The counts the result states; the names charged so."""
+        if "status_code" not in result:  # nothing came from upstream (or a replay's recording)
+            return []
+        charged = []
+        if usage.output_tokens is None and self.box.policy.model("max_output_tokens"):
+            usage.output_tokens, charged = req.max_output or 0, charged + ["output_tokens"]
+        if usage.input_tokens is None and self.box.policy.model("max_input_tokens"):
+            usage.input_tokens, charged = len(req.body), charged + ["input_tokens"]
+        return charged
 
     def _upstream(self, stream: Stream, parser: ModelRequestParser, req: ModelRequest, result: dict,
                   body: bytearray, usage_reader: UsageReader, started: float) -> None:

@@ -26,6 +26,7 @@ ROUTES = {  # box path prefix -> (provider, allowed endpoints)
 PASSED_HEADERS = {b"content-type", b"accept", b"anthropic-version", b"anthropic-beta", b"openai-beta"}
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 _FIELD_VALUE = re.compile(rb"[\x20-\x7e\t]*")
+MAX_CHOICES = 128
 MAX_OUTPUT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -42,7 +43,7 @@ class ModelRequest:
     body: bytes                       # exactly as the box sent it
     model: str
     stream: bool
-    max_output: int | None            # max_tokens (or its OpenAI names), when the request says
+    max_output: int | None            # max_tokens (or its OpenAI names) times n (choices), when the request says
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)   # the passed ones only
 
     @property
@@ -129,8 +130,13 @@ class ModelRequestParser:
         asked = [doc[k] for k in MAX_OUTPUT_KEYS if k in doc and doc[k] is not None]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in asked):
             raise ModelRequestError(400, "max_tokens must be a count", provider, endpoint)
+        copies = doc.get("n", 1)  # OpenAI chat: n choices, each up to max_tokens
+        if copies is None:
+            copies = 1
+        if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_CHOICES:
+            raise ModelRequestError(400, f"n must be a count from 1 to {MAX_CHOICES}", provider, endpoint)
         headers = [(k, v) for k, v in self._head.headers if k in PASSED_HEADERS]
         for k, v in headers:  # h11 reads obs-text (bytes over 0x7f) in a value; the upstream client sends ASCII only
             if not _FIELD_VALUE.fullmatch(v):
                 raise ModelRequestError(400, f"the {k.decode('ascii')} header is not visible ASCII", provider, endpoint)
-        return ModelRequest(provider, endpoint, body, model, stream, max(asked) if asked else None, headers)
+        return ModelRequest(provider, endpoint, body, model, stream, max(asked) * copies if asked else None, headers)
