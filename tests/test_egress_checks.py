@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
 from tkbox_nb.doors.hostnames import HostError, check_host
-from tkbox_nb.doors.proxy_request import ProxyRequestError, ProxyRequestParser
+from tkbox_nb.doors.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.errors import PolicyError
 from tkbox_nb.policy import Policy
 
@@ -461,3 +461,49 @@ def test_a_request_pipelined_after_a_forwarded_one_never_reaches_the_server(monk
                                                    b"\r\n\r\nGET /steal HTTP/1.1\r\nHost: other.example\r\n\r\n")
     assert got == b"GET / HTTP/1.1\r\nhost: allowed.example\r\nconnection: close\r\n\r\n"
     assert b"".join(out).endswith(b"\r\n\r\nok") and log[-1][3]["dropped_after_request"] == 44
+
+
+def _held_tunnel(door_setup=None):
+    """A tunnel relayed by the real EgressDoor to an upstream that accepts and then neither sends nor closes."""
+    import socket
+    import threading
+
+    from tests.bound_relay import FakeBox, FakeStream
+    from tkbox_nb.doors.egress import EgressDoor
+    from tkbox_nb.recorder import Crossing
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
+    door = EgressDoor(box)
+    if door_setup:
+        door_setup(door)
+    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
+    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
+    relay = threading.Thread(target=door._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
+    relay.start()
+    return door, box, relay, held
+
+
+def test_an_open_tunnel_is_closed_and_its_end_signed_when_the_box_stops():
+    """An allowed host that accepts and then holds the connection kept the relay (a thread, a socket) for good,
+    past the box's end, and the connection's end was never signed."""
+    import time
+    door, box, relay, held = _held_tunnel()
+    time.sleep(0.3)
+    assert relay.is_alive()
+    door.close("box stopped")
+    relay.join(timeout=5)
+    assert not relay.is_alive()
+    (end,) = [e for e in box.recorder.log if e[0] == "complete"]
+    assert end[3]["closed_by_door"] == "box stopped"
+
+
+def test_an_idle_tunnel_is_closed_and_its_end_signed():
+    door, box, relay, held = _held_tunnel(lambda d: setattr(d, "idle_timeout_s", 0.4))
+    relay.join(timeout=15)  # the relay gives the box's side 5 s to finish its upload after the download ended
+    assert not relay.is_alive()
+    (end,) = [e for e in box.recorder.log if e[0] == "complete"]
+    assert end[3]["closed_by_door"] == "idle for 0.4s"

@@ -234,6 +234,8 @@ class Box:
                 self.conn.shutdown()
             if self.model is not None:
                 self.model.close()
+            if getattr(self, "egress", None) is not None:  # open tunnels end, signed, before the run closes
+                self.egress.close(self.ended or reason)
             if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
                 self._kernel._finish(f"the box stopped: {self.ended or reason}")
             self.recorder.close(self.ended or reason)

@@ -32,6 +32,7 @@ HEAD_TIMEOUT_S = 30.0
 MAX_ADDRESSES = 32
 MAX_BOUND_AT_ONCE = 16   # connections to bound hosts served at once: each may hold a request body of 16 MiB
 BOUND_WAIT_S = 30.0      # how long one more waits for a slot before it is answered 503
+IDLE_TIMEOUT_S = 600.0   # a relayed connection with no byte either way for this long is closed (its end signed)
 REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "Request Header Fields Too Large",
            502: "Bad Gateway", 503: "Service Unavailable"}
 
@@ -101,6 +102,52 @@ class EgressDoor:
         # bounds what a box can make the host hold: the secrets door reads each request to a bound host whole
         # (intercept.MAX_REQUEST_BODY) before it swaps and checks it, so at most this many such bodies at once
         self.bound_slots = threading.BoundedSemaphore(MAX_BOUND_AT_ONCE)
+        self.idle_timeout_s = IDLE_TIMEOUT_S
+        self._open: dict[socket.socket, list] = {}   # relayed upstream -> [counts, bytes seen, when they last moved]
+        self._open_changed = threading.Condition()
+        self._reaper: threading.Thread | None = None
+
+    def close(self, reason: str, wait_s: float = 5.0) -> None:
+        """At the box's stop: every relayed connection still open is shut, and its end signed (within `wait_s`)
+        before the run closes, however idle its upstream keeps it."""
+        with self._open_changed:
+            for upstream, (counts, _, _) in list(self._open.items()):
+                self._shut(upstream, counts, reason)
+            self._open_changed.wait_for(lambda: not self._open, timeout=wait_s)
+
+    @staticmethod
+    def _shut(upstream: socket.socket, counts: dict, why: str) -> None:
+        counts.setdefault("closed_by_door", why[:200])
+        try:  # wakes the download (recv or splice gives the end), which signs the connection's end
+            upstream.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _track(self, upstream: socket.socket, counts: dict) -> None:
+        with self._open_changed:
+            self._open[upstream] = [counts, 0, time.monotonic()]
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap_idle, daemon=True, name="tkbox-egress-idle")
+                self._reaper.start()
+
+    def _untrack(self, upstream: socket.socket) -> None:
+        with self._open_changed:
+            self._open.pop(upstream, None)
+            self._open_changed.notify_all()
+
+    def _reap_idle(self) -> None:
+        """Shuts each relayed connection whose bytes have not moved either way for `idle_timeout_s`."""
+        while True:
+            time.sleep(max(0.05, min(self.idle_timeout_s / 4, 5.0)))
+            now = time.monotonic()
+            with self._open_changed:
+                for upstream, entry in list(self._open.items()):
+                    counts, seen, since = entry
+                    moved = counts["bytes_up"] + counts["bytes_down"]
+                    if moved != seen:
+                        entry[1], entry[2] = moved, now
+                    elif now - since >= self.idle_timeout_s:
+                        self._shut(upstream, counts, f"idle for {self.idle_timeout_s:g}s")
 
     def accept(self, stream: Stream, body: dict) -> bool:
         """Called by the door connection for each stream the box opens; True when it is an egress stream."""
@@ -217,6 +264,7 @@ class EgressDoor:
             return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
         upstream.settimeout(None)
         counts = {"bytes_up": 0, "bytes_down": 0}
+        self._track(upstream, counts)
         refused: list[tuple[str, str]] = []  # (door, why), set by the upload thread when what the box sent is refused
         try:
             if req.tunnel:  # the box's bytes go up once its ClientHello names the CONNECT host (client_hello.py)
@@ -266,9 +314,12 @@ class EgressDoor:
             upstream.close()
             try:
                 conn.close(sid)
-            except OSError:
+            except (OSError, StreamClosed):
                 pass
-        self._signed_end(crossing, counts, started)
+        try:
+            self._signed_end(crossing, counts, started)
+        finally:
+            self._untrack(upstream)
 
     def _download_spliced(self, sid: int, upstream: socket.socket, counts: dict, pipe: SplicePipe) -> None:
         """Upstream -> box with splice (doors/spliced.py): the same DATA frames, no copy through Python."""
