@@ -463,6 +463,15 @@ def test_a_request_pipelined_after_a_forwarded_one_never_reaches_the_server(monk
     assert b"".join(out).endswith(b"\r\n\r\nok") and log[-1][3]["dropped_after_request"] == 44
 
 
+def test_a_smuggling_request_through_the_door_never_reaches_the_server(monkeypatch):
+    """CL.TE through EgressDoor._serve: the box is answered 400 and the allowed host gets nothing of it."""
+    got, out, log = _through_the_door(monkeypatch, b"POST http://allowed.example/ HTTP/1.1\r\nHost: allowed.example"
+                                                   b"\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                                   b"%x\r\n" % len(SMUGGLED) + SMUGGLED + b"\r\n0\r\n\r\n")
+    assert got == b"" and b"".join(out).startswith(b"HTTP/1.1 400")
+    assert not [e for e in log if e[0] == "decide"]  # refused as it was read, before any decision or lookup
+
+
 def _held_tunnel(door_setup=None):
     """A tunnel relayed by the real EgressDoor to an upstream that accepts and then neither sends nor closes."""
     import socket
