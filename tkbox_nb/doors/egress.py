@@ -136,11 +136,15 @@ class EgressDoor:
             self._open_changed.notify_all()
 
     def _reap_idle(self) -> None:
-        """Shuts each relayed connection whose bytes have not moved either way for `idle_timeout_s`."""
+        """Shuts each relayed connection whose bytes have not moved either way for `idle_timeout_s`; ends when none
+        is open (the next one starts it again), so an ended box leaves no thread behind."""
         while True:
             time.sleep(max(0.05, min(self.idle_timeout_s / 4, 5.0)))
             now = time.monotonic()
             with self._open_changed:
+                if not self._open:
+                    self._reaper = None
+                    return
                 for upstream, entry in list(self._open.items()):
                     counts, seen, since = entry
                     moved = counts["bytes_up"] + counts["bytes_down"]
