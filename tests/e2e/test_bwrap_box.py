@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb import Box, BoxEnded, DoorRefused, Policy, open_run
+from tkbox_nb.backends import bwrap
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.run_recovery import recover_orphans
 from tkbox_nb.verify import verify_bundle
@@ -88,6 +89,37 @@ def test_the_box_cannot_make_a_user_namespace(box):
     for cmd in ("unshare -U true", "unshare -Ur true", "unshare -Urn true"):
         r = sh(box, cmd)
         assert r.exit_code != 0, (cmd, r.stdout, r.stderr)
+
+
+CLONE_NEWUSER_CODE = r"""
+import ctypes, errno, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+for flags in (0x10000000 | 17, 0x40000000 | 17, 0x20000 | 17):  # CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS
+    pid = libc.syscall(56, flags, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    print(pid, errno.errorcode.get(ctypes.get_errno()))
+    if pid > 0:
+        os.waitpid(pid, 0)
+ctypes.set_errno(0)
+print(libc.syscall(435, 0, 0), errno.errorcode.get(ctypes.get_errno()))
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+t = threading.Thread(target=print, args=("thread",))
+t.start(); t.join()
+"""
+
+
+def test_clone_cannot_make_a_user_namespace_even_without_disable_userns(signer, tmp_path, monkeypatch):
+    """As with a bubblewrap before 0.8 (no --disable-userns): the seccomp filter alone refuses clone(2) with a
+    CLONE_NEW* flag (EPERM) and clone3(2) (ENOSYS, libc falls back to clone); fork and threads still work."""
+    monkeypatch.setattr(bwrap, "_disables_userns", lambda exe: False)
+    with Box(backend="bwrap", bundle_path=tmp_path / "u.tkb") as b:
+        r = b.run([PY, "-c", CLONE_NEWUSER_CODE])
+        assert r.stdout.decode().splitlines() == ["-1 EPERM"] * 3 + ["-1 ENOSYS", "fork 7", "thread"], r.stderr
+        assert sh(b, "unshare -U true").exit_code != 0
 
 
 def test_the_kernel_s_riskiest_calls_are_refused_in_the_box(box):
@@ -187,6 +219,16 @@ def test_cpu_time_limit_is_enforced(tight_box):
 def test_workspace_size_limit_is_enforced(tight_box):
     r = sh(tight_box, "dd if=/dev/zero of=/workspace/big bs=1M count=20")
     assert r.exit_code != 0 and b"No space left on device" in r.stderr
+
+
+def test_tmp_and_dev_shm_are_bounded_by_the_box_s_memory(tight_box):
+    """/tmp and /dev/shm are tmpfs, host RAM no rlimit of the box counts: each is sized below memory_mib (512 MiB
+    here: /tmp 256 MiB, /dev/shm 128 MiB) and the rest of /dev is read-only."""
+    for path, mib in (("/tmp", 300), ("/dev/shm", 150)):
+        r = sh(tight_box, f"dd if=/dev/zero of={path}/fill bs=1M count={mib}; rc=$?; rm -f {path}/fill; exit $rc")
+        assert r.exit_code != 0 and b"No space left on device" in r.stderr, (path, r.stderr)
+    assert sh(tight_box, "echo x > /dev/x").exit_code != 0
+    assert sh(tight_box, "echo x > /dev/shm/x && echo y > /tmp/y && cat /dev/shm/x /tmp/y").stdout == b"x\ny\n"
 
 
 def test_wall_time_limit_ends_the_box_and_is_recorded(signer, tmp_path):

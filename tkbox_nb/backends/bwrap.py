@@ -2,8 +2,10 @@
 
 Isolation is the host kernel's namespaces: weaker than a VM (one kernel bug away from the host), stronger than
 nothing. What the box sees: the system's read-only /usr (and the interpreter's prefix, bound back read-only), a
-synthetic /etc with only what programs need to start, a fresh /proc and /dev, tmpfs /tmp, and a tmpfs /workspace
-(size-limited) filled from a read-only copy of the host workspace. No host home, no /root, no /etc/ssh, no
+synthetic /etc with only what programs need to start, a fresh /proc and a read-only /dev, a tmpfs /tmp and
+/dev/shm, and a tmpfs /workspace filled from a read-only copy of the host workspace. Each tmpfs is sized: its pages
+are host RAM that no rlimit of the box counts, so /tmp may hold half of `memory_mib` and /dev/shm a quarter (both
+together stay below the box's memory), and /workspace `workspace_mib`. No host home, no /root, no /etc/ssh, no
 $TKBOX_HOME, no host /sys. Its only interface is `lo`; its only way out is the door socket, an inherited fd.
 """
 
@@ -78,12 +80,26 @@ class BwrapRunning(RunningBox):
 
 
 @functools.cache
+def _help(exe: str) -> str:
+    try:
+        return subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
 def _disables_userns(exe: str) -> bool:
     """Whether this bubblewrap has --disable-userns (0.8 and later; Debian 12's is 0.8.0)."""
-    try:
-        return "--disable-userns" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
-    except OSError:
-        return False
+    return "--disable-userns" in _help(exe)
+
+
+def _sizes_tmpfs(exe: str) -> bool:
+    """Whether this bubblewrap has --size (0.5 and later): without it no tmpfs of the box could be bounded."""
+    return "--size" in _help(exe)
+
+
+def tmpfs_sizes(memory_mib: int) -> tuple[int, int]:
+    """The bytes /tmp and /dev/shm may hold: half and a quarter of the box's memory, at least 1 MiB each."""
+    return max(memory_mib << 19, 1 << 20), max(memory_mib << 18, 1 << 20)
 
 
 class BwrapBackend(Backend):
@@ -98,6 +114,8 @@ class BwrapBackend(Backend):
                            capture_output=True, text=True)
         if r.returncode != 0:
             return False, f"bwrap cannot create namespaces here: {r.stderr.strip()[:200]}"
+        if not _sizes_tmpfs(exe):
+            return False, f"{exe} has no --size (bubblewrap before 0.5): a box's tmpfs could not be bounded"
         return True, f"{exe}: namespaces work"
 
     def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None) -> list[str]:
@@ -119,7 +137,9 @@ class BwrapBackend(Backend):
         for name in ETC_FILES:
             if (Path("/etc") / name).is_dir() and (etc_dir / name).is_dir():
                 a += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-        a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        tmp_bytes, shm_bytes = tmpfs_sizes(spec.memory_mib)  # host RAM the box's rlimits do not count
+        a += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
+              "--remount-ro", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
         # after /tmp's tmpfs, so an interpreter that lives under /tmp (a CI checkout's venv) is not hidden by it
         for prefix in sorted({sys.base_prefix, sys.prefix}):
             if not prefix.startswith("/usr/"):

@@ -3,9 +3,12 @@
 A namespace box shares the host's kernel, so every system call it can make is kernel code it can reach. This filter
 refuses (EPERM) the calls a program in a box has no use for and that kernel escapes have gone through: loading
 kernel code or BPF, keyrings, io_uring, perf events, userfaultfd, mounting and namespaces, handles to host files,
-the clock and the machine. It allows the rest, ptrace within the box included (debuggers). A call of another
-architecture's ABI (32-bit `int 0x80`, x32) is refused too, or it would pass under other numbers. Pure: the bytes
-depend only on the tables here, so they are tested as bytes and in a real box.
+the clock and the machine. clone(2) asking for a new namespace (any CLONE_NEW* flag) is refused with EPERM like
+unshare(2), so no user namespace can be made where bubblewrap cannot disable them (before 0.8), and clone3(2), whose
+flags sit in memory a filter cannot read, answers ENOSYS: libc then falls back to clone(2). It allows the rest,
+ptrace within the box included (debuggers). A call of another architecture's ABI (32-bit `int 0x80`, x32) is refused
+too, or it would pass under other numbers. Pure: the bytes depend only on the tables here, so they are tested as
+bytes and in a real box.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import struct
 AUDIT_ARCH_X86_64 = 0xC000003E
 X32_SYSCALL_BIT = 0x40000000
 RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-LD_W_ABS, JEQ_K, JGE_K, RET_K = 0x20, 0x15, 0x35, 0x06
+LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+CLONE, CLONE3 = 56, 435
+# CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET (CLONE_NEWTIME,
+# 0x80, is clone3's and unshare's only: in clone(2)'s flags those bits are the exit signal)
+CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), little-endian: its low 32 bits, where the flags are
 
 # x86_64 numbers (arch/x86/entry/syscalls/syscall_64.tbl)
 REFUSED_X86_64 = {
@@ -41,16 +49,26 @@ def supported() -> bool:
 
 def program(refused: dict[str, int] = REFUSED_X86_64) -> bytes:
     """The filter as `struct sock_filter` records (little-endian): the architecture checked first, the x32 ABI and
-    each refused number answered EPERM, everything else allowed."""
+    each refused number answered EPERM, clone(2) with a CLONE_NEW* flag EPERM, clone3(2) ENOSYS, everything else
+    allowed."""
     numbers = sorted(set(refused.values()))
-    errno_at = 6 + len(numbers)  # the index of the EPERM return
+    # the tail, at fixed places from its start: allow, clone's flags, allow, ENOSYS, EPERM
+    n_head = 5 + len(numbers) + 2
+    clone_at, enosys, eperm = n_head + 1, n_head + 4, n_head + 5  # n_head: allow
     insns = [(LD_W_ABS, 0, 0, 4),                       # 0: seccomp_data.arch
              (JEQ_K, 1, 0, AUDIT_ARCH_X86_64),          # 1: x86_64: on to 3
              (RET_K, 0, 0, RET_KILL_PROCESS),           # 2: any other ABI
              (LD_W_ABS, 0, 0, 0),                       # 3: seccomp_data.nr
-             (JGE_K, errno_at - 5, 0, X32_SYSCALL_BIT)]  # 4: x32
+             (JGE_K, eperm - 5, 0, X32_SYSCALL_BIT)]    # 4: x32
     for i, nr in enumerate(numbers, start=5):
-        insns.append((JEQ_K, errno_at - (i + 1), 0, nr))
-    insns += [(RET_K, 0, 0, RET_ALLOW), (RET_K, 0, 0, RET_ERRNO | errno.EPERM)]
-    assert len(insns) == errno_at + 1 and all(0 <= jt <= 255 for _, jt, _, _ in insns)
+        insns.append((JEQ_K, eperm - (i + 1), 0, nr))
+    insns.append((JEQ_K, clone_at - (len(insns) + 1), 0, CLONE))
+    insns.append((JEQ_K, enosys - (len(insns) + 1), 0, CLONE3))
+    insns += [(RET_K, 0, 0, RET_ALLOW),                 # allow
+              (LD_W_ABS, 0, 0, ARG0_LOW),               # clone: its flags
+              (JSET_K, eperm - (clone_at + 2), 0, CLONE_NEW_FLAGS),
+              (RET_K, 0, 0, RET_ALLOW),
+              (RET_K, 0, 0, RET_ERRNO | errno.ENOSYS),
+              (RET_K, 0, 0, RET_ERRNO | errno.EPERM)]
+    assert len(insns) == eperm + 1 and all(0 <= jt <= 255 for _, jt, _, _ in insns)
     return b"".join(struct.pack("<HBBI", *insn) for insn in insns)
