@@ -205,6 +205,27 @@ def test_fork_bomb_is_stopped(tight_box):
     assert tight_box.run(["echo", "alive"]).stdout == b"alive\n"
 
 
+def test_a_process_limit_the_host_cannot_hold_is_signed_as_unenforced(signer, tmp_path, monkeypatch):
+    """With no usable pids cgroup (a cgroup v2 host, or one whose v1 pids hierarchy is not writable) and no rlimit
+    that holds (host root is exempt from RLIMIT_NPROC), the signed box.start names max_processes as unenforced;
+    with the cgroup, nothing is named."""
+    with Box(policy=Policy.from_toml(LIMITS), backend="bwrap", bundle_path=tmp_path / "c.tkb") as b:
+        assert b.run(["true"]).exit_code == 0
+    with_cgroup = open_run(tmp_path / "c.tkb")
+    assert "unenforced" not in with_cgroup.box or bwrap.process_limit() != "pids-cgroup"
+    monkeypatch.setattr(bwrap, "_pids_cgroup_usable", lambda: False)
+    with Box(policy=Policy.from_toml(LIMITS), backend="bwrap", bundle_path=tmp_path / "n.tkb") as b:
+        r = sh(b, "i=0; while [ $i -lt 40 ]; do sleep 30 & i=$((i+1)); done; ls /proc | grep -c '^[0-9]'; "
+                  "kill $(jobs -p) 2>/dev/null; true")
+    run = open_run(tmp_path / "n.tkb")
+    if bwrap.process_limit() == "unenforced":  # host root: nothing holds the limit, and the run says so
+        assert run.box["unenforced"] == "max_processes" and int(r.stdout) > 32
+    else:  # another user: RLIMIT_NPROC holds it
+        assert "unenforced" not in run.box and b"Resource temporarily unavailable" in r.stderr
+    report = verify_bundle(tmp_path / "n.tkb")
+    assert report.valid, [c for c in report.checks if not c.ok]
+
+
 def test_memory_hog_is_stopped(tight_box):
     r = tight_box.run([PY, "-c", "x = bytearray(1 << 30)"])
     assert r.exit_code != 0 and b"MemoryError" in r.stderr

@@ -49,6 +49,18 @@ def _pids_cgroup_usable() -> bool:
     return (PIDS_CGROUP / "cgroup.procs").exists() and os.access(PIDS_CGROUP, os.W_OK)
 
 
+def process_limit() -> str:
+    """How this host can hold a box to `max_processes`: its own v1 pids cgroup; else RLIMIT_NPROC, set by prlimit in
+    the box's user namespace (counted per user namespace since Linux 5.14, so only the box's processes), which the
+    kernel never applies to processes of host root; else not at all, and box.start says so (`unenforced`). cgroup v2
+    (`pids.max`) needs a delegated subtree this code does not set up yet."""
+    if _pids_cgroup_usable():
+        return "pids-cgroup"
+    if os.geteuid() != 0 and shutil.which("prlimit"):
+        return "rlimit-nproc"
+    return "unenforced"
+
+
 class BwrapRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
@@ -118,7 +130,12 @@ class BwrapBackend(Backend):
             return False, f"{exe} has no --size (bubblewrap before 0.5): a box's tmpfs could not be bounded"
         return True, f"{exe}: namespaces work"
 
-    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None) -> list[str]:
+    def prepare(self, memory_mib: int, cpus: int) -> dict:
+        self._processes = process_limit()  # decided before box.start is signed, which names a limit it cannot hold
+        return {"unenforced": "max_processes"} if self._processes == "unenforced" else {}
+
+    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None,
+             nproc: bool = False) -> list[str]:
         exe = shutil.which("bwrap") or "bwrap"
         a = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--hostname", "tkbox", "--uid", "1000", "--gid", "1000"]
@@ -156,11 +173,13 @@ class BwrapBackend(Backend):
             env["TKBOX_SEED"] = "/run/tkbox/seed"
         for k, v in env.items():
             a += ["--setenv", k, v]
+        if nproc:  # set inside the box's user namespace, so the count is the box's processes only
+            a += [shutil.which("prlimit") or "prlimit", f"--nproc={spec.max_processes}", "--"]
         a += spec.agent_argv or [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
         return a
 
     @staticmethod
-    def _prepare(spec: BoxSpec, workdir: Path) -> tuple[Path, Path | None]:
+    def _prepare(spec: BoxSpec, workdir: Path, pids_cgroup: bool) -> tuple[Path, Path | None]:
         """The box's /etc (copied, with its own passwd, hosts and resolv.conf) and its pids cgroup."""
         etc_dir = workdir / "etc"
         etc_dir.mkdir()
@@ -180,7 +199,7 @@ class BwrapBackend(Backend):
         (etc_dir / "hosts").write_text("127.0.0.1 localhost tkbox\n::1 localhost\n")
         (etc_dir / "resolv.conf").write_text("# no name servers in a box: names are resolved on the host\n")
         cgroup = None
-        if _pids_cgroup_usable():
+        if pids_cgroup:
             scratch.sweep(CGROUP_PREFIX, PIDS_CGROUP, cgroups=True)  # those of host processes that were killed
             cgroup = PIDS_CGROUP / f"{CGROUP_PREFIX}{os.getpid()}-{spec.box_id}"
             cgroup.mkdir()
@@ -192,8 +211,9 @@ class BwrapBackend(Backend):
         for end in (host_end, box_end):  # room for several frames in flight: fewer stalls on bulk transfers
             _grow_buffers(end)
         workdir = scratch.fresh("tkbox-box-")
+        processes = getattr(self, "_processes", None) or process_limit()
         try:
-            etc_dir, cgroup = self._prepare(spec, workdir)
+            etc_dir, cgroup = self._prepare(spec, workdir, processes == "pids-cgroup")
         except BaseException:
             host_end.close()
             box_end.close()
@@ -216,7 +236,7 @@ class BwrapBackend(Backend):
             filter_fd = os.open(workdir / "seccomp.bpf", os.O_RDONLY | os.O_CLOEXEC)
         try:
             # bwrap's own environment stays readable in the box (/proc/1/environ of its init): give it none of ours
-            proc = subprocess.Popen(self.argv(spec, fd, etc_dir, filter_fd),
+            proc = subprocess.Popen(self.argv(spec, fd, etc_dir, filter_fd, nproc=processes == "rlimit-nproc"),
                                     pass_fds=[fd] + ([filter_fd] if filter_fd is not None else []),
                                     stdin=subprocess.DEVNULL,
                                     env={"PATH": "/usr/bin:/bin"},
