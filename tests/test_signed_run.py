@@ -165,3 +165,24 @@ def test_trust_output_path_is_relative_to_the_working_directory(signer, tmp_path
     r = run_cli("trust", "-o", "pinned.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "pinned.json").read_text())["logs"]
+
+
+def test_a_stale_pid_file_never_gets_another_process_killed(private_signer):
+    """signer.pid left by a signer that died may name a process that reused the pid: that process is not the signer
+    (its cmdline is not `tracekit signer serve --config OUR_CONFIG`), so ensure() and stop() never signal it."""
+    private_signer.stop()
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        private_signer.pid_path.write_text(f"{victim.pid}\n")
+        assert private_signer.pid() is None
+        private_signer.ensure()
+        signer_pid = private_signer.pid()
+        assert signer_pid not in (None, victim.pid)
+        private_signer.pid_path.write_text(f"{victim.pid}\n")
+        private_signer.stop()
+        time.sleep(0.1)
+        assert victim.poll() is None
+        private_signer.pid_path.write_text(f"{signer_pid}\n")  # the real one, for the fixture to stop
+    finally:
+        victim.kill()
+        victim.wait()

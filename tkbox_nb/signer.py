@@ -155,12 +155,16 @@ class MachineSigner:
         return status_answers(self.client(timeout=timeout))
 
     def pid(self) -> int | None:
+        """The pid in signer.pid if that process is this signer (`tracekit signer serve --config` our config): a pid
+        file a dead signer left may name a process that reused its pid, never to be signalled."""
         try:
             pid = int(self.pid_path.read_text().strip())
             os.kill(pid, 0)
-            return pid
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             return None
+        want = [b"tracekit", b"signer", b"serve", b"--config", os.fsencode(self.config_path)]
+        return pid if any(argv[i:i + len(want)] == want for i in range(len(argv))) else None
 
     def ensure(self, timeout: float = START_TIMEOUT_S) -> "MachineSigner":
         """Start the signer unless it already answers. Safe to call from several processes at once."""
