@@ -7,7 +7,9 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import VENV_BIN, record_run, run_cli
@@ -186,3 +188,37 @@ def test_a_stale_pid_file_never_gets_another_process_killed(private_signer):
     finally:
         victim.kill()
         victim.wait()
+
+
+HOLDER = """
+import sys, time
+from tkbox_nb.policy import Policy
+from tkbox_nb.recorder import RunRecorder
+from tkbox_nb.signer import MachineSigner
+rec = RunRecorder(MachineSigner(sys.argv[1]), Policy.coerce(None), {"box_id": "x" * 32, "backend": "bwrap",
+                                                                     "isolation": "namespace", "image_digest": None})
+rec.open()
+c = rec.decide("exec", "command", {"argv": ["echo", "hi"]})
+rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"hi\\n", "stderr": b""})
+print(rec.spool, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_whose_holder_died_mid_line_is_recovered(private_signer, tmp_path):
+    """The holder is killed while it writes a disclosure line (before that record's signer call): recovery cuts the
+    torn line, closes the run and writes a bundle that verifies."""
+    from tkbox_nb.run_recovery import recover_orphans
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(private_signer.home)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        spool = Path(holder.stdout.readline().strip())
+        with open(spool / "disclosures.jsonl", "a") as f:
+            f.write('{"blobs": {"sha256:00": "QUFBQUFB')
+    finally:
+        holder.kill()
+        holder.wait()
+    written = recover_orphans(private_signer)
+    assert len(written) == 1 and not (spool / "recover-error.txt").exists()
+    assert verify_bundle(written[0], private_signer.trust_path).valid
+    assert open_run(written[0]).box["end_reason"].startswith("recovered:")

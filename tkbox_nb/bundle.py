@@ -264,7 +264,8 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
         if e["type"] in ("policy.decision", "tool.result") and call_id:
             by_call[(e["type"], call_id)] = e
     disclosures, wanted, blobs, found = [], set(), {}, []
-    for entry in loads_jsonl((spool / "disclosures.jsonl").read_bytes(), "spool"):
+    spooled = (spool / "disclosures.jsonl").read_bytes()
+    for entry in loads_jsonl(spooled[:spooled.rfind(b"\n") + 1], "spool"):  # a torn last line: never signed
         blobs.update(entry.pop("blobs", {}))
         kind = "policy.decision" if entry["kind"] == "decision" else "tool.result"
         event = by_call.get((kind, entry.get("call_id")))

@@ -63,6 +63,15 @@ class Crossing:
         return self.decision == "allow" and self.decision_id is not None
 
 
+def _cut_torn_line(path: Path) -> None:
+    """Truncate a spool file to its last newline: each line is written whole before its signer call, so a line
+    without one was cut by its writer's death and no signed record discloses it."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class RunRecorder:
     """Opens one run on the machine signer for one box and records its crossings."""
 
@@ -165,6 +174,7 @@ class RunRecorder:
         rec._client = signer.client()
         rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
         rec._lanes = _lanes(signer, handle["run_id"], handle["run_token"], rec._client)
+        _cut_torn_line(spool / "disclosures.jsonl")  # a holder killed mid-write left half a line: its record is lost
         rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
         seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
                 if line.strip() for e in [json.loads(line)]]
