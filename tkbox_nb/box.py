@@ -213,46 +213,69 @@ class Box:
         return env
 
     def stop(self, reason: str = "box stopped") -> Path | None:
-        """Stop the box, close the run and write the bundle (once); returns its path."""
+        """Stop the box, close the run and write the bundle (once); returns its path. Interrupted while it waits for
+        the box's last patch or outputs, it still kills the box, closes the run (saying so), writes the bundle and
+        removes the workspace's seed copy, then raises the interruption."""
         with self._lock:
             if self.recorder is None or self.recorder.closed:
                 return self.bundle_path
-            if self.collect_patch_at_stop and self.patch_door is not None and self.conn is not None \
-                    and not self.ended and self.running.alive() and not self.recorder.broken:
-                try:  # the box's last word on its workspace, decided before it goes
-                    self.last_patch = self.patch_door.collect()
-                except TkboxError as e:
-                    reason = f"{reason}; the patch was not collected: {e}"
-            if not self.ended:
-                try:  # late outputs held for ended cells are signed before the box goes
-                    self.flush_late()
-                except Exception as e:
-                    reason = f"{reason}; late outputs not signed: {str(e)[:200]}"
+            interrupted = None
+            try:
+                reason = self._last_words(reason)
+            except BaseException as e:  # KeyboardInterrupt, a notebook's interrupt: the box is ended all the same
+                interrupted, reason = e, f"{reason}; stop interrupted ({type(e).__name__})"
+            try:
+                try:
+                    self._end_processes(reason)
+                finally:
+                    self.recorder.close(self.ended or reason)
+                if self.recorder.broken:
+                    raise BoxEnded(f"no bundle yet: the run could not be closed ({self.recorder.broken}); its records "
+                                   f"up to the loss stay in the signer's store, run {self.recorder.run_id}: once the "
+                                   "signer answers again, `tkbox signer recover` (or the next box) closes it and "
+                                   "writes its bundle")
+                if self.bundle_path is None:
+                    out = self.signer.home / "bundles"
+                    out.mkdir(mode=0o700, exist_ok=True)
+                    self.bundle_path = out / f"{self.recorder.run_id}.tkb"
+                self.recorder.write_bundle(self.bundle_path)
+            finally:  # the workspace's copy (.env files and all) never outlives the box
+                shutil.rmtree(self.recorder.spool / "seed", ignore_errors=True)
+            if interrupted is not None:
+                raise interrupted
+            return self.bundle_path
+
+    def _last_words(self, reason: str) -> str:
+        """The box's last patch and late outputs, signed before it goes; the stop reason, with what failed."""
+        if self.collect_patch_at_stop and self.patch_door is not None and self.conn is not None \
+                and not self.ended and self.running.alive() and not self.recorder.broken:
+            try:  # the box's last word on its workspace, decided before it goes
+                self.last_patch = self.patch_door.collect()
+            except TkboxError as e:
+                reason = f"{reason}; the patch was not collected: {e}"
+        if not self.ended:
+            try:  # late outputs held for ended cells are signed before the box goes
+                self.flush_late()
+            except Exception as e:
+                reason = f"{reason}; late outputs not signed: {str(e)[:200]}"
+        return reason
+
+    def _end_processes(self, reason: str) -> None:
+        """Kill the box and release its door, each step even if one before it fails."""
+        try:
             if self.running is not None:
                 self.running.kill()
-            if self.conn is not None:
-                self.conn.shutdown()
-            if self.model is not None:
-                self.model.close()
-            if getattr(self, "egress", None) is not None:  # open tunnels end, signed, before the run closes
-                self.egress.close(self.ended or reason)
-            if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
-                self._kernel._finish(f"the box stopped: {self.ended or reason}")
-            self.recorder.close(self.ended or reason)
-            if self.recorder.broken:
-                raise BoxEnded(f"no bundle yet: the run could not be closed ({self.recorder.broken}); its records up "
-                               f"to the loss stay in the signer's store, run {self.recorder.run_id}: once the signer "
-                               "answers again, `tkbox signer recover` (or the next box) closes it and writes its "
-                               "bundle")
-            if self.bundle_path is None:
-                out = self.signer.home / "bundles"
-                out.mkdir(mode=0o700, exist_ok=True)
-                self.bundle_path = out / f"{self.recorder.run_id}.tkb"
-            self.recorder.write_bundle(self.bundle_path)
-            seed = self.recorder.spool / "seed"
-            if seed.exists():
-                shutil.rmtree(seed, ignore_errors=True)
-            return self.bundle_path
+        finally:
+            try:
+                if self.conn is not None:
+                    self.conn.shutdown()
+            finally:
+                if self.model is not None:
+                    self.model.close()
+                if getattr(self, "egress", None) is not None:  # open tunnels end, signed, before the run closes
+                    self.egress.close(self.ended or reason)
+                if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
+                    self._kernel._finish(f"the box stopped: {self.ended or reason}")
 
     collect_patch_at_stop = True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from .recorder import RunRecorder
@@ -44,7 +45,8 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
             written.append(rec.write_bundle(out))
         except Exception as e:  # a spool we cannot adopt stays for `tkbox signer recover` to report
             (spool / "recover-error.txt").write_text(f"{type(e).__name__}: {e}"[:1000])
-        finally:
+        finally:  # the workspace's copy (.env files and all) was the dead box's only: nothing reads it again
+            shutil.rmtree(spool / "seed", ignore_errors=True)
             lock.unlink(missing_ok=True)
     return written
 

@@ -449,3 +449,65 @@ def test_a_host_process_killed_mid_box_leaves_no_scratch_after_the_next_start(si
         assert box.running._workdir.is_dir()  # a live box's own stays
         assert not Path(workdir).exists()
         assert not cgroup or not Path(cgroup).exists()
+
+
+SEEDED_HOST = """
+import sys, time
+from tkbox_nb import Box
+box = Box(backend="bwrap", workspace=sys.argv[1], bundle_path=sys.argv[2]).start()
+print(box.recorder.spool, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_workspace_copy_is_removed_when_a_killed_host_s_run_is_recovered(signer, tmp_path):
+    """The seed (the workspace copy, .env files and all) in the run's spool goes once recovery bundles the run."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / ".env").write_text("TOKEN=host-secret\n")
+    proc = subprocess.Popen([sys.executable, "-c", SEEDED_HOST, str(ws), str(tmp_path / "s.tkb")],
+                            stdout=subprocess.PIPE, env={**os.environ, "TKBOX_HOME": str(signer.home)})
+    try:
+        spool = Path(proc.stdout.readline().decode().strip())
+        assert (spool / "seed" / ".env").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tmp_path / "s.tkb" in recover_orphans(signer)
+    assert not (spool / "seed").exists()
+
+
+STALLING_GUEST = """
+import os, socket, struct
+s = socket.socket(fileno=int(os.environ["TKBOX_DOOR_FD"]))
+body = b'{"kind":"hello","pid":1,"python":"3.x"}'
+s.sendall(struct.pack(">IBI", len(body), 1, 2) + body)
+while s.recv(1 << 16):
+    pass
+"""
+
+
+def test_an_interrupted_stop_still_ends_the_box_and_closes_its_run(signer, tmp_path):
+    """A guest that never answers the stop-time patch request; an interrupt (Ctrl-C) meanwhile still kills the box,
+    closes the run (saying so), writes the bundle and removes the workspace copy, then reaches the caller."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "stall.py").write_text(STALLING_GUEST)
+    b = Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "i.tkb",
+            agent_argv=[sys.executable, "/run/tkbox/seed/stall.py"]).start()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            b.stop()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert not b.running.alive() and b.recorder.closed and not (b.recorder.spool / "seed").exists()
+    run = open_run(tmp_path / "i.tkb")
+    assert "stop interrupted (KeyboardInterrupt)" in run.box["end_reason"]
+    assert verify_bundle(tmp_path / "i.tkb").valid
