@@ -140,3 +140,14 @@ def test_the_diff_shows_every_change_of_mode(tmp_path):
     r = subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert os.access(tmp_path / "run", os.X_OK) and not (tmp_path / "gone").exists()
+
+
+def test_a_long_multibyte_name_is_written_and_the_rest_of_the_patch_too(tmp_path):
+    """A legal name of 255 bytes in 2-byte characters: its temporary name stays under the filesystem's limit, so the
+    patch applies whole (it once failed: the temporary took 200 characters of the name, 400 bytes)."""
+    name = "\u00e9" * 125 + ".txt"  # 254 bytes
+    assert rules.path_problem(name) is None and len(name.encode()) == 254
+    apply_changes(str(tmp_path), [FileChange("good.txt", "add", b"hello\n", 0o644, None),
+                                  FileChange(name, "add", b"x\n", 0o644, None)])
+    assert sorted(os.listdir(tmp_path)) == sorted(["good.txt", name])
+    assert (tmp_path / name).read_bytes() == b"x\n"

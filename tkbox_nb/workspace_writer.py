@@ -292,7 +292,7 @@ def _stage(dirs: _Dirs, ch: FileChange, umask: int, written: set[str]) -> list:
     if now != ch.base:
         raise _Refused("the host file changed since the box started" if now else
                        "the host file is gone since the box started")
-    tmp = f".{name[:200]}.tkbox-{secrets.token_hex(6)}"
+    tmp = f".tkbox-{secrets.token_hex(12)}.tmp"  # fixed length: a 255-byte name (multibyte) still has a temporary
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     try:
         with os.fdopen(fd, "wb") as f:
