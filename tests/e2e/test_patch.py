@@ -467,3 +467,19 @@ def test_a_bundle_decided_under_the_earlier_rules_still_verifies(signer, tmp_pat
     r = run_cli("apply", str(bundle), "-w", str(ws))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (ws / "data.txt").read_text() == "precious\n"
+
+
+def test_a_folder_the_box_made_unreadable_fails_the_patch_instead_of_deleting_its_files(signer, tmp_path):
+    """The guest cannot list a folder (chmod 000 in the box): the patch is refused with the reason, never a patch
+    that lists the folder's files as deleted; the host workspace keeps them."""
+    from tkbox_nb.errors import TkboxError
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    (ws / "d" / "keep.txt").write_text("keep\n")
+    with Box(policy=AUTO, backend="bwrap", workspace=ws, bundle_path=tmp_path / "u.tkb") as b:
+        assert b.run(["chmod", "000", "/workspace/d"]).exit_code == 0
+        with pytest.raises(TkboxError, match="could not list its changes.*Permission denied"):
+            b.patch()
+        assert b.run(["chmod", "755", "/workspace/d"]).exit_code == 0
+    assert (ws / "d" / "keep.txt").read_text() == "keep\n"
+    assert not [r for r in patch_rows(tmp_path / "u.tkb").values() if r.args.get("op") == "delete"]

@@ -36,12 +36,17 @@ def _kind(st):
     return "other"
 
 
+def _unreadable(e):
+    raise e  # a folder the walk cannot list would read as all its files deleted: no patch at all instead
+
+
 def _walk(root):
-    """{relative path: lstat} of every non-directory entry under `root`, without following symlinks."""
+    """{relative path: lstat} of every non-directory entry under `root`, without following symlinks. A folder that
+    cannot be listed raises OSError (the patch fails closed with it as the reason)."""
     out = {}
     if not root or not os.path.isdir(root):
         return out
-    for top, dirs, files in os.walk(root):
+    for top, dirs, files in os.walk(root, onerror=_unreadable):
         for name in dirs[:]:  # a symlink to a directory is an entry, not a directory to walk into
             full = os.path.join(top, name)
             if os.path.islink(full):
