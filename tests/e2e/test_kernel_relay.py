@@ -91,6 +91,45 @@ def test_a_reply_to_the_host_s_prompt_never_reaches_the_box(client):
     assert ("stream", {"name": "stdout", "text": "raw stdin: []\n"}) in outs
 
 
+BOX_PROMPT_UNDER_IS_COMPLETE = r"""
+import threading
+k = get_ipython().kernel
+got = []
+async def never_answers(stream, ident, parent):
+    def ask():
+        try:
+            got.append(k._input_request("anything", ident, parent, password=False))
+        except BaseException as e:
+            got.append(repr(e))
+    threading.Thread(target=ask, daemon=True).start()
+k.shell_handlers["is_complete_request"] = never_answers
+"""
+
+
+def test_a_parentless_reply_while_the_host_s_prompt_waits_is_the_host_s_never_the_box_s(client):
+    """A box keeps a prompt of its own pending (asked under an is_complete_request it never answers); the user
+    answers the host's %box_secret prompt as jupyter_console and jupyter_client's input() do, with no parent: the
+    value is the host's, and never reaches the box's prompt."""
+    kc = client.kc
+    reply, _ = client.run(BOX_PROMPT_UNDER_IS_COMPLETE)
+    assert reply["status"] == "ok"
+    kc.is_complete("x = 1")
+    box_req = kc.get_stdin_msg(timeout=30)
+    assert box_req["content"]["prompt"].startswith("[box] ")
+    secret = "s3cret-" + os.urandom(6).hex()
+    answered = []
+
+    def hook(msg):
+        if not answered:
+            answered.append(msg["content"])
+            kc.input(secret)  # parentless
+    reply, outs = client.run("%box_secret TOKEN --host api.example.com", stdin=hook, timeout=30)
+    assert answered == [{"prompt": "value of TOKEN (stays on the host): ", "password": True}]
+    assert reply["status"] == "ok", (reply, outs)
+    reply, outs = client.run("print('box got:', got)")
+    assert ("stream", {"name": "stdout", "text": "box got: []\n"}) in outs and secret not in repr(outs)
+
+
 def test_cells_run_in_order_host_magics_wait_and_an_error_aborts_the_queue(client):
     kc = client.kc
     client.run("1+1")

@@ -7,9 +7,11 @@ prompt it answers by its `parent_header.msg_id`:
 - a reply goes to the box only when it answers an input_request the box sent that is still pending (the box's
   prompt is forwarded under a header made on the host, kernel/relay.py; the reply goes in under the box's own);
 - any other reply is dropped.
-A reply with no parent (jupyter_client's `input()`, jupyter_console) answers the one prompt pending, if exactly one
-is: the host's, or else the box's; but once a host prompt has gone unanswered (interrupted, timed out), the next
-parentless reply may be its late answer, the secret: it is dropped, never forwarded to the box.
+A reply with no parent (jupyter_client's `input()`, jupyter_console) answers the host's prompt whenever one waits,
+whatever prompts of the box are pending (the box can keep one pending by asking under a request it never answers);
+with no host prompt waiting, it answers the box's prompt if exactly one is pending; but once a host prompt has gone
+unanswered (interrupted, timed out), the next parentless reply may be its late answer, the secret: it is dropped,
+never forwarded to the box.
 
 While the host's prompt waits (at most `PROMPT_TIMEOUT_S`), the control channel is served (an interrupt or a
 shutdown ends the wait, and the magic, without a secret) and the exec deadlines are enforced.
@@ -118,9 +120,8 @@ class Stdin:
                     continue
                 reply = got[1]
                 parent = (reply.get("parent_header") or {}).get("msg_id")
-                if reply["header"].get("msg_type") == "input_reply" and (
-                        parent == own or (not parent and not self._pending())):
-                    return str(reply["content"].get("value", ""))
+                if reply["header"].get("msg_type") == "input_reply" and (parent == own or not parent):
+                    return str(reply["content"].get("value", ""))  # parentless: the host's, never the box's
                 self.from_frontend(reply)
 
     def _control(self) -> None:
