@@ -130,6 +130,29 @@ def test_a_parentless_reply_while_the_host_s_prompt_waits_is_the_host_s_never_th
     assert ("stream", {"name": "stdout", "text": "box got: []\n"}) in outs and secret not in repr(outs)
 
 
+def test_a_box_reply_of_another_type_than_its_request_ends_the_box_and_the_cell(client):
+    """A box that answers the cell's execute_request with a complete_reply (so that its execute_reply, routed by
+    the request's id alone, would be dropped and the cell never end) has broken the protocol: the box is ended,
+    the cell ends with that reason, and the next cell runs in a new box."""
+    arm = (
+        "k = get_ipython().kernel\norig = k.shell_handlers['execute_request']\n"
+        "async def ex(stream, ident, parent):\n"
+        "    k.session.send(stream, 'complete_reply', {'status': 'ok', 'matches': [], 'cursor_start': 0,\n"
+        "                   'cursor_end': 0, 'metadata': {}}, parent, ident)\n"
+        "    r = orig(stream, ident, parent)\n"
+        "    return (await r) if hasattr(r, '__await__') else r\n"
+        "k.shell_handlers['execute_request'] = ex\n")
+    reply, _ = client.run(arm)
+    assert reply["status"] == "ok"
+    t = time.monotonic()
+    reply, outs = client.run("print('cell B')", timeout=40)
+    assert time.monotonic() - t < 30
+    assert reply["status"] == "error" and reply["ename"] == "BoxEnded"
+    assert "door protocol violation: the box sent a complete_reply in reply to execute_request" in reply["evalue"]
+    reply, outs = client.run("print('cell C')", timeout=60)
+    assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "cell C\n"}) in outs
+
+
 def test_cells_run_in_order_host_magics_wait_and_an_error_aborts_the_queue(client):
     kc = client.kc
     client.run("1+1")

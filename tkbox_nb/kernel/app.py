@@ -314,9 +314,16 @@ class TkboxKernel:
                 self.stdin.box_prompt(wire["header"]["msg_id"], msg.header, parent)
                 self.session.send(self.sockets["stdin"], wire, ident=target[1])
             return
-        target = self.requests.pop(parent, None) if parent else None
+        target = self.requests.get(parent) if parent else None
         if target is None:
             return
+        if t != target[2]["msg_type"].replace("_request", "_reply"):  # a reply of another type: a violation
+            self.box_violated = True  # the request stays open; the box's end answers it (_box_kernel_ended)
+            if self.nb.box is not None:
+                self.nb.box.fail_closed(f"door protocol violation: the box sent a {t} in reply to "
+                                        f"{target[2]['msg_type']}")
+            return
+        self.requests.pop(parent)
         wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(parent))
         if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
             wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
