@@ -458,3 +458,42 @@ def test_late_outputs_are_held_per_cell_within_their_caps_and_drops_counted():
     late2.cell_ended("c", 1)
     late2.add("c", "x", 1)
     assert late2.discard() == 1 and late2.take(boundary=True) == []
+
+
+def test_the_control_comm_s_update_states_is_sanitised_as_each_widget_s_comm_open():
+    """On page load the frontend makes every widget from the control comm's `update_states` (its answer to
+    `request_states`): each entry's state is sanitised as that widget's comm_open would be, an entry that is not a
+    widget's is dropped, a buffer may set no checked key, and what each widget is goes into BoxKernel.comms."""
+    comms = {"ctl": ""}
+    states = {"h": {"model_name": "HTMLModel", "model_module": "@jupyter-widgets/controls", "state": {
+                  "_model_name": "HTMLModel", "_view_name": "HTMLView", "value": '<img src=x onerror="alert(1)">ok',
+                  "description_allow_html": True}},
+              "t": {"model_name": "HTMLMathModel", "state": {"value": "<script>x</script>"}},  # kind from model_name
+              "o": {"model_name": "OutputModel", "state": {"outputs": [{"output_type": "display_data", "data": {
+                  "text/html": "<script>x</script>", "application/javascript": "y"}, "metadata": {}}]}},
+              "p": {"model_name": "TextModel", "state": {"value": "<b>"}},
+              "bad": {"model_name": "HTMLModel", "state": "<script>x</script>"}, "worse": "<script>"}
+    raw = message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
+        "method": "update_states", "states": states,
+        "buffer_paths": [["h", "state", "value"], ["p", "state", "_view_name"], ["p", "state", "data"],
+                         ["bad", "state", "x"], ["p", "nope", "x"]]}},
+        buffers=["PHNjcmlwdD4=", "SFRNTFZpZXc=", "AAE=", "AAE=", "AAE="])
+    m = check_box_message(raw, comms)
+    BoxKernel._track_comm(SimpleNamespace(comms=comms), m.msg_type, m.content)
+    got = m.content["data"]["states"]
+    assert set(got) == {"h", "t", "o", "p"}
+    assert got["h"]["state"]["value"] == '<img src="x">ok' and got["h"]["state"]["description_allow_html"] is False
+    assert got["t"]["state"]["value"] == ""
+    assert got["o"]["state"]["outputs"] == [{"output_type": "display_data", "data": {"text/html": ""}, "metadata": {}}]
+    assert got["p"]["state"]["value"] == "<b>"
+    assert m.content["data"]["buffer_paths"] == [["p", "state", "data"]] and m.buffers == [b"\x00\x01"]
+    assert comms["h"] == "HTMLModel HTMLView" and comms["t"] == "HTMLMathModel" and comms["p"] == "TextModel"
+    # a later update of a widget loaded so is sanitised as what it was loaded as
+    later = check_box_message(message("iopub", "comm_msg", {"comm_id": "t", "data": {
+        "method": "update", "state": {"value": "<svg onload=x>"}, "buffer_paths": []}}), comms)
+    assert not later.unknown_comm and later.content["data"]["state"]["value"] == ""
+    # states that are not an object are dropped whole
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
+        "method": "update_states", "states": ["<script>"], "buffer_paths": [["h", "state", "value"]]}},
+        buffers=["AAE="]), comms)
+    assert m.content["data"]["states"] == {} and m.content["data"]["buffer_paths"] == [] and m.buffers == []

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import protocol as p
 from .box_late import FLUSH_S, Batch, LateOutputs
 from .box_messages import BoxMessage, check_box_message
-from .box_outputs import widget_kind
+from .box_outputs import control_kind, widget_kind
 
 if TYPE_CHECKING:
     from .doors.context import DoorContext
@@ -185,6 +185,9 @@ class BoxKernel:
         if msg_type == "comm_open" or (msg_type == "comm_msg" and comm_id in self.comms):
             known = self.comms.get(comm_id, "") if msg_type == "comm_msg" else ""
             self.comms[comm_id] = widget_kind(known, data.get("state"))
+            if msg_type == "comm_msg" and data.get("method") == "update_states":  # checked: box_outputs.control_states
+                for model_id, entry in data["states"].items():
+                    self.comms[model_id] = control_kind(entry, self.comms.get(model_id, ""))
         elif msg_type == "comm_close":
             self.comms.pop(comm_id, None)
 

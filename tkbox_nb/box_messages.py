@@ -216,6 +216,8 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
         box_outputs.widget_state(kind, state, f"{t}.data.state", m.dropped)
         if isinstance(state, dict) and "buffer_paths" in data:
             m.buffers = box_outputs.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped)
+        if t == "comm_msg" and data.get("method") == "update_states":  # the control comm: every widget's state
+            m.buffers = box_outputs.control_states(data, m.buffers, f"{t}.data", m.dropped)
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")

@@ -214,7 +214,7 @@ def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropp
     paths = data.get("buffer_paths")
     if not isinstance(paths, list):
         return buffers
-    guarded = _CHECKED_KEYS | ({"value"} if _renders(set(kind.split()), HTML_WIDGETS) else set())
+    guarded = _guarded(kind)
     kept_paths, kept = [], []
     for i, path in enumerate(paths):
         key = path[0] if isinstance(path, list) and path else None
@@ -226,6 +226,52 @@ def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropp
             kept.append(buffers[i])
     data["buffer_paths"] = kept_paths
     return kept + buffers[len(paths):]
+
+
+def _guarded(kind: str) -> frozenset[str]:
+    return _CHECKED_KEYS | ({"value"} if _renders(set(kind.split()), HTML_WIDGETS) else set())
+
+
+def control_kind(entry: dict, known: str = "") -> str:
+    """What a widget of the control comm's `update_states` is (with `known`, what its comm was before): its
+    `model_name` and the names its state sets, as the frontend makes its model from the one, its view from the other."""
+    return widget_kind(widget_kind(known, {"_model_name": entry.get("model_name")}), entry.get("state"))
+
+
+def control_states(data: dict, buffers: list[bytes], what: str, dropped: list[str]) -> list[bytes]:
+    """Sanitise, in place, the widget control comm's `update_states` (ipywidgets' answer to `request_states`, which
+    the frontend loads every widget from on page load): each `states[id].state` as the comm_open of that widget
+    would be, an entry that is no object with an object `state` dropped, and of the buffers (`buffer_paths`,
+    `[id, "state", key, ...]`) only those that set an unchecked key of a kept entry. The buffers kept are returned."""
+    states = data.get("states")
+    if not isinstance(states, dict):
+        states = data["states"] = {}
+        dropped.append(f"{what}.states")
+    kinds: dict[str, str] = {}
+    for model_id, entry in list(states.items()):
+        if not (isinstance(entry, dict) and isinstance(entry.get("state"), dict)):
+            del states[model_id]
+            dropped.append(f"{what}.states:{model_id[:40]}")
+            continue
+        kinds[model_id] = control_kind(entry)
+        widget_state(kinds[model_id], entry["state"], f"{what}.states:{model_id[:40]}.state", dropped)
+    paths = data.get("buffer_paths", [])
+    if not isinstance(paths, list):
+        paths = []
+        dropped.append(f"{what}.buffer_paths")
+    kept_paths, kept = [], []
+    for i, path in enumerate(paths):
+        ok = (isinstance(path, list) and len(path) >= 3 and path[0] in kinds and path[1] == "state"
+              and isinstance(path[2], str) and path[2] not in _guarded(kinds[path[0]]))
+        if not ok:
+            dropped.append(f"{what}.buffer_paths:{str(path)[:60]}")
+            continue
+        kept_paths.append(path)
+        if i < len(buffers):
+            kept.append(buffers[i])
+    if "buffer_paths" in data or kept_paths:
+        data["buffer_paths"] = kept_paths
+    return kept
 
 
 def box_display_id(box_id: str, display_id: str) -> str:
