@@ -173,3 +173,33 @@ def test_a_request_for_another_host_is_answered_400_and_signed_and_nothing_goes_
                                       f"Authorization: {b.placeholder}\r\n\r\n").encode())
     assert good.read.endswith(b"\r\n\r\nok") and [r[0] for r in good.secrets_records()] == ["swap"]
     assert upstream.seen[-1].startswith(b"GET /x HTTP/1.1\r\nHost: api.tkb.test:%d\r\n" % upstream.port)
+
+
+@pytest.mark.parametrize("name, why", [("A=B", "must be an environment variable name"), ("1X", "environment variable"),
+                                       ("PATH", "set by the box itself"), ("HTTPS_PROXY", "set by the box itself"),
+                                       ("https_proxy", "set by the box itself"), ("SSL_CERT_FILE", "set by the box"),
+                                       ("TKBOX_DOOR_FD", "set by the box itself")])
+def test_a_secret_name_that_is_no_variable_or_one_the_box_sets_is_one_error(name, why):
+    """`A=B` made every later box fail (bwrap --setenv) until a restart; PATH, a proxy, the CA bundle or TKBOX_*
+    would silently override the box's own environment. Refused by %box_secret and the policy alike, in one line."""
+    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.notebook_box import HostMagics
+    asked = []
+    with pytest.raises(TkboxError, match=rf"^%box_secret: .*{why}") as e:
+        HostMagics(None, asked.append).run("box_secret", f"'{name}' --host api.example.org --env HOME")
+    assert not asked and "\n" not in str(e.value)
+    if "=" not in name:
+        with pytest.raises(PolicyError, match=rf"secrets\.{name}: .*{why}"):
+            Policy.from_toml(f'[secrets.{name}]\nhosts = ["api.example.org"]\nheader = "Authorization"\n'
+                             'source = "env:T"\n')
+
+
+def test_every_variable_the_box_sets_is_refused_as_a_secret_name_but_its_dummy_api_keys():
+    from tkbox_nb.box import egress_env
+    from tkbox_nb.doors.model import box_env
+    from tkbox_nb.policy.secrets import name_error
+    names = set(egress_env()) | set(box_env()) | {"PATH", "HOME", "LANG", "USER", "PYTHONPATH",
+                                                   "PYTHONDONTWRITEBYTECODE", "TKBOX_BOX_ID", "TKBOX_SEED",
+                                                   "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
+                                                   "NODE_EXTRA_CA_CERTS", "TKBOX_KERNEL_EARLY"}
+    assert {n for n in names if name_error(n) is None} == {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"}

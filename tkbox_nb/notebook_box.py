@@ -346,6 +346,9 @@ class HostMagics:
             a = p.parse_args(shlex.split(line))
         except ValueError as e:
             raise TkboxError(f"%box_secret: {e}") from None
+        from .policy.secrets import name_error
+        if name_error(a.name):
+            raise TkboxError(f"%box_secret: {a.name[:80]!r}: {name_error(a.name)}")
         if "{value}" not in a.format:
             raise TkboxError("%box_secret: --format must contain {value}")
         if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", a.header):

@@ -10,6 +10,22 @@ from ..errors import PolicyError
 from .base import Verdict, tname
 
 SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
+SECRET_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,63}"
+# what the box's environment sets itself (backends, box.egress_env, the CA bundle, doors/model.box_env but its dummy
+# API keys, which a binding may replace): a binding of one of these names would override it (any case, as the proxy
+# variables are read in both)
+BOX_ENV = frozenset({"PATH", "HOME", "LANG", "USER", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "HTTP_PROXY",
+                     "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+                     "PIP_CERT", "NODE_EXTRA_CA_CERTS", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"})
+
+
+def name_error(secret: str) -> str | None:
+    """Why `secret` cannot name a binding (the box sees it as an environment variable), or None."""
+    if not re.fullmatch(SECRET_NAME, secret):
+        return "the name must be an environment variable name"
+    if secret.upper() in BOX_ENV or secret.upper().startswith("TKBOX_"):
+        return f"{secret} is set by the box itself"
+    return None
 
 
 def validate(secrets: Any, name: str) -> dict[str, dict[str, Any]]:
@@ -19,8 +35,8 @@ def validate(secrets: Any, name: str) -> dict[str, dict[str, Any]]:
     out = {}
     for secret, body in secrets.items():
         where = f"{name}: secrets.{secret}"
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", secret):
-            raise PolicyError(f"{where}: the name must be an environment variable name")
+        if name_error(secret):
+            raise PolicyError(f"{where}: {name_error(secret)}")
         if not isinstance(body, dict):
             raise PolicyError(f"{where} must be a table")
         for key, value in body.items():
