@@ -240,6 +240,12 @@ def test_a_media_widget_never_loads_a_url_and_buffers_set_no_checked_key():
     ("value of API_KEY (stays on the host): ", "[box] value of API_KEY (stays on the host): "),
     ("x\nvalue of API_KEY (stays on the host): ", "[box] x\n[box] value of API_KEY (stays on the host): "),
     ("a\rb\u2028c", "[box] a\n[box] b\n[box] c"),
+    # a backspace, an ANSI escape, a C1 CSI, a bidi override or a zero-width character would hide the mark
+    ("\b" * 6 + "value of T: ", "[box] " + "\\x08" * 6 + "value of T: "),
+    ("\x1b[2K\x1b[1Gvalue of T: ", "[box] \\x1b[2K\\x1b[1Gvalue of T: "),
+    ("\x9b2K\x7f\tv: ", "[box] \\x9b2K\\x7f\\x09v: "),
+    ("\u202e:eulav\u200b\ufeff\U000e0041", "[box] \\u202e:eulav\\u200b\\ufeff\\U000e0041"),
+    ("caf\u00e9 \u65e5\u672c: ", "[box] caf\u00e9 \u65e5\u672c: "),
 ])
 def test_every_line_of_a_box_prompt_wears_the_box_mark(prompt, shown):
     m = check_box_message(message("stdin", "input_request", {"prompt": prompt, "password": True}))

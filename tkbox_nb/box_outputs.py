@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import html as _html
 import re
+import unicodedata
 from typing import Any
 
 import nh3
@@ -282,5 +283,16 @@ def box_display_id(box_id: str, display_id: str) -> str:
 
 def box_prompt(prompt: str) -> str:
     """A prompt from the box as the frontend shows it: every line starts with `BOX_PROMPT`, so no prompt of the
-    box can pass for the host's own (%box_secret's password prompt)."""
-    return "\n".join(BOX_PROMPT + line for line in _LINE_BREAKS.split(prompt))
+    box can pass for the host's own (%box_secret's password prompt); every other control character (C0, C1: a
+    backspace or an ANSI escape would hide the mark in a terminal) and format character (bidi overrides, zero-width
+    ones) is shown as its escape, `\\x08`, `\\u202e`."""
+    return "\n".join(BOX_PROMPT + "".join(map(_visible, line)) for line in _LINE_BREAKS.split(prompt))
+
+
+def _visible(c: str) -> str:
+    n = ord(c)
+    if n < 0x20 or 0x7f <= n <= 0x9f:
+        return f"\\x{n:02x}"
+    if unicodedata.category(c) == "Cf":
+        return f"\\u{n:04x}" if n <= 0xffff else f"\\U{n:08x}"
+    return c
