@@ -41,6 +41,25 @@ class BoxCellError(Exception):
         return self.box_traceback
 
 
+class MagicError(Exception):
+    """A host-side magic that failed (bad input, a refusal, a file it cannot write): the cell fails, shown as one
+    line, never the host's traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
+def _one_line(fn):
+    """`fn`, a magic, whose TkboxError or OSError fails its cell in one line."""
+    def magic(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TkboxError, OSError) as e:
+            raise MagicError(f"{type(e).__name__}: {e}") from None
+    magic.__name__, magic.__doc__ = fn.__name__, fn.__doc__
+    return magic
+
+
 def _show(box_id: str, output: dict[str, Any]) -> None:
     """One box output, shown in place by the host kernel (already checked by box_messages). The box's display ids
     are namespaced (box_outputs.box_display_id): a box updates only its own displays, never one of this kernel's."""
@@ -80,9 +99,9 @@ class BoxMagicsExtension:
 
     def register(self) -> None:
         ip = self.shell
-        ip.register_magic_function(self.box_cell, "cell", "box")
-        ip.register_magic_function(self.box_push, "line", "box_push")
-        ip.register_magic_function(self.box_pull, "line", "box_pull")
+        ip.register_magic_function(_one_line(self.box_cell), "cell", "box")
+        ip.register_magic_function(_one_line(self.box_push), "line", "box_push")
+        ip.register_magic_function(_one_line(self.box_pull), "line", "box_pull")
         for name in HOST_MAGICS:
             kind = "line_cell" if name == "box_policy" else "line"
             ip.register_magic_function(self._host(name), kind, name)
@@ -91,12 +110,12 @@ class BoxMagicsExtension:
         def magic(line: str, cell: str | None = None):
             try:
                 text = self.host.run(name, line.strip(), cell)
-            except TkboxError as e:
+                if isinstance(text, Path):  # %box_view: the run, as the widget view
+                    from .widgets import view
+                    return view(text)
+            except (TkboxError, OSError) as e:  # a bad bundle, a path it cannot write: one line
                 print(f"{type(e).__name__}: {e}", file=sys.stderr)
                 return None
-            if isinstance(text, Path):  # %box_view: the run, as the widget view
-                from .widgets import view
-                return view(text)
             print(text)
         magic.__name__ = name
         magic.__doc__ = f"%{name}: a host-side tkbox magic (docs/jupyter.md); never enters the box."

@@ -144,3 +144,24 @@ def test_a_box_cell_never_updates_a_host_display(shell, monkeypatch):
     shown = [(t["display_id"], update) for _, t, update in published[1:]]
     assert len(shown) == 2 and shown[0][0] == shown[1][0] != "status" and [u for _, u in shown] == [False, True]
     assert shown[0][0].startswith("tkbox-") and shown[0][0].endswith("-status")
+
+
+def test_a_magic_given_bad_input_fails_in_one_line_never_a_traceback(shell, capsys, tmp_path):
+    """%box_view of a bundle that is not one, %box_push/%box_pull of what they cannot move, %box_bundle where
+    no file can be (an OSError): one line each, never the host's traceback."""
+    (tmp_path / "bad.tkb").write_bytes(b"not a zip")
+    shell.user_ns["odd"] = {1, 2}
+    assert shell.run_cell("%%box\nv = 1").success
+    cases = [("%box_view " + str(tmp_path / "bad.tkb"), True, "BundleError: "),
+             ("%box_push odd", False, "TkboxError: %box_push: odd is not plain data"),
+             ("%box_pull 1bad", False, "TkboxError: %box_pull: name the variables to pull"),
+             ("%box_bundle /proc/nope/x.tkb", True, "FileNotFoundError: ")]
+    for cell, success, line in cases:
+        capsys.readouterr()
+        result = shell.run_cell(cell)
+        shown = capsys.readouterr()
+        text = shown.out + shown.err
+        assert result.success is success, (cell, text)
+        assert "Traceback" not in text and "magics.py" not in text, (cell, text)
+        assert [x for x in text.splitlines() if x.strip()] and line in text, (cell, text)
+        assert len([x for x in text.splitlines() if x.strip()]) == 1, (cell, text)
