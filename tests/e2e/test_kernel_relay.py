@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import zipfile
@@ -360,3 +361,21 @@ def test_a_rerun_sends_the_same_user_expressions_and_audit_names_a_result_that_d
     diffs = json.loads(r.stdout)["differences"]
     assert [d["kind"] for d in diffs] == ["cell user_expressions"], diffs
     assert (diffs[0]["seq_a"], diffs[0]["seq_b"]) == (cells[0][1].seq, cells[1][1].seq)
+
+
+def test_a_shutdown_is_answered_even_when_stopping_the_box_fails(client, kernel_env):
+    """The box's bundle cannot be written (its folder is now a file): the frontend, which waits for the
+    shutdown_reply, still gets it, and the kernel ends."""
+    kc = client.kc
+    reply, _ = client.run("1+1")
+    assert reply["status"] == "ok"
+    shutil.rmtree(kernel_env, ignore_errors=True)
+    kernel_env.write_text("not a folder")
+    mid = kc.shutdown()
+    got = kc.get_control_msg(timeout=30)
+    assert got["parent_header"]["msg_id"] == mid and got["msg_type"] == "shutdown_reply"
+    assert got["content"] == {"status": "ok", "restart": False}
+    deadline = time.monotonic() + 30
+    while client.km.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.km.is_alive()

@@ -202,8 +202,11 @@ class TkboxKernel:
             self.publish_status("idle", header)
         elif t == "shutdown_request":
             restart = bool(msg["content"].get("restart"))
-            self.comms.end_run()
-            self.nb.stop("kernel restart" if restart else "kernel shutdown")
+            try:
+                self.comms.end_run()
+                self.nb.stop("kernel restart" if restart else "kernel shutdown")
+            except Exception as e:  # the frontend waits for the reply: it gets it, and the kernel ends, whatever
+                self._log(f"stopping the box at shutdown: {type(e).__name__}: {e}")
             self.send(channel, "shutdown_reply", {"status": "ok", "restart": restart}, header, idents)
             self.running = False
         elif t == "interrupt_request":
