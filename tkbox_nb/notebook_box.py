@@ -73,6 +73,7 @@ class NotebookBox:
         self.bundles: list[Path] = []
         self.replay_of: str | None = None  # a rerun names the run it replays
         self.model_replay = None  # a rerun's model calls: Recordings of the original run (doors/model_replay.py)
+        self.policy_guard: Callable[[Policy], None] | None = None  # a rerun: refuses a policy a bundle chose
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
         self._early: EarlyBox | None = None
         self.early = False  # boxes start early (the Tracekit Box kernel): again after %box_restart
@@ -200,6 +201,8 @@ class NotebookBox:
 
     # -- what the magics do --------------------------------------------------------------------------------------
     def set_policy(self, policy: Policy) -> str:
+        if self.policy_guard is not None:  # a rerun: the policy a bundle's %box_policy sets (replay._from_bundle)
+            self.policy_guard(policy)
         old, self.policy, self.policy_error = self.policy, policy, None
         if not self.live:
             return f"policy {policy.name} ({policy.hash[:19]}...) set: the box starts with it"

@@ -158,6 +158,15 @@ class Rerun:
     notes: list[str]  # what the rerun could not make the same (a different starting workspace)
 
 
+def _from_bundle(policy, what: str) -> None:
+    """A policy a bundle's author chose never reads this host's secrets or keys nor sends its signer token: refused
+    (one line, naming the section) unless the user passes the policy themselves (--policy)."""
+    section = policy.host_reads()
+    if section is not None:
+        raise TkboxError(f"{what} names {section}: a rerun does not read this host's secrets, keys or signer token "
+                         "for a policy a bundle chose; pass --policy FILE to rerun under a policy you trust")
+
+
 def _steps(run: Run) -> list:
     """The crossings a rerun makes again, in order: host magics, cells and commands (refused ones too: under the
     same policy they are refused again, and the audit compares the decisions)."""
@@ -186,6 +195,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         if source is None:
             raise TkboxError("the bundle does not disclose the policy its box started with; pass --policy")
         policy = Policy.from_toml(source, f"the policy of run {run.run_id}")
+        _from_bundle(policy, "the bundle's starting policy")
     steps = _steps(run)
     if not any(c.door == "exec" for c in steps):
         raise TkboxError("the run has no cell or command to execute")
@@ -203,6 +213,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         notes.append(f"the original started from workspace {was or 'none'}, this rerun from {now or 'none'}"
                      f"{f' ({workspace})' if workspace is not None else ''}: the audit reports it as different")
     nb = NotebookBox(policy=policy, backend=backend, home=home, workspace=workspace)
+    nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets")
     nb.replay_of = run.run_id
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
         from .doors.model_replay import recordings_from_run
@@ -213,7 +224,11 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         if c.door == "host":
             for name, line, body in split_host_magics(_host_source(run, c))[0]:
                 if name not in RERUN_SKIPS:
-                    magics.run(name, line, body)
+                    try:
+                        magics.run(name, line, body)
+                    except TkboxError:  # e.g. a %box_policy the rerun refuses: no box is left running
+                        nb.stop("rerun refused")
+                        raise
             continue
         try:
             if a.get("kind") == "cell":  # with the user_expressions it was decided with
