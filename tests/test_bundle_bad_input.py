@@ -324,6 +324,29 @@ def test_content_left_out_of_a_disclosure_s_index_is_still_checked_and_never_ser
     assert open_run(forged).content(target) is None
 
 
+def test_content_a_record_commits_to_cannot_be_withheld_by_leaving_it_out_of_the_index(good, tmp_path):
+    """What must be in the bundle is read from the signed statements (each `K` digest with `K_size` beside it), not
+    from a disclosure's unsigned `content` index: a bundle with its cells' code and outputs left out is invalid."""
+    files = entries(good)
+    ds = [json.loads(x) for x in files["box/disclosures.jsonl"].splitlines()]
+    gone = set()
+    for d in ds:
+        for key in ("code", "outputs"):
+            if key in d["content"]:
+                gone.add(d["content"].pop(key))
+    assert gone
+    files["box/disclosures.jsonl"] = b"".join(json.dumps(d, sort_keys=True).encode() + b"\n" for d in ds)
+    kept = [x for x in files["box/content-0001.jsonl"].splitlines() if json.loads(x)["digest"] not in gone]
+    files["box/content-0001.jsonl"] = b"".join(x + b"\n" for x in kept)
+    assert_refused(rewrite(files, tmp_path / "w.tkb"), 1, "the record commits to is not in the bundle", tmp_path)
+    files = entries(good)  # every content file gone, the box manifest still naming it
+    files = {n: b for n, b in files.items() if not n.startswith("box/content-")}
+    files["box/disclosures.jsonl"] = b"".join(
+        json.dumps(dict(json.loads(x), content={}), sort_keys=True).encode() + b"\n"
+        for x in entries(good)["box/disclosures.jsonl"].splitlines())
+    assert_refused(rewrite(files, tmp_path / "n.tkb"), 1, "INVALID: box manifest: content_files", tmp_path)
+
+
 def test_content_disclosed_by_no_record_or_twice_is_invalid(good, tmp_path):
     import base64
     files = entries(good)

@@ -21,6 +21,7 @@ from .policy import Policy, policy_hash
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
@@ -165,6 +166,16 @@ def _shown_reason(box: dict[str, Any], start: dict) -> str:
     return shown if _made_by(start) >= WHOLE_END_REASON_SINCE else shown[:200]
 
 
+def signed_content(body: Any) -> dict[str, tuple[str, int]]:
+    """The content a disclosed statement commits to: each key K whose value is a sha256 digest with K_size (an
+    integer) beside it, as the recorder states content (recorder._stated, complete): K -> (digest, size)."""
+    if not isinstance(body, dict):
+        return {}
+    return {k: (v, body[k + "_size"]) for k, v in body.items() if isinstance(k, str) and isinstance(v, str)
+            and _DIGEST.fullmatch(v) and isinstance(body.get(k + "_size"), int)
+            and not isinstance(body.get(k + "_size"), bool)}
+
+
 def box_manifest_types(box: dict[str, Any]) -> str:
     """What in box/manifest.json is not of the type the checks (and every reader of a run) take it to be, or ""."""
     if not isinstance(box.get("run_id"), str):
@@ -209,6 +220,10 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
     if wrong_type:
         report.add("box manifest", False, wrong_type)
         return
+    present = sorted(n for n in b.files if re.fullmatch(r"box/content-[0-9]{4}\.jsonl", n))
+    if "content_files" in b.box and b.box["content_files"] != present:
+        report.add("box manifest", False, f"content_files names {str(b.box['content_files'])[:120]}; the bundle "
+                   f"holds {present[:5]}")
     events = {}
     for r in b.records:  # only records of the shape the checks below read; Tracekit's verifier judges the rest
         e = r.get("event") if isinstance(r, dict) else None
@@ -283,9 +298,17 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
                 fail_record(seq, "content", f"content {key!r} ({ref[:19]}...) is not in the bundle")
             elif "sha256:" + hashlib.sha256(b.content[ref]).hexdigest() != ref:
                 fail_record(seq, "content", f"content {key!r} does not hash to {ref[:19]}... (altered)")
+        for key, (ref, size) in signed_content(body).items():  # what the record commits to, whatever the index says
+            if ref not in b.content:
+                fail_record(seq, "content", f"content {key!r} ({ref[:19]}...) the record commits to is not in "
+                            "the bundle")
+            elif len(b.content[ref]) != size:
+                fail_record(seq, "content", f"content {key!r} is {len(b.content[ref])} bytes, not the {size} signed")
     # every content item is the bytes its digest names, and is disclosed by some record: the `content` index of a
     # disclosure is not signed, so a blob left out of it must still be the bytes its name commits to
     referenced = {ref for d in disclosed.values() for ref in d["content"].values() if isinstance(ref, str)}
+    referenced |= {ref for d in disclosed.values() for ref, _ in signed_content(d.get("args") if "args" in d
+                                                                               else d.get("result")).values()}
     for ref, blob in sorted(b.content.items()):
         if "sha256:" + hashlib.sha256(blob).hexdigest() != ref:
             report.add("content", False, f"content {ref[:19]}... does not hash to its digest (altered)")
