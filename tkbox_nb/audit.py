@@ -229,6 +229,11 @@ def _one(seq: int, kind: str, value: str) -> Item:
     return Item(seq, kind, {kind: _field(value)})
 
 
+def _two(seq: int, kind: str, value: str) -> Item:
+    """Compared whole (every digest in full); shown with each digest cut to 12 hex digits."""
+    return Item(seq, kind, {kind: (value, re.sub(r"sha256:([0-9a-f]{12})[0-9a-f]{52}", r"\1", value))})
+
+
 def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     """What audit compares, per section, each a list of items in run order."""
     out: dict[str, list[Item]] = {k: [] for k in ("box", "exec", "egress", "secrets (names only)", "host magics",
@@ -258,18 +263,21 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
         elif c.door == "secrets":
             out["secrets (names only)"].append(_one(c.seq, "secrets (names only)",
                                                     f"{a.get('kind')} {a.get('name')} {a.get('host', '')}".strip()))
-        elif c.door == "host":
-            out["host magics"].append(_one(c.seq, "host magics", f"%{a.get('magic')} {a.get('line', '')}".strip()))
+        elif c.door == "host":  # a %box_policy by the policy it set: its body's digest, the policy then in force
+            line = f"%{a.get('magic')} {a.get('line', '')}".strip()
+            if a.get("magic") == "box_policy":
+                line += f" body {a.get('body') or '(none)'} policy {a.get('policy')}"
+            out["host magics"].append(_two(c.seq, "host magics", line))
         elif c.door == "model":  # the call and what came back, by digest (not the mode: a rerun replays)
             r = c.result or {}
-            out["model calls"].append(_one(c.seq, "model calls", (
+            out["model calls"].append(_two(c.seq, "model calls", (
                 f"{a.get('provider')}:{a.get('model')} {a.get('endpoint')} {c.decision} ({a.get('rule')}) request "
-                f"{str(a.get('request', ''))[7:19]} response "
-                f"{str(r.get('response') or r.get('response_digest') or '')[7:19]}")))
+                f"{a.get('request', '')} response {r.get('response') or r.get('response_digest') or ''}")))
         elif c.door == "patch" and a.get("kind") == "file":  # the last decision per path, order-free
-            last_patch[str(a.get("path"))] = _one(c.seq, "patch",
-                                                  f"{a.get('op')} {a.get('path')} {c.decision} "
-                                                  f"({a.get('rule')}) {str(a.get('content', ''))[7:19]}")
+            last_patch[str(a.get("path"))] = _two(c.seq, "patch", " ".join(
+                [f"{a.get('op')} {a.get('path')}"] + [f"{k} {a[k]}" for k in ("from", "type", "target") if k in a]
+                + ([f"mode {oct(a['mode'])}"] if isinstance(a.get("mode"), int) else [])
+                + [f"{c.decision} ({a.get('rule')}) {a.get('content', '')}"]))
     out["patch"] = [last_patch[p] for p in sorted(last_patch)]
     return out
 
