@@ -11,6 +11,7 @@ volatile values.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from dataclasses import dataclass
@@ -28,13 +29,32 @@ RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret")
 KERNELSPEC = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
 
 
+MAX_DEPTH = 64  # deeper JSON in an output is elided: nbformat, a notebook's writer and the audit all recurse
+
+
+def bounded(value: Any, depth: int = 0) -> Any:
+    """`value` with every list or object nested past MAX_DEPTH replaced by a short placeholder naming the digest of
+    what was elided (so two outputs that differ only down there still differ)."""
+    if not isinstance(value, (list, dict)):
+        return value
+    if depth >= MAX_DEPTH:
+        try:
+            digest = "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+        except (RecursionError, ValueError, TypeError):
+            digest = "too deep to digest"
+        return f"[tkbox: elided, nested past {MAX_DEPTH} levels; {digest}]"
+    if isinstance(value, list):
+        return [bounded(v, depth + 1) for v in value]
+    return {k: bounded(v, depth + 1) for k, v in value.items()}
+
+
 def _items(run: Run, ref: Any) -> list:
     raw = run.content(ref) if isinstance(ref, str) else None
     if raw is None:
         return []
     try:
-        items = json.loads(raw)
-    except ValueError:
+        items = bounded(json.loads(raw))
+    except (ValueError, RecursionError):
         return []
     return items if isinstance(items, list) else []
 
@@ -56,7 +76,7 @@ def user_expressions(run: Run, c) -> tuple[dict, dict]:
     none, or for what the bundle does not disclose as a JSON object."""
     def obj(ref: Any) -> dict:
         try:
-            value = json.loads(run.content(ref) or b"null") if isinstance(ref, str) else None
+            value = bounded(json.loads(run.content(ref) or b"null")) if isinstance(ref, str) else None
         except (ValueError, RecursionError):  # a disclosed item is hostile until verified
             return {}
         return value if isinstance(value, dict) else {}
