@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -481,6 +482,19 @@ def test_tkbox_run_refuses_an_output_or_workspace_it_cannot_use_before_the_comma
         r = run_cli("run", "--backend", "bwrap", *args, *probe)
         assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "w.tkb").exists()
+
+
+def test_tkbox_rerun_refuses_an_output_it_cannot_write_before_the_rerun_runs(signer, tmp_path):
+    """`tkbox rerun -o` into no directory (or onto a directory) is one line and exit 2 before any box starts: the
+    run's `sleep 30` never runs."""
+    from conftest import record_run
+    slow = record_run(signer, tmp_path / "slow.tkb", cells=(), commands=(["sleep", "30"],))
+    (tmp_path / "dir").mkdir()
+    for out, said in ((tmp_path / "nowhere" / "x.tkb", "is not a directory"), (tmp_path / "dir", "it is a directory")):
+        started = time.monotonic()
+        r = run_cli("rerun", str(slow), "-o", str(out), "--backend", "bwrap")
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert time.monotonic() - started < 20 and "Traceback" not in r.stderr
 
 
 def test_what_a_command_verified_is_what_it_uses(good, tmp_path):

@@ -98,6 +98,9 @@ def _cmd_rerun(a) -> int:
     a.bundle = a.bundle[0]
     from .replay import rerun
     _not_an_input(a.output, a.bundle)
+    _writable(a.output)  # before the rerun: its bundle must have somewhere to go, as `tkbox run` checks
+    if os.path.isdir(a.output):
+        raise TkboxError(f"cannot write {a.output}: it is a directory")
     done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend,
                  workspace=a.workspace, env=_env_values(a.env))
     for note in done.notes:
