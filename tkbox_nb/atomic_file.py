@@ -56,3 +56,26 @@ def reserve_beside(path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(tmp)
+
+
+def read_capped(path: str | Path, cap: int) -> bytes:
+    """A regular file's bytes, at most `cap` of them: opened without blocking (a FIFO or device never hangs the
+    reader), refused unless it is a regular file, and read to at most cap + 1 bytes. OSError for what cannot be read
+    (its strerror says why), ValueError naming what is wrong with the file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > cap:
+        raise ValueError(f"larger than {cap} bytes")
+    return b"".join(chunks)

@@ -39,6 +39,7 @@ from .run import Crossing, Run, open_run
 
 EXIT_EQUIVALENT, EXIT_DIFFERENT, EXIT_INCOMPARABLE = 0, 1, 3
 LARGE = 400  # a sanitized stdout, stderr or outputs longer than this is shown by digest with a short diff
+MAX_SANITIZER_BYTES = 1 << 20  # a sanitizer file is a few patterns: a larger one (or no regular file) is refused
 DIFF_LINES = 12
 # volatile values, replaced before outputs are compared (nbval-style); a sanitizer file adds (regex, replacement)
 SANITIZERS: list[tuple[str, str]] = [
@@ -375,11 +376,14 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Differ
 
 
 def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None) -> Audit:
+    from .atomic_file import read_capped
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
-            extra = parse_sanitizers(Path(sanitizer_file).read_text())
-        except (OSError, UnicodeDecodeError, TkboxError) as e:
+            extra = parse_sanitizers(read_capped(Path(sanitizer_file), MAX_SANITIZER_BYTES).decode("utf-8"))
+        except OSError as e:
+            raise TkboxError(f"sanitizer file {sanitizer_file}: {e.strerror or e}") from None
+        except (ValueError, TkboxError) as e:  # not a regular file, too large, not UTF-8, a bad pattern
             raise TkboxError(f"sanitizer file {sanitizer_file}: {e}") from None
     ra, rb = open_run(a), open_run(b)
     a, b = ra.path, rb.path

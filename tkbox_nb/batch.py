@@ -126,12 +126,14 @@ def sweep_scratch(root: str | Path | None = None) -> list[Path]:
 
 
 def _read_capped(path: Path, cap: int, what: str) -> bytes:
+    from .atomic_file import read_capped
     try:
-        if path.stat().st_size > cap:
-            raise TkboxError(f"{what} {path} is larger than {cap >> 20} MiB")
-        return path.read_bytes()
+        return read_capped(path, cap)
     except OSError as e:
         raise TkboxError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not a regular file (a FIFO would hang the client), or over the cap
+        raise TkboxError(f"{what} {path}: {e}" if "larger" not in str(e) else
+                         f"{what} {path} is larger than {cap >> 20} MiB") from None
 
 
 def scheduler_address(address: str) -> tuple[str, int]:

@@ -120,7 +120,11 @@ class CentralSigner:
             data = json.loads(self.trust.read_text())
         except (OSError, ValueError) as e:
             raise SignerError(f"cannot read the central signer's trust file {self.trust}: {e}") from None
-        Path(out).write_text(json.dumps(data, indent=1))
+        from .atomic_file import write_atomic
+        try:  # a fresh file renamed over `out`: never written through a symlink planted there, never half-written
+            write_atomic(out, json.dumps(data, indent=1).encode())
+        except OSError as e:
+            raise SignerError(f"cannot write {out}: {e.strerror or e}") from None
         return data
 
     # -- export --------------------------------------------------------------------------------------------------

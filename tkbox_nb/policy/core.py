@@ -69,13 +69,15 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path) -> "Policy":
+        from ..atomic_file import read_capped
         p = Path(path)
         try:
-            raw = p.read_bytes()
+            raw = read_capped(p, MAX_POLICY_BYTES)  # a regular file, at most MAX+1 bytes read (a FIFO never hangs)
         except OSError as e:
             raise PolicyError(f"{p}: cannot read the policy: {e.strerror or e}") from None
-        if len(raw) > MAX_POLICY_BYTES:
-            raise PolicyError(f"{p}: the policy is {len(raw)} bytes, more than {MAX_POLICY_BYTES}")
+        except ValueError as e:
+            raise PolicyError(f"{p}: the policy is {e}" if "larger" in str(e) else
+                              f"{p}: cannot read the policy: {e}") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
