@@ -178,10 +178,11 @@ class Rerun:
     notes: list[str]  # what the rerun could not make the same (a different starting workspace)
 
 
-def _from_bundle(policy, what: str) -> None:
+def _from_bundle(policy, what: str, models_replayed: bool = False) -> None:
     """A policy a bundle's author chose never reads this host's secrets or keys nor sends its signer token: refused
-    (one line, naming the section) unless the user passes the policy themselves (--policy)."""
-    section = policy.host_reads()
+    (one line, naming the section) unless the user passes the policy themselves (--policy). A model key is no read
+    when the rerun serves model calls from the run's recordings (doors/model.py reads keys only live)."""
+    section = policy.host_reads(models_replayed)
     if section is not None:
         raise TkboxError(f"{what} names {section}: a rerun does not read this host's secrets, keys or signer token "
                          "for a policy a bundle chose; pass --policy FILE to rerun under a policy you trust")
@@ -210,12 +211,13 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     from .policy import Policy
     from .tree_digest import tree_digest
     run = open_run(bundle)
+    models_replayed = any(c.door == "model" for c in run.crossings())  # then served from recordings, as below
     if policy is None:
         source = run._b.policies.get((run.box.get("policy") or {}).get("hash", ""))
         if source is None:
             raise TkboxError("the bundle does not disclose the policy its box started with; pass --policy")
         policy = Policy.from_toml(source, f"the policy of run {run.run_id}")
-        _from_bundle(policy, "the bundle's starting policy")
+        _from_bundle(policy, "the bundle's starting policy", models_replayed)
     steps = _steps(run)
     if not any(c.door == "exec" for c in steps):
         raise TkboxError("the run has no cell or command to execute")
@@ -233,7 +235,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         notes.append(f"the original started from workspace {was or 'none'}, this rerun from {now or 'none'}"
                      f"{f' ({workspace})' if workspace is not None else ''}: the audit reports it as different")
     nb = NotebookBox(policy=policy, backend=backend, home=home, workspace=workspace)
-    nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets")
+    nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets", models_replayed)
     nb.replay_of = run.run_id
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
         from .doors.model_replay import recordings_from_run

@@ -141,15 +141,16 @@ class Policy:
         """A [models] setting (its default when the policy has no [models] or does not say)."""
         return models.setting(self, key)
 
-    def host_reads(self) -> str | None:
+    def host_reads(self, models_replayed: bool = False) -> str | None:
         """The first section of this policy that would read the host's secrets or keys, or send a token to a signer
-        (a [secrets.NAME] not prompted for, a [models.PROVIDER] key, [signer]); None when it names none. A policy
-        taken from a bundle must name none: its author chose where they would go."""
+        (a [secrets.NAME] not prompted for, a [models.PROVIDER] key unless model calls are served from recordings,
+        which read no key, [signer]); None when it names none. A policy taken from a bundle must name none: its
+        author chose where they would go."""
         for name, spec in self.data.get("secrets", {}).items():
             if spec.get("source") != "prompt":
                 return f"[secrets.{name}] (source {str(spec.get('source'))[:60]!r})"
         for name, provider in self.data.get("models", {}).get("providers", {}).items():
-            if "key" in provider:
+            if "key" in provider and not models_replayed:
                 return f"[models.{name}] key"
         if self.data.get("signer", {}).get("url"):
             return "[signer]"
