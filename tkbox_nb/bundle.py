@@ -97,7 +97,7 @@ def read_entries(data: bytes) -> dict[str, bytes]:
             raise BundleError(f"entry {name!r} uses compression method {info.compress_type}")
         if info.file_size > MAX_ENTRY:
             raise BundleError(f"entry {name!r} is {info.file_size} bytes, over the {MAX_ENTRY >> 20} MiB limit")
-        if info.file_size > (1 << 20) and info.file_size > MAX_RATIO * max(info.compress_size, 1):
+        if expands_too_much(info.file_size, info.compress_size):
             raise BundleError(f"entry {name!r} expands {info.file_size // max(info.compress_size, 1)}x: a zip bomb")
         declared += info.file_size
         if declared > MAX_TOTAL:
@@ -119,6 +119,12 @@ def read_entries(data: bytes) -> dict[str, bytes]:
         files[info.filename] = body
         total += len(body)
     return files
+
+
+def expands_too_much(size: int, compressed: int) -> bool:
+    """The reader's rule for one entry: over 1 MiB, it may expand at most MAX_RATIO times. The writer holds every entry
+    it deflates to half that (`deflates_safely`), so what it writes is always read back."""
+    return size > (1 << 20) and size > MAX_RATIO * max(compressed, 1)
 
 
 def read_bundle_file(path: str | Path) -> dict[str, bytes]:
@@ -350,12 +356,31 @@ def check_limits(files: dict[str, bytes], run_id: str = "") -> None:
         raise BundleError(f"run {run_id}: the bundle would be {total >> 20} MiB, over the {MAX_TOTAL >> 20} MiB limit")
 
 
+def deflates_safely(body: bytes) -> bool:
+    """Whether `body` deflated (as zipfile deflates it) expands at most MAX_RATIO / 2 times. An honest run can
+    deflate past the reader's bomb rule (2 MiB of one character printed is 966x, 200,000 equal progress lines
+    about 400x): such an entry is stored instead, so every entry, and so the whole bundle, stays within half the
+    ratio the reader allows, and the rule stays as strict as it is."""
+    c = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, -15)
+    return len(body) <= (MAX_RATIO // 2) * max(len(c.compress(body)) + len(c.flush()), 1)
+
+
 def write_zip(out_path: Path, files: dict[str, bytes]) -> None:
-    """Write a zip in the canonical layout Tracekit's verifier reads, atomically; no partial file is ever left."""
+    """Write a zip in the canonical layout Tracekit's verifier reads, atomically; no partial file is ever left.
+    An entry that would deflate past half the reader's bomb ratio is stored (`deflates_safely`), and the sizes
+    written are checked against the reader's rules before the file is kept, so no bundle is written that
+    `read_entries` would refuse as a bomb."""
     def write(f) -> None:
         with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
             for name, body in files.items():
-                z.writestr(name, body)
+                z.writestr(name, body, zipfile.ZIP_DEFLATED if deflates_safely(body) else zipfile.ZIP_STORED)
+            infos = z.infolist()
+        for info in infos:  # deflate is deterministic, so this never fires; if it did, no unreadable file is kept
+            if expands_too_much(info.file_size, info.compress_size):
+                raise BundleError(f"cannot write {out_path}: {info.filename} would deflate past the bomb ratio")
+        written, size = sum(i.file_size for i in infos), f.tell()
+        if written > max(MAX_RATIO * size, SMALL_BUNDLE_EXPANSION):
+            raise BundleError(f"cannot write {out_path}: its entries would expand {written // size}x the file")
     try:
         write_atomic(out_path, write)
     except OSError as e:
