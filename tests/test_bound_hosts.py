@@ -203,3 +203,42 @@ def test_every_variable_the_box_sets_is_refused_as_a_secret_name_but_its_dummy_a
                                                    "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
                                                    "NODE_EXTRA_CA_CERTS", "TKBOX_KERNEL_EARLY"}
     assert {n for n in names if name_error(n) is None} == {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"}
+
+
+START = ["LD_PRELOAD", "LD_LIBRARY_PATH", "ld_audit", "PYTHONSTARTUP", "PYTHONHOME", "PYTHONINSPECT", "PYTHONWARNINGS",
+         "GCONV_PATH", "GLIBC_TUNABLES", "MALLOC_CHECK_", "BASH_ENV", "NODE_OPTIONS", "JAVA_TOOL_OPTIONS", "IPYTHONDIR",
+         "JUPYTER_CONFIG_DIR", "PERL5OPT", "RUBYOPT", "TMPDIR"]
+
+
+@pytest.mark.parametrize("name", START)
+def test_a_loader_or_interpreter_start_variable_is_refused_as_a_secret_name_in_one_line(name):
+    """A binding puts its placeholder in every process of the box: as LD_PRELOAD every process failed to load it (and
+    a host value would be a library path), as PYTHONSTARTUP or PYTHONHOME every Python started from it. Refused by
+    %box_secret and [secrets.NAME] alike, as the names the box sets itself are."""
+    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.notebook_box import HostMagics
+    asked = []
+    why = "steers how every process in the box starts"
+    with pytest.raises(TkboxError, match=rf"^%box_secret: '{name}': {name} {why}") as e:
+        HostMagics(None, asked.append).run("box_secret", f"{name} --host api.example.org --env HOME")
+    assert not asked and "\n" not in str(e.value)
+    with pytest.raises(PolicyError, match=rf"^<string>: secrets\.{name}: {name} {why}") as e:
+        Policy.from_toml(f'[secrets.{name}]\nhosts = ["api.example.org"]\nheader = "Authorization"\nsource = "env:T"\n')
+    assert "\n" not in str(e.value)
+
+
+def test_a_policy_binding_ld_preload_is_one_line_from_tkbox_run_and_nothing_runs(tmp_path):
+    from conftest import run_cli
+    policy = tmp_path / "p.toml"
+    policy.write_text('[secrets.LD_PRELOAD]\nhosts = ["api.example.org"]\nheader = "Authorization"\nsource = "env:T"\n')
+    r = run_cli("run", "--backend", "bwrap", "--policy", str(policy), "-o", str(tmp_path / "r.tkb"), "--",
+                "touch", str(tmp_path / "ran"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr)
+    assert "secrets.LD_PRELOAD: LD_PRELOAD steers how every process in the box starts" in r.stderr
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "r.tkb").exists()
+
+
+def test_names_that_only_look_like_start_variables_are_still_secret_names():
+    from tkbox_nb.policy.secrets import name_error
+    assert [n for n in ("OPENAI_API_KEY", "GH_TOKEN", "LDAP_PASSWORD", "PY_TOKEN", "ENVIRONMENT", "NODE_TOKEN",
+                        "MY_LD_PRELOAD", "API") if name_error(n)] == []

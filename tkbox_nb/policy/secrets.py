@@ -18,13 +18,29 @@ BOX_ENV = frozenset({"PATH", "HOME", "LANG", "USER", "PYTHONPATH", "PYTHONDONTWR
                      "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
                      "PIP_CERT", "NODE_EXTRA_CA_CERTS", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"})
 
+# what steers how every process in the box starts: a binding sets its name to a placeholder in each of them, so one of
+# these would make the loader, the C library or an interpreter load, run or read what the placeholder names (or fail
+# to start). The dynamic loader's LD_*, glibc's own list of variables it strips for setuid programs
+# (sysdeps/generic/unsecvars.h: GCONV_PATH loads iconv modules, GLIBC_TUNABLES, ...) and its MALLOC_*, and the
+# start-up variables of the interpreters in the box: Python's PYTHON* (PYTHONSTARTUP, PYTHONHOME, PYTHONINSPECT, ...),
+# IPython's and Jupyter's (the box's kernel), the shells', Perl's, Ruby's, Node's and the JVM's.
+START_ENV_PREFIXES = ("LD_", "MALLOC_", "PYTHON", "JUPYTER_", "PERL5", "BASH_FUNC_")
+START_ENV = frozenset({"GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+                       "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR", "IPYTHONDIR",
+                       "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "PERLLIB", "PERLIO", "RUBYOPT",
+                       "RUBYLIB", "NODE_OPTIONS", "NODE_PATH", "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS",
+                       "JDK_JAVA_OPTIONS", "CLASSPATH"})
+
 
 def name_error(secret: str) -> str | None:
     """Why `secret` cannot name a binding (the box sees it as an environment variable), or None."""
     if not re.fullmatch(SECRET_NAME, secret):
         return "the name must be an environment variable name"
-    if secret.upper() in BOX_ENV or secret.upper().startswith("TKBOX_"):
+    name = secret.upper()
+    if name in BOX_ENV or name.startswith("TKBOX_"):
         return f"{secret} is set by the box itself"
+    if name in START_ENV or name.startswith(START_ENV_PREFIXES):
+        return f"{secret} steers how every process in the box starts (the loader, the C library or an interpreter)"
     return None
 
 
