@@ -171,6 +171,15 @@ def _field(value: str, large: bool = False) -> tuple[str, str]:
     return value, f"sha256:{hashlib.sha256(value.encode('utf-8', 'replace')).hexdigest()[:16]} ({len(value)} chars)"
 
 
+def _workspace(digest: Any) -> tuple[str, str]:
+    """The starting workspace's digest, compared whole; one of version 1 (before tree2) is named as such, since it
+    never equals a version-2 digest of the same tree."""
+    if not digest:
+        return _field("none (the box started with an empty workspace)")
+    from .tree_digest import digest_version
+    return str(digest), f"{digest} (tree digest version 1)" if digest_version(digest) == 1 else str(digest)
+
+
 def _text(run: Run, digest: Any) -> str:
     return (run.content(digest) or b"").decode("utf-8", "replace") if isinstance(digest, str) else ""
 
@@ -245,8 +254,7 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     seq0 = start.seq if start else None
     out["box"] = [Item(seq0, "box", {
         "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
-        "workspace": _field(str(((start.args if start else None) or {}).get("workspace_digest")
-                                or "none (the box started with an empty workspace)"))})]
+        "workspace": _workspace(((start.args if start else None) or {}).get("workspace_digest"))})]
     late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}

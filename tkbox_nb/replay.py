@@ -209,7 +209,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     from .errors import DoorRefused
     from .notebook_box import HostMagics, NotebookBox, split_host_magics
     from .policy import Policy
-    from .tree_digest import tree_digest
+    from .tree_digest import digest_version, tree_digest
     run = open_run(bundle)
     models_replayed = any(c.door == "model" for c in run.crossings())  # then served from recordings, as below
     if policy is None:
@@ -230,10 +230,15 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     if workspace is not None and not Path(workspace).is_dir():
         raise TkboxError(f"workspace {workspace} is not a directory")
     notes = []
-    was, now = run.box.get("workspace_digest"), tree_digest(workspace) if workspace is not None else None
+    was = run.box.get("workspace_digest")  # compared in the version the original stated (tree_digest.py)
+    now = tree_digest(workspace, digest_version(was) or 2) if workspace is not None else None
     if was != now:
         notes.append(f"the original started from workspace {was or 'none'}, this rerun from {now or 'none'}"
                      f"{f' ({workspace})' if workspace is not None else ''}: the audit reports it as different")
+    elif digest_version(was) == 1:
+        notes.append("the original stated its workspace as a version-1 tree digest, which this rerun's workspace has "
+                     "too; the rerun states version 2 (docs/bundle-format.md), so the audit reports the workspace as "
+                     "different")
     nb = NotebookBox(policy=policy, backend=backend, home=home, workspace=workspace)
     nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets", models_replayed)
     nb.replay_of = run.run_id

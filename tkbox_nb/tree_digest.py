@@ -1,23 +1,41 @@
 """The digest of a workspace tree: what a box started from, so a rerun can tell whether it starts from the same.
 
-One SHA-256 over every entry under the root in sorted order: its relative path, its type, whether it is executable,
-and a file's content digest or a symlink's target (never followed). Times, owners and other mode bits are left out:
-they do not change what a command in the box reads.
+One SHA-256 over every entry under the root in the order of their relative paths' bytes (never the order a walk
+met them): its relative path, its type, whether it is executable, and a file's content digest or a symlink's target
+(never followed). Times, owners and other mode bits are left out: they do not change what a command in the box reads.
+
+Version 2 (`tree2:sha256:HEX`, what boxes state) frames every field with its length, so no two trees share the
+bytes hashed. Version 1 (`sha256:HEX`, bundles before it) ended each entry with a newline, which a file name or a
+symlink's target may hold, so two different trees could share a digest: it is kept only to compare a workspace with
+a run that stated one (`tree_digest(root, 1)`). docs/bundle-format.md ("The workspace digest") specifies both, for
+dataset mounts and third-party verifiers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 from pathlib import Path
 
 from .errors import TkboxError
 
+V2_PREFIX = "tree2:sha256:"
 
-def tree_digest(root: str | Path) -> str:
+
+def digest_version(digest: object) -> int | None:
+    """2 for `tree2:sha256:HEX`, 1 for the older `sha256:HEX`, None for anything else."""
+    for version, prefix in ((2, V2_PREFIX), (1, "sha256:")):
+        if isinstance(digest, str) and digest.startswith(prefix):
+            return version if re.fullmatch(r"[0-9a-f]{64}", digest[len(prefix):]) else None
+    return None
+
+
+def tree_digest(root: str | Path, version: int = 2) -> str:
+    """The tree under `root` in `version` 2 (the default) or 1 (to compare with a run that stated one)."""
     root = Path(root)
-    h = hashlib.sha256(b"tkbox-tree-1\0")
+    h = hashlib.sha256(b"tkbox-tree-2\0" if version == 2 else b"tkbox-tree-1\0")
     try:
         entries = []
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=_raise):
@@ -36,10 +54,16 @@ def tree_digest(root: str | Path) -> str:
             else:  # a pipe, socket or device cannot be copied into a box: said before the box starts, in one line
                 raise TkboxError(f"the workspace {root} holds {rel.decode('utf-8', 'replace')[:200]}, which is not a "
                                  "file, directory or symbolic link")
-            h.update(rel + b"\0" + kind + b"\0" + body + b"\n")
+            h.update(entry_v2(rel, kind, body) if version == 2 else rel + b"\0" + kind + b"\0" + body + b"\n")
     except OSError as e:
         raise TkboxError(f"cannot read the workspace {root}: {e.strerror or e} ({e.filename})") from None
-    return "sha256:" + h.hexdigest()
+    return (V2_PREFIX if version == 2 else "sha256:") + h.hexdigest()
+
+
+def entry_v2(rel: bytes, kind: bytes, body: bytes) -> bytes:
+    """One entry of version 2: each field (path, kind, then the hex content digest, the target or nothing) as its
+    length in 8 bytes big-endian and its bytes."""
+    return b"".join(len(part).to_bytes(8, "big") + part for part in (rel, kind, body))
 
 
 def _raise(e: OSError) -> None:

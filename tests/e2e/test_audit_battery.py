@@ -82,7 +82,7 @@ def test_the_original_holds_commands_and_a_cell_with_what_they_did(runs):
     assert [c.args.get("env_names") for c in cmds] == [["CODE", "ERR", "NOTE", "OUT"], ["PATCH"]]
     assert "hello" not in json.dumps([c.args for c in cmds])  # names, never values
     assert cmds[1].args["cwd"] == "/workspace" and cmds[1].args["timeout_s"] == 60 and cmds[1].args["stdin"]
-    assert run.box["workspace_digest"].startswith("sha256:") and verify_bundle(runs["original"]).valid
+    assert run.box["workspace_digest"].startswith("tree2:sha256:") and verify_bundle(runs["original"]).valid
     assert [c.door for c in run.crossings() if c.door in ("exec", "patch")] == ["exec", "exec", "exec", "patch",
                                                                               "patch", "patch"]
 
@@ -219,7 +219,7 @@ def test_an_honest_rerun_of_the_original_is_equivalent_and_a_changed_workspace_i
     (other / "data.txt").write_text("another starting workspace\n")
     r = run_cli("rerun", str(runs["original"]), "-o", str(tmp_path / "moved.tkb"), "--workspace", str(other), *args,
                 env=env)
-    assert r.returncode == 0 and "the original started from workspace sha256:" in r.stderr, r.stderr
+    assert r.returncode == 0 and "the original started from workspace tree2:sha256:" in r.stderr, r.stderr
     assert [d.kind for d in audit(runs["original"], tmp_path / "moved.tkb").differences] == ["workspace"]
 
 
