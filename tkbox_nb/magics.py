@@ -24,6 +24,7 @@ from typing import Any
 
 from .box_outputs import box_display_id
 from .errors import TkboxError
+from .magics_cell import BoxCell, pull_refusal
 from .notebook_box import HOST_MAGICS, HostMagics, NotebookBox
 
 MAX_PULL_BYTES = 16 << 20
@@ -144,13 +145,24 @@ class BoxMagicsExtension:
             raise BoxCellError("BoxError", f"the cell ended with status {result.status}", [])
 
     def _execute(self, code: str, on_output):
+        """Run `code` in the box: Box.execute in a thread of its own, its outputs shown from this one (the cell's,
+        under its own parent) as they come. An interrupt of this cell interrupts the box's cell and shows nothing
+        more of it; the thread keeps watching it, so `[exec] timeout_s` ends it even if no later cell comes."""
         box = self.nb.ensure_box()
+        box.kernel()  # started from this thread, as before: only the cell's wait moves to the thread
+        cell = BoxCell(box, code, on_output is not None)
         try:
-            return box.execute(code, on_output=(lambda out: on_output(box.box_id, out)) if on_output else None)
-        except TkboxError:
-            if not self.nb.live:  # the box ended: say so, the next %%box starts a new one
-                self.nb.stop("the box ended")
+            kind, value = cell.wait(lambda out: on_output(box.box_id, out))
+        except KeyboardInterrupt:
+            cell.interrupt()
+            print("[tkbox] interrupted: the box's cell was interrupted too; what it still sends is signed in the "
+                  "run, not shown here", file=sys.stderr)
             raise
+        if kind == "error":
+            if isinstance(value, TkboxError) and not self.nb.live:  # the box ended: the next %%box starts a new one
+                self.nb.stop("the box ended")
+            raise value
+        return value
 
     # -- moving plain data -------------------------------------------------------------------------------------
     def box_push(self, line: str):
@@ -174,6 +186,10 @@ class BoxMagicsExtension:
         names = line.split()
         if not names or not all(n.isidentifier() for n in names):
             raise TkboxError("%box_pull: name the variables to pull")
+        for name in names:
+            why = pull_refusal(name, self.shell.user_ns_hidden)
+            if why:
+                raise TkboxError(f"%box_pull: {name} {why}; not replaced")
         code = ("import json as _j, IPython.display as _d\n"
                 f"_d.display({{'application/json': {{{_PULL_MARK!r}: {{n: globals()[n] for n in {names!r}}}}}}}, "
                 "raw=True)")
