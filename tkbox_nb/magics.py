@@ -42,6 +42,17 @@ class BoxCellError(Exception):
         return self.box_traceback
 
 
+class BoxInterrupted(KeyboardInterrupt):
+    """A %%box cell (or a move) interrupted on the host: the box's cell was sent an interrupt too, and nothing more of
+    it is shown (magics_cell.BoxCell). Shown as one line, not the host's frames."""
+
+    LINE = ("KeyboardInterrupt: the box's cell was interrupted too; what it still sends is signed in the run, "
+            "not shown here")
+
+    def _render_traceback_(self) -> list[str]:
+        return [self.LINE]
+
+
 class MagicError(Exception):
     """A host-side magic that failed (bad input, a refusal, a file it cannot write): the cell fails, shown as one
     line, never the host's traceback."""
@@ -155,9 +166,7 @@ class BoxMagicsExtension:
             kind, value = cell.wait(lambda out: on_output(box.box_id, out))
         except KeyboardInterrupt:
             cell.interrupt()
-            print("[tkbox] interrupted: the box's cell was interrupted too; what it still sends is signed in the "
-                  "run, not shown here", file=sys.stderr)
-            raise
+            raise BoxInterrupted() from None
         if kind == "error":
             if isinstance(value, TkboxError) and not self.nb.live:  # the box ended: the next %%box starts a new one
                 self.nb.stop("the box ended")

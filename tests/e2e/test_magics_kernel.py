@@ -10,7 +10,10 @@ import time
 import pytest
 from jupyter_client.manager import KernelManager
 
+from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.magics import BoxInterrupted
+from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -90,14 +93,15 @@ t.join()
 """
 
 
-def test_an_interrupted_box_cell_shows_nothing_more_in_host_cells(py3):
+def test_an_interrupted_box_cell_shows_nothing_more_in_host_cells(py3, tmp_path):
     """Ctrl-C on a %%box cell whose thread prints and clears: the box's cell is interrupted too, and none of its
     output (its clear_output included) lands in the host cells that follow; `result = 42` stays."""
     cell = py3.send(PRINTS_AND_CLEARS)
     py3.read(lambda parent, t, c: parent == cell and t == "stream" and "BOXOUT" in c["text"], 90)
     py3.km.interrupt_kernel()
     reply = py3.wait(cell, 30)
-    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    assert reply["status"] == "error" and reply["ename"] == "BoxInterrupted", reply
+    assert [c["traceback"] for t, c in py3.shown(cell) if t == "error"] == [[BoxInterrupted.LINE]]
     after = len(py3.seen)
     host = py3.send("result = 42\nprint('result =', result)")
     assert py3.wait(host)["status"] == "ok"
@@ -112,6 +116,17 @@ def test_an_interrupted_box_cell_shows_nothing_more_in_host_cells(py3):
     nxt = py3.send("%%box\nprint('next box cell')")
     assert py3.wait(nxt, 60)["status"] == "ok"
     assert "next box cell" in "".join(c["text"] for t, c in py3.shown(nxt) if t == "stream")
+    # what the box sent for the interrupted cell is in the run, under that cell: with it, then as its late output
+    assert py3.run("%unload_ext tkbox_nb")["status"] == "ok"
+    [bundle] = sorted((tmp_path / "bundles").glob("*.tkb"))
+    assert verify_bundle(bundle).valid
+    run = open_run(bundle)
+    cells = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "cell"]
+    late = [x for x in run.crossings() if x.door == "exec" and x.args.get("kind") == "late_output"]
+    assert b"BOXOUT" in run.content(cells[0].result["outputs"])
+    assert late and all(x.args["cell_seq"] in (cells[0].seq, cells[1].seq) for x in late)
+    assert any(b"BOXOUT" in run.content(x.args["outputs"]) for x in late
+               if x.args["cell_seq"] == cells[0].seq and "outputs" in x.args)
 
 
 IGNORES_INTERRUPTS = """\
@@ -134,7 +149,7 @@ def test_a_box_cell_past_timeout_s_is_ended_without_a_later_box_cell(py3):
     py3.read(lambda parent, t, c: parent == cell and t == "stream" and "BOXSTUCK" in c["text"], 90)
     started = time.monotonic()
     py3.km.interrupt_kernel()
-    assert py3.wait(cell, 30)["ename"] == "KeyboardInterrupt"
+    assert py3.wait(cell, 30)["ename"] == "BoxInterrupted"
     time.sleep(max(0.0, started + 8 - time.monotonic()))  # no cell meanwhile
     probe = py3.send(ENDED)
     assert py3.wait(probe)["status"] == "ok"
