@@ -160,18 +160,21 @@ class BoxMagicsExtension:
         under its own parent) as they come. An interrupt of this cell interrupts the box's cell and shows nothing
         more of it; the thread keeps watching it, so `[exec] timeout_s` ends it even if no later cell comes."""
         box = self.nb.ensure_box()
-        box.kernel()  # started from this thread, as before: only the cell's wait moves to the thread
-        cell = BoxCell(box, code, on_output is not None)
         try:
-            kind, value = cell.wait(lambda out: on_output(box.box_id, out))
-        except KeyboardInterrupt:
-            cell.interrupt()
-            raise BoxInterrupted() from None
-        if kind == "error":
-            if isinstance(value, TkboxError) and not self.nb.live:  # the box ended: the next %%box starts a new one
+            box.kernel()  # started (and waited for) from this thread, as before: only the cell moves to the thread
+            cell = BoxCell(box, code, on_output is not None)
+            try:
+                kind, value = cell.wait(lambda out: on_output(box.box_id, out))
+            except KeyboardInterrupt:
+                cell.interrupt()
+                raise BoxInterrupted() from None
+            if kind == "error":
+                raise value
+            return value
+        except TkboxError:
+            if not self.nb.live:  # the box ended: say so, the next %%box starts a new one
                 self.nb.stop("the box ended")
-            raise value
-        return value
+            raise
 
     # -- moving plain data -------------------------------------------------------------------------------------
     def box_push(self, line: str):
