@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, list[str]]] = [
              "tkbox_nb.box_outputs",
              "tkbox_nb.notebook_box"]),
     ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
-    ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.widgets"]),
+    ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.magics_cell",
+                                 "tkbox_nb.widgets"]),
     ("CLI and the package", ["tkbox_nb.cli", "tkbox_nb.cli_box", "tkbox_nb.cli_patch", "tkbox_nb.cli_replay",
                              "tkbox_nb.demo", "tkbox_nb"]),
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 from .box_outputs import box_display_id
 from .errors import TkboxError
+from .magics_cell import BoxCell, pull_refusal
 from .notebook_box import HOST_MAGICS, HostMagics, NotebookBox
 
 MAX_PULL_BYTES = 16 << 20
@@ -39,6 +40,17 @@ class BoxCellError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return self.box_traceback
+
+
+class BoxInterrupted(KeyboardInterrupt):
+    """A %%box cell (or a move) interrupted on the host: the box's cell was sent an interrupt too, and nothing more of
+    it is shown (magics_cell.BoxCell). Shown as one line, not the host's frames."""
+
+    LINE = ("KeyboardInterrupt: the box's cell was interrupted too; what it still sends is signed in the run, "
+            "not shown here")
+
+    def _render_traceback_(self) -> list[str]:
+        return [self.LINE]
 
 
 class MagicError(Exception):
@@ -144,9 +156,21 @@ class BoxMagicsExtension:
             raise BoxCellError("BoxError", f"the cell ended with status {result.status}", [])
 
     def _execute(self, code: str, on_output):
+        """Run `code` in the box: Box.execute in a thread of its own, its outputs shown from this one (the cell's,
+        under its own parent) as they come. An interrupt of this cell interrupts the box's cell and shows nothing
+        more of it; the thread keeps watching it, so `[exec] timeout_s` ends it even if no later cell comes."""
         box = self.nb.ensure_box()
         try:
-            return box.execute(code, on_output=(lambda out: on_output(box.box_id, out)) if on_output else None)
+            box.kernel()  # started (and waited for) from this thread, as before: only the cell moves to the thread
+            cell = BoxCell(box, code, on_output is not None)
+            try:
+                kind, value = cell.wait(lambda out: on_output(box.box_id, out))
+            except KeyboardInterrupt:
+                cell.interrupt()
+                raise BoxInterrupted() from None
+            if kind == "error":
+                raise value
+            return value
         except TkboxError:
             if not self.nb.live:  # the box ended: say so, the next %%box starts a new one
                 self.nb.stop("the box ended")
@@ -174,6 +198,10 @@ class BoxMagicsExtension:
         names = line.split()
         if not names or not all(n.isidentifier() for n in names):
             raise TkboxError("%box_pull: name the variables to pull")
+        for name in names:
+            why = pull_refusal(name, self.shell.user_ns_hidden)
+            if why:
+                raise TkboxError(f"%box_pull: {name} {why}; not replaced")
         code = ("import json as _j, IPython.display as _d\n"
                 f"_d.display({{'application/json': {{{_PULL_MARK!r}: {{n: globals()[n] for n in {names!r}}}}}}}, "
                 "raw=True)")
