@@ -188,6 +188,27 @@ def _from_bundle(policy, what: str, models_replayed: bool = False) -> None:
                          "for a policy a bundle chose; pass --policy FILE to rerun under a policy you trust")
 
 
+def _rerun_magics(nb, run: Run):
+    """Host magics as a rerun makes them again. No prompt is answered. `%box_policy PATH` never reads PATH (a host
+    file the bundle names, maybe a FIFO or a key): it sets the policy the bundle discloses for that event, the one its
+    host record was decided under (`disclosed`, set per event), or is refused in one line when there is none."""
+    from .notebook_box import HostMagics
+    from .policy import Policy
+
+    class RerunMagics(HostMagics):
+        disclosed: str | None = None
+
+        def _box_policy(self, line: str, body: str | None) -> str:
+            if body is not None or not line:
+                return super()._box_policy(line, body)
+            if self.disclosed is None:
+                raise TkboxError("the run's %box_policy names a host file and the bundle does not disclose the "
+                                 "policy it set: a rerun reads no host file a bundle names; pass --policy")
+            return self.nb.set_policy(Policy.from_toml(self.disclosed, "the policy the run's %box_policy set"))
+
+    return RerunMagics(nb, lambda prompt: (_ for _ in ()).throw(TkboxError("a rerun cannot answer a prompt")))
+
+
 def _steps(run: Run) -> list:
     """The crossings a rerun makes again, in order: host magics, cells and commands (refused ones too: under the
     same policy they are refused again, and the audit compares the decisions)."""
@@ -207,7 +228,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     of the environment variables its commands set (a bundle holds their names only)."""
     from .box import BoxEnded
     from .errors import DoorRefused
-    from .notebook_box import HostMagics, NotebookBox, split_host_magics
+    from .notebook_box import NotebookBox, split_host_magics
     from .policy import Policy
     from .tree_digest import tree_digest
     run = open_run(bundle)
@@ -240,10 +261,11 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
         from .doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
-    magics = HostMagics(nb, lambda prompt: (_ for _ in ()).throw(TkboxError("a rerun cannot answer a prompt")))
+    magics = _rerun_magics(nb, run)
     for c in steps:
         a = c.args or {}
         if c.door == "host":
+            magics.disclosed = run._b.policies.get(a.get("policy")) if isinstance(a.get("policy"), str) else None
             for name, line, body in split_host_magics(_host_source(run, c))[0]:
                 if name not in RERUN_SKIPS:
                     try:

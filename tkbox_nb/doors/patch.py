@@ -80,9 +80,13 @@ class Patch:
                 f"<th></th></tr>{rows}</table>")
 
 
+RERUN_KEEPS = "a rerun applies nothing to a folder: review its patch, then `tkbox apply BUNDLE`"
+
+
 class PatchDoor:
-    def __init__(self, box: "DoorContext"):
+    def __init__(self, box: "DoorContext", rerun: bool = False):
         self.box = box
+        self.rerun = rerun  # a rerun's box: it writes its bundle and nothing else, whatever the policy says (I57)
         self.sent: dict[str, tuple[str, str | None]] = {}   # path -> (op, digest) last decided: decided again only
                                                              # when it changes
         self.accepted: dict[str, DiffFile] = {}              # the cumulative allowed patch, for the diff
@@ -128,6 +132,8 @@ class PatchDoor:
         box = self.box
         policy = box.recorder.policy
         mode = apply or policy.get("patch", "apply")
+        if self.rerun and mode == "auto":  # a bundle's policy or its replayed `%box_patch auto` asks: held at review
+            mode = "review"
         keep = policy.get("patch", "max_file_bytes")
         reader = PatchReader(keep, 2 * policy.get("patch", "max_total_bytes") + keep + (64 << 20))
         entries: list[Entry] = []
@@ -267,7 +273,8 @@ class PatchDoor:
     def _apply(self, pending: list[tuple], mode: str, stager: "_StageBehind | None") -> None:
         """Make the staged files visible in auto mode; say why not otherwise."""
         outcomes = {}
-        why = {"never": "apply = never (bundle only)", "review": "apply = review: `tkbox apply BUNDLE`"}.get(mode)
+        why = {"never": "apply = never (bundle only)", "review": RERUN_KEEPS if self.rerun else
+               "apply = review: `tkbox apply BUNDLE`"}.get(mode)
         if mode == "auto" and self.box.workspace is None:
             why = "no host workspace"
         elif stager is not None and stager.changes:
