@@ -46,7 +46,9 @@ def problems(root: Path = ROOT) -> list[str]:
 
 def test_every_invariant_names_a_test_and_every_named_test_exists():
     ids = [i for i, _ in invariants()]
-    assert len(ids) >= 50 and ids == [f"I{n}" for n in range(1, len(ids) + 1)]
+    # in order, each once; ids are handed out ahead of time to work done side by side, so a branch may skip some
+    numbers = [int(i[1:]) for i in ids if re.fullmatch(r"I[1-9]\d*", i)]
+    assert len(ids) >= 50 and len(numbers) == len(ids) and numbers == sorted(set(numbers)) and numbers[0] == 1
     assert problems() == []
 
 
