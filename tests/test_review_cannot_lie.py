@@ -113,3 +113,13 @@ def test_show_prints_a_bundle_s_text_escaped(signer, tmp_path):
         assert r.returncode == 0, r.stderr
         assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u202e]", r.stdout), (fmt, r.stdout)
         assert "\\x1b[1Ay" in r.stdout and "\\x0aapplied" in r.stdout, (fmt, r.stdout)
+
+
+def test_a_patch_summary_shows_the_box_s_names_escaped():
+    """What `%box_patch` prints in the notebook (and `Box.patch()` returns): a refused name draws no row there."""
+    from tkbox_nb.doors.patch import FileDecision, Patch
+    patch = Patch([FileDecision(FORGED[0], "add", "deny", "patch.path", "a control character in the path"),
+                   FileDecision(FORGED[1], "add", "deny", "patch.path", "a control character in the path")])
+    lines = patch.summary().splitlines()
+    assert len(lines) == 3 and not any(line.lstrip().startswith("applied") for line in lines)
+    assert "x\\x0aapplied" in lines[1] and "\\x1b[1Ay" in lines[2]

@@ -21,6 +21,7 @@ from .. import protocol as p
 from ..errors import TkboxError
 from ..patch_diff import DiffFile, render
 from ..recorder import sha256_digest
+from ..visible import visible
 from ..workspace_writer import ApplyError, FileChange, Staging, current_digest
 from . import patch_rules as rules
 from .patch_reader import Entry, PatchReader
@@ -64,7 +65,7 @@ class Patch:
         for f in self.files:
             state = ("applied" if f.applied else f"not applied: {f.apply_reason}") if f.decision == "allow" else \
                 f"refused by {f.rule}: {f.reason}"
-            lines.append(f"  {f.op:<7} {f.path}  {state}")
+            lines.append(f"  {visible(f.op):<7} {visible(f.path)}  {visible(state)}")  # the box named them: no row
         return "\n".join(lines)
 
     def __repr__(self) -> str:
