@@ -220,7 +220,7 @@ def _from_bundle(policy, what: str, models_replayed: bool = False) -> None:
                          "for a policy a bundle chose; pass --policy FILE to rerun under a policy you trust")
 
 
-def _rerun_magics(nb, run: Run):
+def _rerun_magics(nb):
     """Host magics as a rerun makes them again. No prompt is answered. `%box_policy PATH` never reads PATH (a host
     file the bundle names, maybe a FIFO or a key): it sets the policy the bundle discloses for that event, the one its
     host record was decided under (`disclosed`, set per event), or is refused in one line when there is none."""
@@ -293,7 +293,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
         from .doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
-    magics = _rerun_magics(nb, run)
+    magics = _rerun_magics(nb)
     for c in steps:
         a = c.args or {}
         if c.door == "host":
