@@ -25,7 +25,7 @@ PACKAGE = REPO / "tkbox_nb"
 LAYERS: list[tuple[str, list[str]]] = [
     ("guest", ["tkbox_nb.guest"]),
     ("door stream", ["tkbox_nb._version", "tkbox_nb.atomic_file", "tkbox_nb.errors", "tkbox_nb.protocol",
-                     "tkbox_nb.connection", "tkbox_nb.testnet"]),
+                     "tkbox_nb.connection", "tkbox_nb.testnet", "tkbox_nb.visible"]),
     ("policy and door rules", [
         "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",
         "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader", "tkbox_nb.doors.proxy_request",

@@ -133,3 +133,28 @@ def test_a_box_policy_the_rerun_makes_again_is_held_to_the_same_rule(tmp_path, m
         magics.run("box_policy", "", body)
     assert VALUE not in str(e.value) and nb.policy.host_reads() is None
     nb.stop()
+
+
+def test_a_replayed_box_policy_path_the_bundle_does_not_disclose_is_one_line_and_opens_nothing(tmp_path):
+    """`%box_policy PATH` made again by a rerun: PATH (here a FIFO, which an open for reading would block on) is
+    never opened; with no policy disclosed for the event, the rerun stops in one line."""
+    from tkbox_nb.replay import _rerun_magics
+    fifo = tmp_path / "policy.fifo"
+    os.mkfifo(fifo)
+    nb = NotebookBox(home=tmp_path / "home")
+    magics = _rerun_magics(nb)
+    got: list = []
+
+    def go():
+        try:
+            magics.run("box_policy", str(fifo))
+        except BaseException as e:  # noqa: BLE001 - the test reports whatever it was
+            got.append(e)
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(20)
+    assert got and isinstance(got[0], TkboxError), got
+    assert "\n" not in str(got[0]) and "reads no host file" in str(got[0]) and nb.policy.hash == Policy.default().hash
+    magics.disclosed = "[exec]\ncells = false\n"
+    magics.run("box_policy", str(fifo))
+    assert nb.policy.source == magics.disclosed and nb.box is None

@@ -77,8 +77,9 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
     against it. Returns (a BatchResult as a dict, the new bundle's bytes or None). Never raises for a bad bundle."""
     from .policy import Policy
     from .audit import audit
+    from .errors import BundleError
     from .replay import rerun
-    from .verify import verify_bundle
+    from .run import open_run
     started = time.monotonic()
     result = BatchResult(name, "failed", worker=f"{socket.gethostname()}:{os.getpid()}")
     new = None
@@ -91,13 +92,17 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
         if trust is not None:
             trust_path = scratch / "trust.json"
             trust_path.write_bytes(trust)
+        try:  # read once: what is verified, rerun and audited are these very bytes (I7)
+            run = open_run(original)
+        except BundleError as e:
+            raise TkboxError(f"does not verify (UNREADABLE: {e})") from None
         if verify:
-            report = verify_bundle(original, trust_path)
+            report = run.verify(trust_path)
             if not report.valid:
                 raise TkboxError(f"does not verify ({report.summary()})")
         pol = Policy.from_toml(policy[0], policy[1]) if policy else None
-        out = rerun(original, scratch / "rerun.tkb", policy=pol, backend=backend).path
-        report = audit(original, out)
+        out = rerun(run, scratch / "rerun.tkb", policy=pol, backend=backend).path
+        report = audit(run, out)
         result.differences = len(report.differences)
         result.details = [{"what": d.what, "a": _clip(d.a), "b": _clip(d.b)}
                           for d in report.differences[:MAX_DIFFERENCES]]

@@ -173,7 +173,7 @@ class Box:
                     raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
                 self.recorder.complete(c, "ok", {})
             self.egress = EgressDoor(self)
-            self.patch_door = PatchDoor(self)
+            self.patch_door = PatchDoor(self, rerun=self.replay_of is not None)
             if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
                 from .doors.model import ModelDoor
                 self.model = ModelDoor(self, self.model_replay)

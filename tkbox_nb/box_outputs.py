@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import html as _html
 import re
-import unicodedata
 from typing import Any
 
 import nh3
+
+from .visible import visible
 
 INERT = frozenset({"text/plain", "text/latex", "image/png", "image/jpeg", "image/gif", "image/webp", "image/bmp",
                    "application/json", "application/vnd.jupyter.widget-view+json"})
@@ -286,13 +287,4 @@ def box_prompt(prompt: str) -> str:
     box can pass for the host's own (%box_secret's password prompt); every other control character (C0, C1: a
     backspace or an ANSI escape would hide the mark in a terminal) and format character (bidi overrides, zero-width
     ones) is shown as its escape, `\\x08`, `\\u202e`."""
-    return "\n".join(BOX_PROMPT + "".join(map(_visible, line)) for line in _LINE_BREAKS.split(prompt))
-
-
-def _visible(c: str) -> str:
-    n = ord(c)
-    if n < 0x20 or 0x7f <= n <= 0x9f:
-        return f"\\x{n:02x}"
-    if unicodedata.category(c) == "Cf":
-        return f"\\u{n:04x}" if n <= 0xffff else f"\\U{n:08x}"
-    return c
+    return "\n".join(BOX_PROMPT + visible(line) for line in _LINE_BREAKS.split(prompt))

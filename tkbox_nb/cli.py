@@ -1,4 +1,6 @@
-"""The `tkbox` command. Every error a user can cause is one line on stderr and a non-zero exit, never a traceback."""
+"""The `tkbox` command. Every error a user can cause is one line on stderr and a non-zero exit, never a traceback.
+What it prints of a bundle (paths, summaries, reasons, error text) shows control and format characters escaped
+(visible.py): a name holding a newline or an ANSI escape draws no forged row."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import sys
 
 from .errors import SignerError, TkboxError
+from .visible import visible, visible_lines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,7 +23,7 @@ def _cmd_verify(a) -> int:
     if a.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
-        print(report.summary())
+        print(visible_lines(report.summary()))
         if report.trust_source != "given":
             print(f"(trust: {report.trust_source}, {report.trust_path})", file=sys.stderr)
     return report.exit_code
@@ -32,14 +35,17 @@ def _cmd_show(a) -> int:
     df = run.to_dataframe()
     if a.door:
         df = df[df["door"] == a.door]
+    if a.format != "json":  # JSON escapes them itself; a table or CSV row shows every control character escaped
+        for col in ("tool", "kind", "rule_ids", "box_rule", "status", "summary", "content"):
+            df[col] = df[col].map(visible, na_action="ignore").astype("string")
     if a.format == "csv":
         sys.stdout.write(df.to_csv(index=False))
     elif a.format == "json":
         sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
     else:
         import pandas as pd
-        print(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
-              f"({run.box.get('isolation', '?')})  {len(df)} crossing(s)")
+        print(visible(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
+                      f"({run.box.get('isolation', '?')})") + f"  {len(df)} crossing(s)")
         with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):
             print(df.drop(columns=["content"]).to_string(index=False))
     return 0
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return a.fn(a)
     except TkboxError as e:
-        print(f"tkbox {a.command}: {e}", file=sys.stderr)
+        print(f"tkbox {a.command}: {visible_lines(e)}", file=sys.stderr)  # a bundle's text draws no line
         return e.exit_code
     except KeyboardInterrupt:
         print(f"tkbox {a.command}: interrupted", file=sys.stderr)
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # a bug of ours: still one line, never a traceback for the user
-        print(f"tkbox {a.command}: internal error ({type(e).__name__}): {str(e)[:300]}", file=sys.stderr)
+        print(f"tkbox {a.command}: internal error ({type(e).__name__}): {visible(str(e)[:300])}", file=sys.stderr)
         return 2
 
 

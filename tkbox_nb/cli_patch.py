@@ -1,6 +1,8 @@
 """`tkbox apply BUNDLE`: the review step of the patch door. Lists each file of a verified bundle's patch with its
 signed decision, and writes the allowed ones into a workspace (tkbox_nb/workspace_writer.py): only files the run
-allowed, only where the host file is still what the box started from, never through a symlink."""
+allowed, only where the host file is still what the box started from, never through a symlink. What it prints of
+the bundle (paths, ops, rules, reasons) is shown with control and format characters escaped (visible.py); --json
+escapes them as JSON does."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from pathlib import Path
 
 from .errors import TkboxError
+from .visible import visible
 from .workspace_writer import ApplyError, FileChange, apply_changes
 
 
@@ -56,12 +59,12 @@ def _cmd_apply(a) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
-        for r in rows:
-            reason = ": " + r["reason"] if r["reason"] else ""
-            print(f"{r['state']:<12} {str(r['op']):<7} {r['path']}  ({r['rule']}{reason})")
+        for r in rows:  # a path, op, rule or reason from the bundle is shown escaped: it draws no row of its own
+            reason = ": " + visible(r["reason"]) if r["reason"] else ""
+            print(f"{r['state']:<12} {visible(r['op']):<7} {visible(r['path'])}  ({visible(r['rule'])}{reason})")
         done = sum(r["state"] == "applied" for r in rows)
         print(f"{len(rows)} file(s) in the patch: {sum(r['state'] != 'refused' for r in rows)} allowed"
-              + ("" if a.list else f", {done} applied to {workspace}"))
+              + ("" if a.list else f", {done} applied to {visible(workspace)}"))
     return 0 if a.list or all(r["state"] in ("applied", "refused") for r in rows) else 1
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .errors import TkboxError
+from .visible import visible, visible_lines
 
 
 class UsageError(TkboxError):
@@ -104,8 +105,9 @@ def _cmd_rerun(a) -> int:
     done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend,
                  workspace=a.workspace, env=_env_values(a.env))
     for note in done.notes:
-        print(f"tkbox rerun: {note}", file=sys.stderr)
-    print(f"wrote {done.path}: a new signed run, naming the original ({done.named}) in its box manifest (rerun_of)")
+        print(f"tkbox rerun: {visible(note)}", file=sys.stderr)
+    print(f"wrote {done.path}: a new signed run, naming the original ({visible(done.named)}) in its box manifest "
+          "(rerun_of)")
     print(f"compare: tkbox audit {a.bundle} {done.path}")
     return 0
 
@@ -124,14 +126,14 @@ def _cmd_rerun_many(a) -> int:
                          "rerun from an empty workspace and send no host environment")
     if a.html:
         _writable(a.html)
-    say = (lambda r, done, total: print(batch.progress_line(r, done, total), file=sys.stderr, flush=True)) \
-        if a.json else (lambda r, done, total: print(batch.progress_line(r, done, total), flush=True))
+    say = (lambda r, done, total: print(visible(batch.progress_line(r, done, total)), file=sys.stderr, flush=True)) \
+        if a.json else (lambda r, done, total: print(visible(batch.progress_line(r, done, total)), flush=True))
     results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
                               policy=a.policy, trust=a.trust, backend=a.backend, verify=not a.no_verify,
                               progress=say)
     if a.html:
         _write_report(a.html, batch.html_report(results))
-    print(batch.as_json(results) if a.json else "\n" + batch.table(results))
+    print(batch.as_json(results) if a.json else "\n" + visible_lines(batch.table(results)))
     return batch.exit_code(results)
 
 
@@ -143,7 +145,7 @@ def _cmd_audit(a) -> int:
     report = audit(_run(a.a, a.trust, a.no_verify, why), _run(a.b, a.trust, a.no_verify, why), a.sanitizer)
     if a.html:
         _write_report(a.html, report.html())
-    print(json.dumps(report.as_dict(), indent=1) if a.json else report.table())
+    print(json.dumps(report.as_dict(), indent=1) if a.json else visible_lines(report.table()))
     return report.exit_code
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import nbformat
 
 from .errors import TkboxError
 from .run import Run, open_run
+from .visible import visible
 
 # host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
 # audit leaves them out of its comparison, and says how many it left out
@@ -103,6 +105,32 @@ def _outputs(run: Run, ref: Any, late: list[str] = ()) -> list[dict]:
     return [nbformat.from_dict({k: v for k, v in o.items() if k != "_display_id"}) for o in out]
 
 
+def _fenced(text: str) -> str:
+    """`text` as a Markdown code block it cannot close: a fence of more backticks than any run of them in it (a
+    closing fence needs at least as many), so nothing in it becomes a heading, a link or an image."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
+
+
+def _code(value: Any) -> str:
+    """A bundle's value as inline code on one line (control characters escaped), delimited by more backticks than
+    any run of them in it, so it cannot close its span."""
+    text = visible(str(value))[:200]
+    ticks = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
+    return f"{ticks} {text} {ticks}" if "`" in text else f"{ticks}{text}{ticks}"
+
+
+def _shown(items: list) -> tuple[list, list[str]]:
+    """Replayed outputs as the notebook shows them: through the sanitiser live outputs pass (box_outputs), since a
+    notebook opened in JupyterLab renders them the same way; what it removed or changed is named (`dropped`). The
+    audit compares the recorded outputs, unsanitised."""
+    from .box_outputs import outputs
+    dropped: list[str] = []
+    kept = outputs([dict(o) for o in items], "outputs", dropped)
+    return [nbformat.from_dict(o) for o in kept], dropped
+
+
 def to_notebook(run: Run) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
@@ -110,8 +138,9 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
     nb.metadata["tkbox"] = {"replay_of": run.run_id, "bundle": str(run.path), "box": {
         k: run.box.get(k) for k in ("box_id", "backend", "isolation", "image_digest", "boot", "policy")}}
     nb.cells.append(nbformat.v4.new_markdown_cell(
-        f"Replay of run `{run.run_id}` ({run.box.get('backend', '?')}, {run.box.get('isolation', '?')}) from "
-        f"`{run.path.name}`: cells and outputs as recorded. Verify the bundle (`tkbox verify`) before trusting them."))
+        f"Replay of run {_code(run.run_id)} ({_code(run.box.get('backend', '?'))}, "
+        f"{_code(run.box.get('isolation', '?'))}) from {_code(run.path.name)}: cells and outputs as recorded. "
+        "Verify the bundle (`tkbox verify`) before trusting them."))
     late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}
@@ -128,7 +157,9 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
             if late.get(c.seq):
                 cell.metadata["tkbox"]["late_outputs_digests"] = late[c.seq]
             if c.decision == "allow":
-                cell.outputs = _outputs(run, (c.result or {}).get("outputs"), late.get(c.seq, []))
+                cell.outputs, dropped = _shown(_outputs(run, (c.result or {}).get("outputs"), late.get(c.seq, [])))
+                if dropped:
+                    cell.metadata["tkbox"]["dropped"] = dropped[:100]
                 cell.execution_count = (c.result or {}).get("execution_count")
             else:
                 cell.metadata["tags"] = ["tkbox-refused"]
@@ -140,9 +171,10 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
             nb.cells.append(cell)
         elif c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             stdout = run.content((c.result or {}).get("stdout", "")) or b""
-            text = f"Command `{shlex.join(str(x) for x in a['argv'])}` ({c.decision}, exit " \
-                   f"{(c.result or {}).get('exit_code')})\n\n```\n{stdout.decode('utf-8', 'replace')[:5000]}\n```"
-            cell = nbformat.v4.new_markdown_cell(text)
+            cell = nbformat.v4.new_markdown_cell(
+                "Command, as recorded (its argv, decision, exit status and stdout):\n\n" + _fenced(
+                    f"$ {shlex.join(str(x) for x in a['argv'])}\n({c.decision}, exit "
+                    f"{(c.result or {}).get('exit_code')})\n\n{stdout.decode('utf-8', 'replace')[:5000]}"))
             cell.metadata["tkbox"] = meta
             nb.cells.append(cell)
     return nb
@@ -188,6 +220,27 @@ def _from_bundle(policy, what: str, models_replayed: bool = False) -> None:
                          "for a policy a bundle chose; pass --policy FILE to rerun under a policy you trust")
 
 
+def _rerun_magics(nb):
+    """Host magics as a rerun makes them again. No prompt is answered. `%box_policy PATH` never reads PATH (a host
+    file the bundle names, maybe a FIFO or a key): it sets the policy the bundle discloses for that event, the one its
+    host record was decided under (`disclosed`, set per event), or is refused in one line when there is none."""
+    from .notebook_box import HostMagics
+    from .policy import Policy
+
+    class RerunMagics(HostMagics):
+        disclosed: str | None = None
+
+        def _box_policy(self, line: str, body: str | None) -> str:
+            if body is not None or not line:
+                return super()._box_policy(line, body)
+            if self.disclosed is None:
+                raise TkboxError("the run's %box_policy names a host file and the bundle does not disclose the "
+                                 "policy it set: a rerun reads no host file a bundle names; pass --policy")
+            return self.nb.set_policy(Policy.from_toml(self.disclosed, "the policy the run's %box_policy set"))
+
+    return RerunMagics(nb, lambda prompt: (_ for _ in ()).throw(TkboxError("a rerun cannot answer a prompt")))
+
+
 def _steps(run: Run) -> list:
     """The crossings a rerun makes again, in order: host magics, cells and commands (refused ones too: under the
     same policy they are refused again, and the audit compares the decisions)."""
@@ -207,7 +260,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     of the environment variables its commands set (a bundle holds their names only)."""
     from .box import BoxEnded
     from .errors import DoorRefused
-    from .notebook_box import HostMagics, NotebookBox, split_host_magics
+    from .notebook_box import NotebookBox, split_host_magics
     from .policy import Policy
     from .tree_digest import digest_version, tree_digest
     run = open_run(bundle)
@@ -245,10 +298,11 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
         from .doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
-    magics = HostMagics(nb, lambda prompt: (_ for _ in ()).throw(TkboxError("a rerun cannot answer a prompt")))
+    magics = _rerun_magics(nb)
     for c in steps:
         a = c.args or {}
         if c.door == "host":
+            magics.disclosed = run._b.policies.get(a.get("policy")) if isinstance(a.get("policy"), str) else None
             for name, line, body in split_host_magics(_host_source(run, c))[0]:
                 if name not in RERUN_SKIPS:
                     try:

@@ -4,7 +4,7 @@ A call made in `record` (or `replay`) mode discloses its response body in the bu
 its request body, bound to the signed decision. Replay serves the response of the call whose provider, endpoint and
 request digest match, with no network at all; the same request made again gets the next recording of it, in the
 order they were made. The bundle is verified first (`tkbox verify`): content from a bundle that does not verify is
-never served.
+never served, and what is served comes from the very bytes that verified (read once, never opened again).
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def recordings_from_run(run: Run) -> Recordings:
 
 
 def recordings_from_bundle(path: str | Path, trust: str | Path | None = None) -> Recordings:
-    """Verify the bundle, then read its recordings; TkboxError (one line) when it does not verify."""
-    from ..verify import verify_bundle
-    report = verify_bundle(path, trust)
+    """Read the bundle's bytes once, verify those, then take the recordings from those same bytes (a file swapped
+    after the check is never the one served, I7); TkboxError (one line) when it does not verify."""
+    run = open_run(path)
+    report = run.verify(trust)
     if not report.valid:
         raise TkboxError(f"{path}: the bundle does not verify ({report.summary()}); its model responses are not "
                          "served")
-    return recordings_from_run(open_run(path))
+    return recordings_from_run(run)

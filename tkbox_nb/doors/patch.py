@@ -21,6 +21,7 @@ from .. import protocol as p
 from ..errors import TkboxError
 from ..patch_diff import DiffFile, render
 from ..recorder import sha256_digest
+from ..visible import visible
 from ..workspace_writer import ApplyError, FileChange, Staging, current_digest
 from . import patch_rules as rules
 from .patch_reader import Entry, PatchReader
@@ -64,7 +65,7 @@ class Patch:
         for f in self.files:
             state = ("applied" if f.applied else f"not applied: {f.apply_reason}") if f.decision == "allow" else \
                 f"refused by {f.rule}: {f.reason}"
-            lines.append(f"  {f.op:<7} {f.path}  {state}")
+            lines.append(f"  {visible(f.op):<7} {visible(f.path)}  {visible(state)}")  # the box named them: no row
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -80,9 +81,13 @@ class Patch:
                 f"<th></th></tr>{rows}</table>")
 
 
+RERUN_KEEPS = "a rerun applies nothing to a folder: review its patch, then `tkbox apply BUNDLE`"
+
+
 class PatchDoor:
-    def __init__(self, box: "DoorContext"):
+    def __init__(self, box: "DoorContext", rerun: bool = False):
         self.box = box
+        self.rerun = rerun  # a rerun's box: it writes its bundle and nothing else, whatever the policy says (I57)
         self.sent: dict[str, tuple[str, str | None]] = {}   # path -> (op, digest) last decided: decided again only
                                                              # when it changes
         self.accepted: dict[str, DiffFile] = {}              # the cumulative allowed patch, for the diff
@@ -128,6 +133,8 @@ class PatchDoor:
         box = self.box
         policy = box.recorder.policy
         mode = apply or policy.get("patch", "apply")
+        if self.rerun and mode == "auto":  # a bundle's policy or its replayed `%box_patch auto` asks: held at review
+            mode = "review"
         keep = policy.get("patch", "max_file_bytes")
         reader = PatchReader(keep, 2 * policy.get("patch", "max_total_bytes") + keep + (64 << 20))
         entries: list[Entry] = []
@@ -267,7 +274,8 @@ class PatchDoor:
     def _apply(self, pending: list[tuple], mode: str, stager: "_StageBehind | None") -> None:
         """Make the staged files visible in auto mode; say why not otherwise."""
         outcomes = {}
-        why = {"never": "apply = never (bundle only)", "review": "apply = review: `tkbox apply BUNDLE`"}.get(mode)
+        why = {"never": "apply = never (bundle only)", "review": RERUN_KEEPS if self.rerun else
+               "apply = review: `tkbox apply BUNDLE`"}.get(mode)
         if mode == "auto" and self.box.workspace is None:
             why = "no host workspace"
         elif stager is not None and stager.changes:
