@@ -65,6 +65,16 @@ def _json_default(obj: Any) -> str:
     raise TypeError(f"{type(obj).__name__} is not JSON")
 
 
+def _own_start(msg: BoxMessage) -> bool:
+    """What the box's kernel sends for its own start, asked by no one here: its `starting` status (no parent) and the
+    answers to the bridge's readiness probes (guest/kernel.py; the host never sends a kernel_info_request into the
+    box). Dropped as any message naming no request the host sent, but not counted."""
+    if msg.parent_id is None:
+        return msg.msg_type == "status" and msg.content["execution_state"] == "starting"
+    probe = msg.parent_header.get("msg_type") == "kernel_info_request"
+    return probe and msg.msg_type in ("status", "kernel_info_reply")
+
+
 @dataclass
 class Cell:
     """One execute_request in flight: its signed crossing and what the box has said about it so far."""
@@ -227,8 +237,8 @@ class BoxKernel:
                     self.late += 1
             return
         elif msg.parent_id not in self.sent:  # nothing the host asked of the box: never shown, counted
-            if msg.parent_id is not None or msg.msg_type != "status" or msg.content["execution_state"] != "starting":
-                self.stray()  # (ipykernel's own `starting`, with no parent, is dropped uncounted)
+            if not _own_start(msg):
+                self.stray()
             return
         if msg.channel == "iopub":
             self._track_comm(msg.msg_type, msg.content)

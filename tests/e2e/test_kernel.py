@@ -20,6 +20,7 @@ from jupyter_client.manager import KernelManager
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.kernel.comms import MAX_SIGNED
+from tkbox_nb.kernel.relay import NOTICE_MIME
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
@@ -448,7 +449,8 @@ def test_malformed_message_from_the_box_ends_the_box_and_the_kernel_stays_up(cli
                              "k.session.send(k.iopub_socket, 'stream', {'name': 'bogus', 'text': 5}, "
                              "parent=k.get_parent('shell'))\nimport time; time.sleep(5)")
     assert reply["status"] == "error" and reply["ename"] == "BoxEnded"
-    assert any(t == "stream" and "protocol violation" in c["text"] for t, c in outs)
+    assert any(t == "display_data" and NOTICE_MIME in c["data"] and "protocol violation" in c["data"]["text/plain"]
+               for t, c in outs)  # the host's notice, with its mark (relay.host_notice)
     reply, outs = client.run("'z' in globals()")  # a fresh box, a new run
     assert reply["status"] == "ok"
     assert any(t == "execute_result" and c["data"]["text/plain"] == "False" for t, c in outs)
