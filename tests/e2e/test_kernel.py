@@ -495,6 +495,47 @@ def test_a_killed_kernel_s_run_is_recovered_by_the_next_box(kernel_env, tmp_path
     assert run.content(cells[0].args["code"]) == b"a = 1"
 
 
+def test_a_kernel_shut_down_by_its_frontend_writes_its_bundle_within_the_frontend_s_wait(kernel_env):
+    """jupyter_client's shutdown_kernel(now=False) kills a kernel that has not exited within its wait: the kernel
+    stops its box and writes the bundle before it answers and exits, within that wait."""
+    c = Client()
+    c.run("a = 1")
+    c.kc.stop_channels()
+    t = time.monotonic()
+    c.km.shutdown_kernel(now=False)
+    assert time.monotonic() - t < c.km.shutdown_wait_time  # it exited by itself, not killed
+    bundle = only_bundle(kernel_env)
+    assert verify_bundle(bundle).valid
+    assert open_run(bundle).box["end_reason"] == "kernel shutdown"
+
+
+def test_a_kernel_killed_after_closing_its_run_has_its_bundle_written_by_recovery(kernel_env, signer):
+    """A kernel killed by its frontend after its run was closed but before the bundle was written (the export waits
+    for the signer's checkpoint) left a run with no .tkb that recovery did not see (issue 34): `tkbox signer recover`
+    now writes it where it was meant to go, and it verifies with the kernel's own end reason."""
+    c = Client()
+    pid = c.km.provisioner.process.pid
+    c.run("a = 1")
+    spools = [s for s in signer.runs_dir.iterdir()
+              if (s / "handle.json").exists() and json.loads((s / "handle.json").read_text())["pid"] == pid]
+    assert len(spools) == 1
+    c.kc.shutdown()  # the shutdown request; then the frontend's kill, once the run is closed
+    deadline = time.monotonic() + 60
+    while (spools[0] / "handle.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.killpg(pid, 9)
+    c.km.provisioner.process.wait()
+    c.kc.stop_channels()
+    assert not list(kernel_env.glob("*.tkb"))  # the export was still waiting for a checkpoint
+    r = run_cli("signer", "recover")
+    assert r.returncode == 0 and "1 orphaned run(s) bundled" in r.stdout, r.stdout + r.stderr
+    bundle = only_bundle(kernel_env)
+    assert verify_bundle(bundle).valid
+    run = open_run(bundle)
+    assert run.sealed and run.box["end_reason"] == "kernel shutdown"
+    assert run.content([x for x in run.crossings() if x.door == "exec"][0].args["code"]) == b"a = 1"
+
+
 def test_the_box_starts_with_the_kernel_and_the_first_cell_takes_it(kernel_env):
     import datetime
     c = Client()
