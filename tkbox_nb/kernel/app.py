@@ -21,7 +21,10 @@ so the first cell does not wait for them; a first cell that changes the policy o
 for it instead. Every box start runs in the background, and a cell waits for it in box_wait.py, so the control
 channel is answered meanwhile. A box that breaks the protocol is ended; the cell shows why, and the next cell starts
 a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's own `busy` for it is not forwarded).
-Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent.
+Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent;
+every message into the box goes under a header made here too, so the box names only what it was sent, and what it
+sends under any other parent is dropped and counted (box_kernel.py). The host's own notices carry a mark no output of
+the box can (relay.host_notice).
 """
 
 from __future__ import annotations
