@@ -406,20 +406,27 @@ def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
     from tkbox_nb.kernel.relay import Parents, rebuilt
     parents = Parents(limit=2)
     request = {"msg_id": "req", "msg_type": "execute_request", "session": "front", "date": "2026-12-01T00:00:00Z"}
-    parents.add(request)
+    sent = parents.into_box({"header": request, "parent_header": {"msg_id": "x"}, "content": {"code": "1"}})
+    assert sent["content"] == {"code": "1"} and sent["parent_header"] == {}
+    into = sent["header"]  # what the box sees: none of the frontend's ids
+    assert into["msg_type"] == "execute_request" and into["session"] == parents.session != "front"
+    assert into["msg_id"] != "req" and len(into["msg_id"]) == 32 and into["username"] == "tkbox"
     host_header = {"msg_id": "host-1", "msg_type": "display_data", "session": "host", "username": "tkbox",
                    "date": "2026-12-01T00:00:01Z", "version": "5.3"}
     box = message(content={"data": {"text/plain": "x"}, "metadata": {}, "transient": {"display_id": "status"}})
     box["header"]["date"] = "2024-13-45T00:00:00"
-    box["parent_header"] = {"msg_id": "req", "msg_type": "execute_request", "date": "not a date", "session": "box"}
+    box["parent_header"] = {"msg_id": into["msg_id"], "msg_type": "execute_request", "date": "not a date"}
     wire = rebuilt(check_box_message(box), host_header, parents, "B1")
     assert wire["header"] is host_header and wire["parent_header"] is request
     assert wire["content"]["transient"] == {"display_id": "tkbox-B1-status"}
-    box["parent_header"] = {"msg_id": "invented", "msg_type": "execute_request"}
-    assert rebuilt(check_box_message(box), host_header, parents, "B1")["parent_header"] == {}
-    parents.add({"msg_id": "r2"})
-    parents.add({"msg_id": "r3"})
-    assert parents.get("req") == {} and parents.get("r3") == {"msg_id": "r3"}  # the newest only
+    for named in ("invented", "req"):  # a made-up id; the frontend's own id, which the box never saw
+        box["parent_header"] = {"msg_id": named, "msg_type": "execute_request"}
+        assert rebuilt(check_box_message(box), host_header, parents, "B1")["parent_header"] == {}
+    reply_in = parents.into_box({"header": {"msg_id": "reply", "msg_type": "input_reply"}}, keep=False)
+    assert parents.get(reply_in["header"]["msg_id"]) == {}  # an input reply asks the box for nothing
+    later = [parents.into_box({"header": {"msg_id": f"r{i}", "msg_type": "complete_request"}}) for i in (2, 3)]
+    assert parents.get(into["msg_id"]) == {}  # the newest only
+    assert parents.get(later[1]["header"]["msg_id"]) == {"msg_id": "r3", "msg_type": "complete_request"}
     reply = check_box_message(message("shell", "execute_reply", {
         "status": "ok", "execution_count": 1, "payload": [],
         "user_expressions": {"asked": {"status": "ok", "data": {"text/plain": "1"}},

@@ -222,3 +222,27 @@ def test_a_run_whose_holder_died_mid_line_is_recovered(private_signer, tmp_path)
     assert len(written) == 1 and not (spool / "recover-error.txt").exists()
     assert verify_bundle(written[0], private_signer.trust_path).valid
     assert open_run(written[0]).box["end_reason"].startswith("recovered:")
+
+
+def test_a_run_closed_by_a_holder_that_died_before_its_bundle_is_bundled_by_recovery(private_signer, tmp_path):
+    """The holder closes its run (its stop record signed) and dies before the bundle is written, as a kernel killed
+    by its frontend while the export waits for a checkpoint: recovery writes the bundle where it was meant to go, the
+    run's own end reason kept, and then nothing is left to recover. While the holder lives, nothing is touched."""
+    from tkbox_nb.run_recovery import recover_orphans
+    meant = tmp_path / "meant.tkb"
+    closer = HOLDER.replace("print(rec.spool, flush=True)", f"rec.hint_bundle({str(meant)!r})\n"
+                            "rec.close('kernel shutdown')\nprint(rec.spool, flush=True)")
+    holder = subprocess.Popen([sys.executable, "-c", closer, str(private_signer.home)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        spool = Path(holder.stdout.readline().strip())
+        assert not (spool / "handle.json").exists() and (spool / "unbundled.json").exists()
+        assert recover_orphans(private_signer) == []  # its holder lives: it may still write the bundle
+    finally:
+        holder.kill()
+        holder.wait()
+    assert recover_orphans(private_signer) == [meant]
+    assert verify_bundle(meant, private_signer.trust_path).valid
+    run = open_run(meant)
+    assert run.sealed and run.box["end_reason"] == "kernel shutdown"
+    assert not (spool / "unbundled.json").exists() and recover_orphans(private_signer) == []

@@ -15,6 +15,11 @@ message) is dropped, never forwarded unsigned, and counted: the count is signed 
 (`late_outputs`); the Tracekit Box kernel signs it first, as one `late_output` fault at the next cell boundary or as
 it stops the box (kernel/comms.py). A box ended for a violation names what it dropped unsigned in its end reason.
 
+Only what the box was asked for goes to the listeners: a message whose parent is none of the ids the host sent into
+the box (a cell, a comm message, a shell request; `sent`, the newest `MAX_SENT`), tracked or signed, is dropped
+(a thread naming a request the box never saw, a made-up id, no parent at all) and counted (`strays`); the count is
+signed at the next crossing or as the box stops (`flush_late`, one `comm_fault` record of `msg_type: stray`).
+
 A request's `user_expressions` (decided with the cell's code, box.decide_cell) are evaluated by the box's kernel;
 their results, rebuilt from an allowlist (box_messages), are kept for exactly the keys asked, count against the
 cell's output limit, are signed in the cell's end, and the `execute_reply` that carries them is given to the
@@ -28,6 +33,7 @@ import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,6 +50,7 @@ READY_TIMEOUT_S = 90.0
 NOT_ANSWERED = {"status": "error", "ename": "NotAnswered", "evalue": "the box's kernel gave no result for it",
                 "traceback": []}
 PROTOCOL_VERSION = "5.3"
+MAX_SENT = 4096  # ids of messages the host sent into the box, kept to route what the box sends under them
 
 
 def new_header(msg_type: str, session: str) -> dict[str, Any]:
@@ -56,6 +63,16 @@ def _json_default(obj: Any) -> str:
     if isinstance(obj, (datetime.datetime, datetime.date)):
         return obj.isoformat()
     raise TypeError(f"{type(obj).__name__} is not JSON")
+
+
+def _own_start(msg: BoxMessage) -> bool:
+    """What the box's kernel sends for its own start, asked by no one here: its `starting` status (no parent) and the
+    answers to the bridge's readiness probes (guest/kernel.py; the host never sends a kernel_info_request into the
+    box). Dropped as any message naming no request the host sent, but not counted."""
+    if msg.parent_id is None:
+        return msg.msg_type == "status" and msg.content["execution_state"] == "starting"
+    probe = msg.parent_header.get("msg_type") == "kernel_info_request"
+    return probe and msg.msg_type in ("status", "kernel_info_reply")
 
 
 @dataclass
@@ -108,6 +125,8 @@ class BoxKernel:
         self.signed: set[str] = set()  # cells whose end is signed: what names them later is dropped and counted
         self.late = 0  # messages dropped so, not yet in a signed record
         self.late_outputs = LateOutputs()  # outputs naming signed cells, held until signed (box_late.py)
+        self.sent: OrderedDict[str, None] = OrderedDict()  # msg_ids the host sent into the box (shell, control)
+        self.strays = 0  # messages naming none of them, dropped, not yet in a signed record
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one signer of late outputs at a time, so their records keep order
         self._flush_timer: threading.Timer | None = None
@@ -118,6 +137,11 @@ class BoxKernel:
     def send(self, channel: str, msg: dict[str, Any], buffers: list[bytes] = ()) -> None:
         import base64
         self._track_comm(msg["header"].get("msg_type"), msg.get("content") or {})
+        if channel != "stdin":  # what the box sends under it may go on; an input reply asks for nothing
+            with self._lock:
+                self.sent[msg["header"]["msg_id"]] = None
+                while len(self.sent) > MAX_SENT:
+                    self.sent.popitem(last=False)
         body = {"channel": channel, "header": msg["header"], "parent_header": msg.get("parent_header") or {},
                 "metadata": msg.get("metadata") or {}, "content": msg.get("content") or {},
                 "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers]}
@@ -174,6 +198,9 @@ class BoxKernel:
             late = self.take_late() + unsigned
             if late:  # signed in the box's end, as no cell boundary comes to sign their count
                 reason += f" ({late} messages naming cells already signed were dropped before it)"
+            strays = self.take_strays()
+            if strays:
+                reason += f" ({strays} messages naming no request sent into the box were dropped before it)"
             self.box.fail_closed(reason)
         self._finish(reason)
 
@@ -208,6 +235,10 @@ class BoxKernel:
             elif msg.msg_type != "status":
                 with self._lock:
                     self.late += 1
+            return
+        elif msg.parent_id not in self.sent:  # nothing the host asked of the box: never shown, counted
+            if not _own_start(msg):
+                self.stray()
             return
         if msg.channel == "iopub":
             self._track_comm(msg.msg_type, msg.content)
@@ -254,6 +285,11 @@ class BoxKernel:
                 if self._sign_late(batch):
                     for msg, _ in batch.items:
                         self._tell(msg)
+            strays = self.take_strays() if boundary else 0
+            if strays:  # dropped, never shown: their count is signed (as kernel/comms.py signs faults)
+                self.box.recorder.decide("exec", "comm_fault", {
+                    "msg_type": "stray", "comm_id": "", "from": "box",
+                    "fault": f"{strays} messages naming no request the host sent into the box"})
 
     def _sign_late(self, batch: Batch) -> bool:
         facts: dict[str, Any] = {"cell_seq": batch.seq, "messages": len(batch.items)}
@@ -321,6 +357,16 @@ class BoxKernel:
             cell.done.set()
         for listener in list(self.listeners):
             listener(None)
+
+    def stray(self) -> None:
+        """Count a message from the box that names no request the host sent into it (dropped, never shown)."""
+        with self._lock:
+            self.strays += 1
+
+    def take_strays(self) -> int:
+        with self._lock:
+            strays, self.strays = self.strays, 0
+        return strays
 
     def take_late(self) -> int:
         """The count of late messages dropped since the last signed record, taken to be signed."""

@@ -84,7 +84,7 @@ def _cmd_signer(a) -> int:
         written = recover_orphans(signer)
         for path in written:
             print(f"recovered {path}")
-        print(f"{len(written)} orphaned run(s) closed")
+        print(f"{len(written)} orphaned run(s) bundled (closed first where still open)")
     else:
         up = signer.answering()
         print(f"signer {'answering' if up else 'not running' if not central else 'not answering'} "

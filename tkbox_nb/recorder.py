@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
 MAX_ARGS_BYTES = 512 * 1024
 STOP_WAIT_S = 30.0  # how long a closing run waits for crossings in flight on other lanes
+UNBUNDLED = "unbundled.json"  # in a closed run's spool until its bundle is written (run_recovery.py)
 
 
 def sha256_digest(data: bytes) -> str:
@@ -144,10 +145,7 @@ class RunRecorder:
                   "bundle_hint": str(self.bundle_hint) if self.bundle_hint else ""}
         if abandoned:
             handle["abandoned"] = abandoned[:300]
-        fd = os.open(self.spool / "handle.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(handle, f)
-        os.replace(self.spool / "handle.json.tmp", self.spool / "handle.json")
+        _write_private(self.spool / "handle.json", handle)
 
     def hint_bundle(self, path: str | Path) -> None:
         """Where this run's bundle is meant to go (used if the run has to be recovered)."""
@@ -217,8 +215,9 @@ class RunRecorder:
         self.closed = True
         if self.spool is not None and self.broken and self._run is not None:
             self._write_handle(abandoned=self.broken)  # closed here but not in the signer: recover it once it answers
-        elif self.spool is not None:
-            (self.spool / "handle.json").unlink(missing_ok=True)  # closed: nothing left to recover
+        elif self.spool is not None:  # closed: nothing left to close, only its bundle to write (run_recovery)
+            _write_private(self.spool / UNBUNDLED, {"pid": os.getpid(), "bundle_hint": str(self.bundle_hint or "")})
+            (self.spool / "handle.json").unlink(missing_ok=True)
 
     # -- crossings -----------------------------------------------------------------------------------------------
     def decide(self, door: str, kind: str, facts: dict[str, Any],
@@ -410,7 +409,9 @@ class RunRecorder:
         from .bundle import write_bundle
         if not self.closed:
             raise SignerError("close the run before writing its bundle")
-        return write_bundle(self.signer, self.run_id, self.spool, out_path)
+        written = write_bundle(self.signer, self.run_id, self.spool, out_path)
+        (self.spool / UNBUNDLED).unlink(missing_ok=True)  # bundled: nothing left for recovery
+        return written
 
     def write_snapshot(self, out_path: str | Path) -> Path:
         """The run so far, still open, as a `.tkb` (verifies as open: `VERIFIED TO HEAD n`)."""
@@ -419,6 +420,14 @@ class RunRecorder:
             self._spool_file.flush()
         self._write_box_manifest()
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
+
+
+def _write_private(path: Path, obj: dict) -> None:
+    """`obj` as JSON at `path`, whole (a temporary name, then rename), host-only (0600)."""
+    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+    os.replace(path.with_name(path.name + ".tmp"), path)
 
 
 def _lanes(signer, run_id: str, run_token: str, client) -> RunLanes:

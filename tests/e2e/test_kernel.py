@@ -20,6 +20,7 @@ from jupyter_client.manager import KernelManager
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.kernel.comms import MAX_SIGNED
+from tkbox_nb.kernel.relay import NOTICE_MIME
 from tkbox_nb.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
@@ -448,7 +449,8 @@ def test_malformed_message_from_the_box_ends_the_box_and_the_kernel_stays_up(cli
                              "k.session.send(k.iopub_socket, 'stream', {'name': 'bogus', 'text': 5}, "
                              "parent=k.get_parent('shell'))\nimport time; time.sleep(5)")
     assert reply["status"] == "error" and reply["ename"] == "BoxEnded"
-    assert any(t == "stream" and "protocol violation" in c["text"] for t, c in outs)
+    assert any(t == "display_data" and NOTICE_MIME in c["data"] and "protocol violation" in c["data"]["text/plain"]
+               for t, c in outs)  # the host's notice, with its mark (relay.host_notice)
     reply, outs = client.run("'z' in globals()")  # a fresh box, a new run
     assert reply["status"] == "ok"
     assert any(t == "execute_result" and c["data"]["text/plain"] == "False" for t, c in outs)
@@ -491,6 +493,47 @@ def test_a_killed_kernel_s_run_is_recovered_by_the_next_box(kernel_env, tmp_path
     assert run.sealed and run.box["end_reason"].startswith("recovered")
     cells = [x for x in run.crossings() if x.door == "exec"]
     assert run.content(cells[0].args["code"]) == b"a = 1"
+
+
+def test_a_kernel_shut_down_by_its_frontend_writes_its_bundle_within_the_frontend_s_wait(kernel_env):
+    """jupyter_client's shutdown_kernel(now=False) kills a kernel that has not exited within its wait: the kernel
+    stops its box and writes the bundle before it answers and exits, within that wait."""
+    c = Client()
+    c.run("a = 1")
+    c.kc.stop_channels()
+    t = time.monotonic()
+    c.km.shutdown_kernel(now=False)
+    assert time.monotonic() - t < c.km.shutdown_wait_time  # it exited by itself, not killed
+    bundle = only_bundle(kernel_env)
+    assert verify_bundle(bundle).valid
+    assert open_run(bundle).box["end_reason"] == "kernel shutdown"
+
+
+def test_a_kernel_killed_after_closing_its_run_has_its_bundle_written_by_recovery(kernel_env, signer):
+    """A kernel killed by its frontend after its run was closed but before the bundle was written (the export waits
+    for the signer's checkpoint) left a run with no .tkb that recovery did not see (issue 34): `tkbox signer recover`
+    now writes it where it was meant to go, and it verifies with the kernel's own end reason."""
+    c = Client()
+    pid = c.km.provisioner.process.pid
+    c.run("a = 1")
+    spools = [s for s in signer.runs_dir.iterdir()
+              if (s / "handle.json").exists() and json.loads((s / "handle.json").read_text())["pid"] == pid]
+    assert len(spools) == 1
+    c.kc.shutdown()  # the shutdown request; then the frontend's kill, once the run is closed
+    deadline = time.monotonic() + 60
+    while (spools[0] / "handle.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.killpg(pid, 9)
+    c.km.provisioner.process.wait()
+    c.kc.stop_channels()
+    assert not list(kernel_env.glob("*.tkb"))  # the export was still waiting for a checkpoint
+    r = run_cli("signer", "recover")
+    assert r.returncode == 0 and "1 orphaned run(s) bundled" in r.stdout, r.stdout + r.stderr
+    bundle = only_bundle(kernel_env)
+    assert verify_bundle(bundle).valid
+    run = open_run(bundle)
+    assert run.sealed and run.box["end_reason"] == "kernel shutdown"
+    assert run.content([x for x in run.crossings() if x.door == "exec"][0].args["code"]) == b"a = 1"
 
 
 def test_the_box_starts_with_the_kernel_and_the_first_cell_takes_it(kernel_env):

@@ -21,7 +21,10 @@ so the first cell does not wait for them; a first cell that changes the policy o
 for it instead. Every box start runs in the background, and a cell waits for it in box_wait.py, so the control
 channel is answered meanwhile. A box that breaks the protocol is ended; the cell shows why, and the next cell starts
 a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's own `busy` for it is not forwarded).
-Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent.
+Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent;
+every message into the box goes under a header made here too, so the box names only what it was sent, and what it
+sends under any other parent is dropped and counted (box_kernel.py). The host's own notices carry a mark no output of
+the box can (relay.host_notice).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from ..notebook_box import HostMagics, NotebookBox
 from .cells import Cells
 from .comms import CommGate
 from .host_comms import HostComms
-from .relay import Parents, rebuilt, unevaluated
+from .relay import Parents, host_notice, rebuilt, unevaluated
 from .stdin import Stdin
 
 PROTOCOL_VERSION = "5.3"
@@ -88,8 +91,9 @@ class TkboxKernel:
         self.stdin = Stdin(self)  # the host's prompt (%box_secret) and the box's, kept apart
         self.magics = HostMagics(self.nb, self.stdin.read_secret)
         self.cells = Cells(self)  # execute requests, one at a time, in order
-        self.parents = Parents()  # the frontend's requests' headers: the parents of what the box sends back
-        self.requests: dict[str, tuple[str, list[bytes], dict]] = {}  # msg_id -> (socket, idents, header)
+        self.parents = Parents()  # what went into the box, under ids made here -> the frontend's headers
+        # requests open in the box, by the msg_id the host sent each under -> (socket, idents, the frontend's header)
+        self.requests: dict[str, tuple[str, list[bytes], dict]] = {}
         self.execution_count = 0
         self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
@@ -194,8 +198,6 @@ class TkboxKernel:
     def _dispatch(self, channel: str, idents: list[bytes], msg: dict) -> None:
         header = msg["header"]
         t = header["msg_type"]
-        if channel != "stdin":
-            self.parents.add(header)
         if t == "kernel_info_request":
             self.publish_status("busy", header)
             self.send(channel, "kernel_info_reply", self.kernel_info(), header, idents)
@@ -221,8 +223,9 @@ class TkboxKernel:
             if self.kernel is None or self.kernel.ended:
                 self._answer_without_box(channel, idents, msg)
             else:
-                self.requests[header["msg_id"]] = (channel, idents, header)
-                self.kernel.send(channel, msg)
+                sent = self.parents.into_box(msg)  # the box never sees the frontend's header
+                self.requests[sent["header"]["msg_id"]] = (channel, idents, header)
+                self.kernel.send(channel, sent)
         elif t == "input_reply":
             self.stdin.from_frontend(msg)  # to the box only if it answers the box's own pending prompt
 
@@ -293,22 +296,28 @@ class TkboxKernel:
             self._forward(msg)
 
     def _forward(self, msg: BoxMessage) -> None:
-        """One checked message from the box, rebuilt here (relay.py) and sent on to the frontend."""
+        """One checked message from the box, rebuilt here (relay.py) and sent on to the frontend, under the frontend's
+        message the host sent into the box under its parent's id; under any other parent, dropped and counted."""
         t, parent = msg.msg_type, msg.parent_id
+        front = self.parents.get(parent).get("msg_id")  # what the frontend knows this request as
+        if front is None:  # box_kernel lets through only ids the host sent; one past Parents' limit ends here
+            if self.kernel is not None:
+                self.kernel.stray()
+            return
         if t == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
             self.execution_count = max(self.execution_count, msg.content["execution_count"])
         box_id = self.kernel.session if self.kernel is not None else ""
         if msg.channel == "iopub":
             if t in COMMS and not self.comms.from_box(msg):
                 return
-            if t == "status" and msg.content.get("execution_state") == "busy" and parent in self.busy_here:
-                self.busy_here.discard(parent)  # the frontend has had the host's, as the cell was taken
+            if t == "status" and msg.content.get("execution_state") == "busy" and front in self.busy_here:
+                self.busy_here.discard(front)  # the frontend has had the host's, as the cell was taken
                 return
             wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id)
             with self._iopub_lock:
                 self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
             if t == "status" and msg.content.get("execution_state") == "idle":
-                self.cells.idled(parent)
+                self.cells.idled(front)
             return
         if msg.channel == "stdin":
             target = self.requests.get(parent)
@@ -317,7 +326,7 @@ class TkboxKernel:
                 self.stdin.box_prompt(wire["header"]["msg_id"], msg.header, parent)
                 self.session.send(self.sockets["stdin"], wire, ident=target[1])
             return
-        target = self.requests.get(parent) if parent else None
+        target = self.requests.get(parent)
         if target is None:
             return
         if t != target[2]["msg_type"].replace("_request", "_reply"):  # a reply of another type: a violation
@@ -327,13 +336,13 @@ class TkboxKernel:
                                         f"{target[2]['msg_type']}")
             return
         self.requests.pop(parent)
-        wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(parent))
+        wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(front))
         if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
             wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
                                         if not self.host_comms.owns(k)} | self.host_comms.info()
         self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
         if t == "execute_reply":
-            self.cells.replied(parent, msg.content.get("status"))
+            self.cells.replied(front, msg.content.get("status"))
 
     def _box_kernel_ended(self) -> None:
         """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
@@ -342,8 +351,8 @@ class TkboxKernel:
         for msg_id, (channel, idents, header) in list(self.requests.items()):
             self.requests.pop(msg_id, None)
             if header["msg_type"] == "execute_request":
-                self.send("iopub", "stream", {"name": "stderr", "text": f"[tkbox] {reason}\n"
-                                              "[tkbox] the next cell starts a new box\n"}, header)
+                self.send("iopub", "display_data", host_notice([  # a mark the box cannot make (relay.py)
+                    reason, "the next cell starts a new box"]), header)
                 self._host_reply(channel, idents, header, "error", False, ("BoxEnded", reason))
             else:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})

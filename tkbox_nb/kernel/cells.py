@@ -160,15 +160,17 @@ class Cells:
         except (DoorRefused, TkboxError) as e:
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
+        # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
+        sent = k.parents.into_box(dict(msg, content=dict(content, user_expressions=expressions)))  # as decided
         try:
             k._ensure_kernel(box)
-            k.kernel.track(header["msg_id"], crossing, expressions=expressions)
+            k.kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
         except Exception as e:
             box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
-        k.requests[header["msg_id"]] = (channel, idents, header)
+        k.requests[sent["header"]["msg_id"]] = (channel, idents, header)
         k.busy_here.add(header["msg_id"])
         self.current = {"msg_id": header["msg_id"], "header": header, "reply": False, "idle": False,
                         "status": None, "stop_on_error": stops}
-        k.kernel.send("shell", dict(msg, content=dict(content, user_expressions=expressions)))  # as decided
+        k.kernel.send("shell", sent)

@@ -110,7 +110,7 @@ class CommGate:
         k.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (box_late.py)
         crossing = k.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
-            k.kernel.send(channel, msg, msg.get("buffers") or [])
+            k.kernel.send(channel, k.parents.into_box(msg), msg.get("buffers") or [])  # under a header made here
 
     # -- from the box ----------------------------------------------------------------------------------------------
     def from_box(self, msg) -> bool:

@@ -4,7 +4,13 @@ The box is hostile, and its headers are read by the frontend's client: jupyter_c
 date the box made up (`2024-13-45`) would crash nbclient, papermill or nbval. So the frontend never sees the box's
 headers: each forwarded message gets a header made here (the host's msg_id, session, username, date and protocol
 version; only the `msg_type`, checked by box_messages, is the box's), and as parent the stored header of the frontend
-request the box's parent names (or `{}`): the box can neither break a client nor invent a parent.
+request the box's parent names: the box can neither break a client nor invent a parent.
+
+Nor does the box ever see the frontend's headers, so it cannot name the frontend's other requests (a host cell's
+`%box_status`, whose jupyter_client msg_id `<session>_<pid>_<counter>` is easy to guess): each request, comm message
+and input reply goes into the box under a header made here (`Parents.into_box`: a random msg_id and the host's own
+session), and `Parents` maps only those ids back to the frontend's headers. A box message whose parent is none of
+them is dropped and counted (box_kernel.py), never forwarded.
 
 A box's display ids are namespaced (`tkbox-BOX_ID-ID`), so an `update_display_data` from the box updates only that
 box's own displays, never the host's (the run view) nor another box's. An `execute_reply`'s `user_expressions` are
@@ -15,16 +21,34 @@ answered as an error (`unevaluated`), never with anything else of the box's.
 
 from __future__ import annotations
 
+import html
+import uuid
 from collections import OrderedDict
 from typing import Any
 
+from ..box_kernel import new_header
 from ..box_messages import BoxMessage
 from ..box_outputs import box_display_id
 
-MAX_PARENTS = 4096  # frontend requests whose headers are kept, newest last
+MAX_PARENTS = 4096  # requests sent into the box whose frontend headers are kept, newest last
 
 
 HOST_CELL = "not evaluated: this cell ran only host-side magics, nothing in the box"
+
+
+NOTICE_MIME = "application/vnd.tkbox.notice+json"  # never passes the box's mimebundle allowlist (box_outputs.INERT)
+NOTICE_STYLE = ("border-left:4px solid #c77700;background:#fff4e0;color:#222;padding:2px 8px;"
+                "font-family:monospace;white-space:pre-wrap")
+
+
+def host_notice(lines: list[str]) -> dict:
+    """A `display_data` content for the host's own notice (`[tkbox] ...`): with a mark no output of the box can
+    carry, its MIME type `NOTICE_MIME` (a box's display keeps only allowlisted types) and, as shown, an HTML block
+    with an inline style (the box's HTML is sanitised of every `style`); its `text/plain` for the rest."""
+    text = "".join(f"[tkbox] {line}\n" for line in lines)
+    return {"data": {"text/plain": text.rstrip("\n"), NOTICE_MIME: {"notice": lines},
+                     "text/html": f'<div style="{NOTICE_STYLE}">{html.escape(text.rstrip(chr(10)))}</div>'},
+            "metadata": {}}
 
 
 def unevaluated(names: list, why: str = HOST_CELL) -> dict:
@@ -34,21 +58,27 @@ def unevaluated(names: list, why: str = HOST_CELL) -> dict:
 
 
 class Parents:
-    """The headers of the frontend's requests, by msg_id, the newest `MAX_PARENTS`."""
+    """The frontend's messages the host sent into the box, by the msg_id the host made for each (the newest
+    `MAX_PARENTS`): what the box's replies and outputs under that id are forwarded under."""
 
     def __init__(self, limit: int = MAX_PARENTS):
         self.limit = limit
+        self.session = uuid.uuid4().hex  # the host's session toward the box: never the frontend's
         self._headers: OrderedDict[str, dict] = OrderedDict()
 
-    def add(self, header: dict) -> None:
-        msg_id = header.get("msg_id")
-        if isinstance(msg_id, str):
-            self._headers[msg_id] = header
-            self._headers.move_to_end(msg_id)
+    def into_box(self, msg: dict, parent_header: dict | None = None, keep: bool = True) -> dict:
+        """`msg` from the frontend as the box gets it: under a header made here (its msg_type the frontend's),
+        `parent_header` (default none), its metadata, content and buffers as they came. `keep`: what the box sends
+        under it goes to the frontend under `msg`'s header (an input reply asks the box for nothing: not kept)."""
+        header = new_header(str(msg["header"].get("msg_type", "")), self.session)
+        if keep:
+            self._headers[header["msg_id"]] = msg["header"]
             while len(self._headers) > self.limit:
                 self._headers.popitem(last=False)
+        return dict(msg, header=header, parent_header=parent_header or {})
 
     def get(self, msg_id: Any) -> dict:
+        """The frontend's header of the message the host sent into the box as `msg_id`, else `{}`."""
         return self._headers.get(msg_id, {}) if isinstance(msg_id, str) else {}
 
 

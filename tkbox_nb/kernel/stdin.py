@@ -73,8 +73,9 @@ class Stdin:
         box_header = self.box_prompts.pop(parent)[0]
         k = self.k
         if k.kernel is not None and not k.kernel.ended:
-            k.kernel.send("stdin", {"header": msg["header"], "parent_header": box_header,
-                                    "metadata": {}, "content": {"value": str(msg["content"].get("value", ""))}})
+            value = str(msg["content"].get("value", ""))
+            reply = {"header": msg["header"], "metadata": {}, "content": {"value": value}}
+            k.kernel.send("stdin", k.parents.into_box(reply, parent_header=box_header, keep=False))  # header made here
 
     # -- the host's prompt -----------------------------------------------------------------------------------------
     def read_secret(self, prompt: str) -> str:
