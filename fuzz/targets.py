@@ -567,6 +567,40 @@ def secrets_scrubber(data: bytes) -> None:
             assert form not in out, (v, form)
 
 
+ECHO_ALPHABET = "abcXYZ019-_.:/=?+&<>\"'\\%;# \u00e9\u00fc\u00df\u4e2d\U0001f600\u2028"
+
+
+def _echo_text(inp: Input, n: int) -> str:
+    return "".join(ECHO_ALPHABET[inp.byte() % len(ECHO_ALPHABET)] for _ in range(n))
+
+
+@target("secrets-echo", lambda: [bytes([n, k, 3, 2, 5]) + bytes(range(40)) for n in (0, 9, 17) for k in range(16)])
+def secrets_echo(data: bytes) -> None:
+    """Scrubber on a value escaped as a common server writes it (Go, .NET or Python JSON, an HTML template or
+    character references, percent or form encoding, UTF-8 read as latin-1, those mixed character by character),
+    with text around it escaped the same way, in any chunking: every byte of the echoed value is starred, and the
+    stream keeps its length."""
+    from fuzz.echoes import ECHOES, mixed
+    from tkbox_nb.doors.secrets import value_problem
+    inp = Input(data)
+    value = _echo_text(inp, inp.byte() % 18 + 7).strip() or "x"
+    if value_problem(value):
+        return
+    names = sorted(ECHOES) + ["mixed"]
+    name = names[inp.byte() % len(names)]
+    before, after = _echo_text(inp, inp.byte() % 6), _echo_text(inp, inp.byte() % 6)
+    step = _step(inp.byte())
+    picks = inp.take(32)
+    spell = (lambda t: mixed(t, picks)) if name == "mixed" else ECHOES[name]
+    head, echoed, tail = spell(before), spell(value), spell(after)
+    stream = b"{" + head + echoed + tail + b"}"
+    s = Scrubber([value])
+    out = b"".join(s.feed(c) for c in _split(stream, step)) + s.flush()
+    assert len(out) == len(stream)
+    at = 1 + len(head)
+    assert out[at:at + len(echoed)] == b"*" * len(echoed), (name, value, stream, out)
+
+
 @target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: " + h + b"\r\n"
                                       b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd"
                                       for f, h in ((0, b"api.example.org"), (2, b"tok.example:443"),
