@@ -73,16 +73,21 @@ ECHOES: dict[str, Callable[[str], bytes]] = {
 }
 
 
-def mixed(text: str, picks: bytes) -> bytes:
-    """One echo mixing spellings character by character (an escaper that escapes some characters one way, some
-    another): character i spelled by the echo `picks[i]` chooses, of those that spell one character on its own; the
-    escape characters `\\ % & +` are always escaped, as an escaper escapes its own."""
-    per_char = ("raw", "go-json", "dotnet-json", "python-json", "html-template", "html-numeric", "html-hex",
-                "percent", "percent-lower")
+SPELLERS = {"json": ("go-json", "dotnet-json", "python-json"), "html": ("html-template", "html-numeric", "html-hex"),
+            "percent": ("percent", "percent-lower", "form")}
+ESCAPE_CHARACTERS = {"json": "\\", "html": "&", "percent": "%"}
+PAIRS = ("json+html", "json+percent", "html+percent")
+
+
+def mixed(text: str, picks: bytes, pair: str = "json+html") -> bytes:
+    """One echo mixing two escapings character by character (JSON in an HTML page, a form field in JSON): character i
+    spelled as `picks[i]` chooses among the two families' spellers and the raw character; an escape character of
+    either family is always escaped by a speller that changes it, as an escaper escapes its own."""
+    names = pair.split("+")
+    spellers = ["raw"] + [s for n in names for s in SPELLERS[n]]
+    special = "".join(ESCAPE_CHARACTERS[n] for n in names)
     out = []
     for i, c in enumerate(text):
-        name = per_char[picks[i % len(picks)] % len(per_char)] if picks else "raw"
-        if c in "\\%&+" and name in ("raw", "html-template", "html-numeric", "html-hex"):
-            name = "dotnet-json"
-        out.append(ECHOES[name](c))
+        usable = [s for s in spellers if c not in special or ECHOES[s](c) != c.encode("utf-8")]
+        out.append(ECHOES[usable[picks[i % len(picks)] % len(usable)] if picks else usable[0]](c))
     return b"".join(out)

@@ -577,21 +577,22 @@ def _echo_text(inp: Input, n: int) -> str:
 @target("secrets-echo", lambda: [bytes([n, k, 3, 2, 5]) + bytes(range(40)) for n in (0, 9, 17) for k in range(16)])
 def secrets_echo(data: bytes) -> None:
     """Scrubber on a value escaped as a common server writes it (Go, .NET or Python JSON, an HTML template or
-    character references, percent or form encoding, UTF-8 read as latin-1, those mixed character by character),
+    character references, percent or form encoding, UTF-8 read as latin-1, two of these mixed character by
+    character),
     with text around it escaped the same way, in any chunking: every byte of the echoed value is starred, and the
     stream keeps its length."""
-    from fuzz.echoes import ECHOES, mixed
+    from fuzz.echoes import ECHOES, PAIRS, mixed
     from tkbox_nb.doors.secrets import value_problem
     inp = Input(data)
     value = _echo_text(inp, inp.byte() % 18 + 7).strip() or "x"
     if value_problem(value):
         return
-    names = sorted(ECHOES) + ["mixed"]
+    names = sorted(ECHOES) + list(PAIRS)
     name = names[inp.byte() % len(names)]
     before, after = _echo_text(inp, inp.byte() % 6), _echo_text(inp, inp.byte() % 6)
     step = _step(inp.byte())
     picks = inp.take(32)
-    spell = (lambda t: mixed(t, picks)) if name == "mixed" else ECHOES[name]
+    spell = (lambda t: mixed(t, picks, name)) if name in PAIRS else ECHOES[name]
     head, echoed, tail = spell(before), spell(value), spell(after)
     stream = b"{" + head + echoed + tail + b"}"
     s = Scrubber([value])

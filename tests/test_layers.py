@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                      "tkbox_nb.connection", "tkbox_nb.testnet"]),
     ("policy and door rules", [
         "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",
-        "tkbox_nb.doors.scrubber", "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader", "tkbox_nb.doors.proxy_request",
+        "tkbox_nb.doors.scrubber", "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader",
+        "tkbox_nb.doors.proxy_request",
         "tkbox_nb.doors.client_hello",
         "tkbox_nb.doors.model_request", "tkbox_nb.doors.model_usage", "tkbox_nb.doors.box_ca",
         "tkbox_nb.patch_diff"]),

@@ -1,25 +1,29 @@
 """The response scrubber of the secrets door: finds a secret value however a server spells it back, sans-IO.
 
-A bound host echoing a value writes it in its own escaping: Python's json (`\\u00e9`), Go's encoding/json (`\\u0026
-\\u003c \\u003e`), .NET's System.Text.Json (`\\u002B`, upper-case hex), an HTML template (`&amp; &#43; &#x2b;`), a
-form or URL encoder (`%2B`, `%2b`, `+` for a space), a latin-1 WSGI server (the value's UTF-8 read as latin-1 and
-written again as UTF-8). Listing every spelling does not scale: escapers differ in which characters they escape and
-how, and one echo may mix them, so the combinations of a value's characters multiply. So the scrubber normalises
-instead: it decodes the response's escapes into a canonical text, keeping where each canonical byte came from,
-searches that text for the value's canonical spellings (its bytes, its latin-1 mojibake, its base64 at any alignment
-and its hex), and stars the original bytes each match came from. It decodes once per escape family (none, JSON and
-backslash escapes, percent-encoding, HTML character references, all of them mixed), each from its own position in
-the stream: a box that puts an escape character in front of the value (it controls the rest of the bound header)
-desyncs one family's reading only, and an escaper escapes its own escape character, so the family the server used
-reads the echo exactly. Not found: a value escaped twice over (HTML of JSON of the value), compressed, encrypted or
-split by the server (I24). Each pass is a C-speed regular-expression scan plus `bytes.find`, and a stream holds back
-only what could still begin a match.
+A bound host echoing a value writes it in its own escaping: Python's json (`\\u00e9`), Go's encoding/json
+(`\\u0026 \\u003c \\u003e`), .NET's System.Text.Json (`\\u002B`, upper-case hex), an HTML template (`&amp; &#43;
+&#x2b;`), a form or URL encoder (`%2B`, `%2b`, `+` for a space), a latin-1 WSGI server (the value's UTF-8 read as
+latin-1 and written again as UTF-8). Listing every spelling does not scale: escapers differ in which characters they
+escape and how, and one echo may mix two, so the combinations of a value's characters multiply. So the scrubber
+normalises instead: it decodes the response's escapes into a canonical text, keeping where each canonical byte came
+from, searches that text for the value's canonical spellings (its bytes, its latin-1 or cp1252 mojibake, its base64
+at any alignment and its hex), and stars the original bytes each match came from.
+
+It decodes once per escape family (none; JSON and backslash escapes; percent-encoding; HTML character references;
+each two of these mixed, as JSON in an HTML page writes both), each from its own position in the stream: a box that
+puts an escape character in front of the value (it writes the rest of the bound header) desyncs one family's reading
+only, and an escaper escapes its own escape character, so the family the server used reads the echo exactly. Every
+family reads the bytes as they came; the stars go on as the bytes go out. Not found: a value escaped twice over (HTML
+of JSON of it), compressed, encrypted or split by the server (threat model I24, I65). Each family's pass is a
+regular-expression scan and `bytes.find` over the new bytes only, skipped where none of its escape characters is, and
+a stream holds back only what could still begin a match.
 """
 
 from __future__ import annotations
 
 import base64
 import bisect
+import functools
 import html.entities
 import re
 
@@ -32,12 +36,15 @@ _JSON = (rb"\\u(?P<hi>[dD][89abAB][0-9a-fA-F]{2})\\u(?P<lo>[dD][c-fC-F][0-9a-fA-
 _PERCENT = rb"%u(?P<pu>[0-9a-fA-F]{4})|%(?P<byte>[0-9a-fA-F]{2})"
 _HTML = rb"&#(?P<dec>[0-9]{1,8});?|&#[xX](?P<hex>[0-9a-fA-F]{1,7});?|&(?P<name>[A-Za-z][A-Za-z0-9]{1,31};)"
 _SIMPLE = {b"b": b"\b", b"f": b"\f", b"n": b"\n", b"r": b"\r", b"t": b"\t"}
-# each family: its escapes (None: the raw bytes) and the bytes one of them starts with (`+` is a space in forms)
-FAMILIES: dict[str, tuple[re.Pattern | None, bytes]] = {
-    "raw": (None, b""), "json": (re.compile(_JSON), b"\\"), "percent": (re.compile(_PERCENT), b"%+"),
-    "html": (re.compile(_HTML), b"&"), "mixed": (re.compile(b"|".join((_JSON, _PERCENT, _HTML))), b"\\%&")}
+_PARTS = {"json": (_JSON, b"\\"), "percent": (_PERCENT, b"%"), "html": (_HTML, b"&")}
+# each family: the escapes it reads (none for "raw"; two for a pair, as JSON inside HTML writes both) and the bytes
+# that begin them: a family reads only literal bytes where none of its escape characters is
+FAMILIES: dict[str, tuple[re.Pattern | None, tuple[bytes, ...]]] = {"raw": (None, ())}
+for _names in ("json", "percent", "html", "json+html", "json+percent", "html+percent"):
+    FAMILIES[_names] = (re.compile(b"|".join(_PARTS[n][0] for n in _names.split("+"))),
+                        tuple(_PARTS[n][1] for n in _names.split("+")))
 _PLUS = bytes.maketrans(b" ", b"+")  # in form encoding `+` is a space: the families reading it read both as `+`
-_FORMS = ("percent", "mixed")
+_FORMS = ("percent", "json+percent", "html+percent")
 
 
 def _char(cp: int) -> bytes | None:
@@ -46,8 +53,14 @@ def _char(cp: int) -> bytes | None:
     return chr(cp).encode("utf-8")
 
 
-def _decode(m: re.Match) -> bytes | None:
-    """The bytes one escape stands for, None when it stands for none (a lone surrogate, an unknown name)."""
+_ANY = re.compile(b"|".join(p for p, _ in _PARTS.values()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode(token: bytes) -> bytes | None:
+    """The bytes one escape stands for (the same in every family that reads it), None when it stands for none (a
+    lone surrogate, an unknown name). Cached: a page repeats a few escapes (`&amp;`, `\\u00e9`) many times."""
+    m = _ANY.fullmatch(token)
     g = {k: v for k, v in m.groupdict().items() if v is not None}
     if "hi" in g:
         return _char(0x10000 + ((int(g["hi"], 16) - 0xD800) << 10) + (int(g["lo"], 16) - 0xDC00))
@@ -65,11 +78,10 @@ def _decode(m: re.Match) -> bytes | None:
 
 
 def _escapes_in(data: bytes, family: str) -> bool:
-    """Whether the family could read anything but literal bytes in `data` (the mixed one: when two families could;
-    else one of them reads it exactly as the mixed one would)."""
-    if family == "mixed":
-        return sum(c in data for c in (b"\\", b"%", b"&")) >= 2
-    return any(bytes([c]) in data for c in FAMILIES[family][1])
+    """Whether the family could read anything but literal bytes in `data`: one of its escape characters is there
+    (form encoding's `+` counts for the percent families)."""
+    starts = FAMILIES[family][1] + ((b"+",) if family in _FORMS else ())
+    return any(c in data for c in starts)
 
 
 def canonical(data: bytes, family: str, final: bool = True) -> tuple[bytes, list[tuple[int, int, int, bool]], int]:
@@ -85,7 +97,7 @@ def canonical(data: bytes, family: str, final: bool = True) -> tuple[bytes, list
     for m in pattern.finditer(data):
         if m.start() >= limit:
             break
-        decoded = _decode(m)
+        decoded = _decode(m.group())
         if decoded is None:
             continue
         if m.start() > at:
@@ -164,6 +176,8 @@ class Scrubber:
         """Star every match the family's reading of _buf[pos:] finds; the offset in _buf to read from next time."""
         pos = self._pos[family]
         data = bytes(self._buf[pos:])
+        if family != "raw" and not _escapes_in(data, family):  # it reads the bytes as the raw family does
+            return pos + (len(data) if final else max(0, len(data) - (self.longest - 1)))
         text, segs, stop = canonical(data, family, final)
         starts = [s[0] for s in segs]
         for needle in self.needles[family]:
