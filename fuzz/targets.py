@@ -602,6 +602,59 @@ def secrets_echo(data: bytes) -> None:
     assert out[at:at + len(echoed)] == b"*" * len(echoed), (name, value, stream, out)
 
 
+MODEL_FETCH_SEEDS = [
+    b'{"model":"m","tools":[{"type":"web_fetch_20250910","allowed_domains":["a.example"]},{"type":"mcp",'
+    b'"server_url":"https://169.254.169.254/"}],"mcp_servers":[{"url":"http://127.0.0.1/"}]}',
+    b'{"model":"m","input":[{"type":"input_image","image_url":"https://[::1]:8/x"}],"web_search_options":{}}',
+    b'{"model":"m","messages":[{"content":[{"image_url":{"url":"http://0x7f.1/"}},{"source":{"url":"//x"}}]}]}']
+
+
+@target("model-fetches", lambda: [bytes([k]) + s for s in MODEL_FETCH_SEEDS for k in (0, 1)])
+def model_fetches(data: bytes) -> None:
+    """doors/model_fetches.provider_fetches on any JSON object a model request may carry, then Policy.decide on the
+    call's facts: never an exception; at most MAX_FETCHES entries and the cut; each entry JSON; a `data:` URL never
+    listed; under `server_tools = "refuse"` any entry refuses the call, and under `"egress"` with `allow = ["*:*"]`
+    no URL naming an always-refused name or address passes."""
+    from tkbox_nb.doors.addresses import refused_name
+    from tkbox_nb.doors.hostnames import HostError
+    from tkbox_nb.doors.model_fetches import MAX_FETCHES, provider_fetches
+    from tkbox_nb.guest.protocol import loads_one_reading
+    mode, text = (data[:1] or b"\0")[0] % 2, data[1:]
+    try:
+        doc = loads_one_reading(text)
+    except (ValueError, RecursionError):
+        return
+    if not isinstance(doc, dict):
+        return
+    fetches = provider_fetches(doc)
+    assert len(fetches) <= MAX_FETCHES + 1 and json.loads(json.dumps(fetches)) == fetches
+    assert all(not str(f.get("url", "")).lower().startswith("data:") for f in fetches)
+    policy = _model_fetch_policy("egress" if mode else "refuse")
+    facts = {"door": "model", "kind": "call", "provider": "openai", "model": "m", "mode": "live", "run_calls": 0,
+             "run_input_tokens": 0, "run_output_tokens": 0, "request_size": 1, "max_output": 1, "fetches": fetches}
+    v = policy.decide(facts)
+    if fetches and not mode:
+        assert v.verdict == "deny" and v.rule == "models.server_tools"
+    if v.verdict == "allow":
+        from urllib.parse import urlsplit
+        for f in fetches:
+            if isinstance(f.get("url"), str):
+                host = urlsplit(f["url"] if "://" in f["url"] else "https://" + f["url"]).hostname or ""
+                try:
+                    kind, value = check_host(host)
+                except HostError:
+                    raise AssertionError(("allowed a URL with no host", f)) from None
+                assert not refused_name(str(value)), f
+                if kind == "ip":
+                    assert classify(value)[0] == "ok", f
+
+
+@lru_cache(maxsize=2)
+def _model_fetch_policy(mode: str) -> Policy:
+    return Policy.from_toml(f'[egress]\nallow = ["*:*"]\n[models]\nallow = ["openai:*"]\nserver_tools = "{mode}"\n'
+                            '[models.openai]\nkey = "env:TKB_FUZZ_NO_KEY"\n')
+
+
 @target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: " + h + b"\r\n"
                                       b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd"
                                       for f, h in ((0, b"api.example.org"), (2, b"tok.example:443"),
