@@ -496,10 +496,28 @@ def test_a_call_naming_a_web_fetch_tool_an_mcp_server_and_an_image_url_is_decide
     finally:
         up.stop()
     assert refused[0][:2] == ["refused", 403] and "models.server_tools" in refused[0][2]
-    assert passed[0][0] == "ok" and len(up.requests()) == 1
+    assert passed[0][0] == "ok"  # the upstream answered it
     assert other[0][:2] == ["refused", 403] and "elsewhere.example:443 is not in [egress] allow" in other[0][2]
     for bundle, rules in (("r.tkb", ["models.server_tools"]), ("e.tkb", ["models.allow[0]", "models.server_tools"])):
         calls = [c for c in open_run(tmp_path / bundle).crossings() if c.door == "model"]
         assert [c.args["rule"] for c in calls] == rules
         assert [sorted(f["kind"] for f in c.args["fetches"]) for c in calls] == [["mcp", "tool", "url"]] * len(calls)
         assert verify_bundle(tmp_path / bundle).valid
+
+
+def test_a_door_that_leaves_a_fetch_out_of_the_decision_fails_verification(signer, net, tmp_path, monkeypatch):
+    """The decision is re-derived from the signed facts; `tkbox verify` also reads the disclosed request body and
+    lists what it names, so a door stating fewer fetches than the body names (here: none, and the call passed) is
+    caught."""
+    monkeypatch.setattr("tkbox_nb.doors.model_request.provider_fetches", lambda doc: [])
+    up = Upstream(net)
+    try:
+        with Box(backend="bwrap", policy=_fetching_policy(net, ""), bundle_path=tmp_path / "l.tkb") as box:
+            passed = json.loads(_ok(box.run(["python3", "-c", FETCHING, "https://img.tkb.test/a.png"])))
+    finally:
+        up.stop()
+    assert passed[0][0] == "ok"
+    report = verify_bundle(tmp_path / "l.tkb")
+    assert not report.valid
+    assert any("model fetches" in c.name and "its request body names 3" in c.detail for c in report.checks), \
+        [(c.name, c.detail) for c in report.checks if not c.ok]
