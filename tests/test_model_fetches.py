@@ -58,8 +58,10 @@ def test_the_parser_lists_server_tools_mcp_servers_and_urls_the_provider_would_f
     assert provider_fetches(many)[-1]["kind"] == "cut" and len(provider_fetches(many)) == 33
 
 
-def _policy(extra: str = "", port: int = 9, allow: str = '"docs.tkb.test:443", "mcp.tkb.test:443", "img.tkb.test:443"'
-            ) -> Policy:
+ALLOW = '"docs.tkb.test:443", "*.docs.tkb.test:443", "mcp.tkb.test:443", "img.tkb.test:443"'
+
+
+def _policy(extra: str = "", port: int = 9, allow: str = ALLOW) -> Policy:
     return Policy.from_toml(f'[egress]\nallow = [{allow}]\nallow_cidrs = ["198.18.0.0/15"]\n'
                             f'[models]\nallow = ["anthropic:*", "openai:*"]\n{extra}\n'
                             f'[models.anthropic]\nbase_url = "http://127.0.0.1:{port}"\nkey = "env:TKB_TEST_KEY"\n'
@@ -78,7 +80,11 @@ def test_the_policy_refuses_them_by_default_and_decides_each_host_against_egress
     assert "mcp_servers[0]" in refused.reason and 'server_tools = "refuse"' in refused.reason
     egress = _policy('server_tools = "egress"')
     assert egress.decide(_facts("anthropic", ANTHROPIC)).verdict == "allow"
-    narrower = _policy('server_tools = "egress"', allow='"docs.tkb.test:443", "img.tkb.test:443"')
+    v = _policy('server_tools = "egress"', allow=ALLOW.replace('"*.docs.tkb.test:443", ', "")).decide(
+        _facts("anthropic", ANTHROPIC))  # the provider reads a web tool's allowed domain as its subdomains too
+    assert v.verdict == "deny" and "admits its subdomains" in v.reason and "*.docs.tkb.test" in v.reason
+    narrower = _policy('server_tools = "egress"', allow='"docs.tkb.test:443", "*.docs.tkb.test:443", '
+                                                         '"img.tkb.test:443"')
     v = narrower.decide(_facts("anthropic", ANTHROPIC))
     assert (v.verdict, v.rule) == ("deny", "models.server_tools") and "mcp.tkb.test:443 is not in [egress] allow" \
         in v.reason
@@ -156,6 +162,6 @@ def test_a_call_naming_a_web_fetch_tool_an_mcp_server_and_an_image_url_through_t
     assert door.box.recorder.log[0][4] == "allow" and door.box.recorder.log[0][3]["fetches"]
 
     door = ModelDoor(FakeBox(_policy('server_tools = "egress"', port=port,
-                                     allow='"docs.tkb.test:443", "mcp.tkb.test:443"'), []))
+                                     allow=ALLOW.replace(', "img.tkb.test:443"', "")), []))
     out = _call(door, b"/anthropic/v1/messages", ANTHROPIC)
     assert out.startswith(b"HTTP/1.1 403") and b"img.tkb.test:443 is not in [egress] allow" in out and len(seen) == 1

@@ -466,7 +466,7 @@ print(json.dumps(out))
 def _fetching_policy(net, extra: str) -> Policy:
     return Policy.from_toml(f"""
 [egress]
-allow = ["docs.tkb.test:443", "mcp.tkb.test:443", "img.tkb.test:443"]
+allow = ["docs.tkb.test:443", "*.docs.tkb.test:443", "mcp.tkb.test:443", "img.tkb.test:443"]
 
 [models]
 mode = "record"

@@ -9,6 +9,7 @@ from typing import Any
 from .base import Settings, Verdict
 
 SERVER_TOOLS = ("refuse", "egress")
+SUBDOMAIN = "tkbox-any-subdomain."  # stands for any subdomain of a web tool's allowed domain in the egress check
 
 
 def _host(policy: Settings, url: str, default_port: int = 443) -> tuple[str, str]:
@@ -71,6 +72,10 @@ def decide_fetches(policy: Settings, fetches: Any) -> Verdict | None:
             if not isinstance(target, str):
                 return Verdict("deny", "models.server_tools", f"{where}: a URL that is not a string")
             rule, why = _host(policy, target)
+            if rule and "url" not in f and "://" not in target:  # a web tool's domain admits its subdomains there
+                rule, why = _host(policy, SUBDOMAIN + target.lstrip("."))
+                why = why and f"{why} (a web tool's allowed domain {target[:100]!r} admits its subdomains, so " \
+                              f"[egress] allow must admit *.{target[:100]} too)"
             if not rule:
                 return Verdict("deny", "models.server_tools", f"{where}: {why}")
     return None
