@@ -165,3 +165,22 @@ def test_a_call_naming_a_web_fetch_tool_an_mcp_server_and_an_image_url_through_t
                                      allow=ALLOW.replace(', "img.tkb.test:443"', "")), []))
     out = _call(door, b"/anthropic/v1/messages", ANTHROPIC)
     assert out.startswith(b"HTTP/1.1 403") and b"img.tkb.test:443 is not in [egress] allow" in out and len(seen) == 1
+
+
+def test_a_deep_and_wide_body_is_walked_without_a_path_per_node():
+    """Each node's JSON path was built as a string when it was pushed: a body nested 900 deep around 20 000 objects
+    made the host hold 20 000 paths of kilobytes at once (gigabytes for a 16 MiB body). Now a place is a cell made in
+    O(1) and rendered only for what is named."""
+    import tracemalloc
+
+    from tkbox_nb.guest.protocol import loads_one_reading
+    doc = loads_one_reading(b'{"model":"m","x":' + b"[" * 900 + b'{"a":0},' * 20000
+                            + b'{"image_url":"https://a.example/"}' + b"]" * 900 + b"}")
+    tracemalloc.start()
+    try:
+        found = provider_fetches(doc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [f["url"] for f in found] == ["https://a.example/"] and len(found[0]["where"]) == 200
+    assert peak < 12 << 20, peak

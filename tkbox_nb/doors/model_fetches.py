@@ -30,7 +30,6 @@ CLIENT_TOOLS = re.compile(r"(function|custom|computer_use_preview|computer_use|l
 # Anthropic's code execution run in the provider's sandbox without network): decided as tools, with no host
 NO_NETWORK_TOOLS = re.compile(r"(file_search|code_interpreter|image_generation|code_execution_[0-9a-z_]+)")
 # web tools may name the domains they are kept to (Anthropic `allowed_domains`; OpenAI `filters.allowed_domains`)
-_TOOL = re.compile(r"tools\[[0-9]+\]")  # where a tool object is: an entry of the top-level `tools`
 WEB_TOOLS = re.compile(r"(web_search|web_search_preview|web_search_preview_[0-9_]+|web_search_[0-9]+"
                        r"|web_fetch_[0-9]+)")
 
@@ -80,23 +79,41 @@ def provider_fetches(doc: dict) -> list[dict]:
         options = doc["web_search_options"]
         found.append({"kind": "tool", "tool": "web_search", "where": "web_search_options",
                       "domains": _domains(options) if isinstance(options, dict) else None})
-    stack: list[tuple[Any, str, str]] = [(doc, "", "")]
+    # each node with its place as a cell (parent cell, key): O(1) to make however deep, rendered only when named
+    stack: list[tuple[Any, Any]] = [(doc, None)]
     while stack and len(found) <= MAX_FETCHES:
-        node, where, key = stack.pop()
+        node, cell = stack.pop()
         if isinstance(node, dict):
-            entry = _tool(node, where) if _TOOL.fullmatch(where) else None
+            entry = _tool(node, _where(cell)) if _is_tool(cell) else None
             if entry:
                 found.append(entry)
             for k, v in reversed(list(node.items())):
-                if where == "" and k in ("mcp_servers", "web_search_options"):
+                if cell is None and k in ("mcp_servers", "web_search_options"):
                     continue
-                stack.append((v, f"{where}.{k}" if where else str(k), str(k)))
+                if isinstance(v, (dict, list)) or isinstance(v, str) and k in URL_KEYS:
+                    stack.append((v, (cell, k)))
         elif isinstance(node, list):
             for i in range(len(node) - 1, -1, -1):
-                stack.append((node[i], f"{where}[{i}]", key))
-        elif isinstance(node, str) and key in URL_KEYS and where != "" and not node[:5].lower() == "data:":
-            if not (key == "server_url" and _TOOL.fullmatch(where.rsplit(".", 1)[0])):  # stated with its tool
-                found.append({"kind": "url", "where": where[:200], "url": node[:500]})
+                if isinstance(node[i], (dict, list)):  # a string in a list sits under no URL key of its own
+                    stack.append((node[i], (cell, i)))
+        elif isinstance(node, str) and not node[:5].lower() == "data:":
+            if not (cell[1] == "server_url" and _is_tool(cell[0])):  # stated with its tool
+                found.append({"kind": "url", "where": _where(cell), "url": node[:500]})
     if len(found) > MAX_FETCHES:
         found = found[:MAX_FETCHES] + [{"kind": "cut", "where": f"more than {MAX_FETCHES}"}]
     return found
+
+
+def _is_tool(cell: Any) -> bool:
+    """Whether a place is an entry of the top-level `tools` list (where a tool object is)."""
+    return cell is not None and isinstance(cell[1], int) and cell[0] is not None and cell[0] == (None, "tools")
+
+
+def _where(cell: Any) -> str:
+    """A place as a JSON path (`messages[0].content[2].source.url`), at most 200 characters."""
+    keys = []
+    while cell is not None:
+        cell, key = cell
+        keys.append(key)
+    path = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in reversed(keys)).lstrip(".")
+    return path[:200]
