@@ -567,6 +567,94 @@ def secrets_scrubber(data: bytes) -> None:
             assert form not in out, (v, form)
 
 
+ECHO_ALPHABET = "abcXYZ019-_.:/=?+&<>\"'\\%;# \u00e9\u00fc\u00df\u4e2d\U0001f600\u2028"
+
+
+def _echo_text(inp: Input, n: int) -> str:
+    return "".join(ECHO_ALPHABET[inp.byte() % len(ECHO_ALPHABET)] for _ in range(n))
+
+
+@target("secrets-echo", lambda: [bytes([n, k, 3, 2, 5]) + bytes(range(40)) for n in (0, 9, 17) for k in range(16)])
+def secrets_echo(data: bytes) -> None:
+    """Scrubber on a value escaped as a common server writes it (Go, .NET or Python JSON, an HTML template or
+    character references, percent or form encoding, UTF-8 read as latin-1, two of these mixed character by
+    character),
+    with text around it escaped the same way, in any chunking: every byte of the echoed value is starred, and the
+    stream keeps its length."""
+    from fuzz.echoes import ECHOES, PAIRS, mixed
+    from tkbox_nb.doors.secrets import value_problem
+    inp = Input(data)
+    value = _echo_text(inp, inp.byte() % 18 + 7).strip() or "x"
+    if value_problem(value):
+        return
+    names = sorted(ECHOES) + list(PAIRS)
+    name = names[inp.byte() % len(names)]
+    before, after = _echo_text(inp, inp.byte() % 6), _echo_text(inp, inp.byte() % 6)
+    step = _step(inp.byte())
+    picks = inp.take(32)
+    spell = (lambda t: mixed(t, picks, name)) if name in PAIRS else ECHOES[name]
+    head, echoed, tail = spell(before), spell(value), spell(after)
+    stream = b"{" + head + echoed + tail + b"}"
+    s = Scrubber([value])
+    out = b"".join(s.feed(c) for c in _split(stream, step)) + s.flush()
+    assert len(out) == len(stream)
+    at = 1 + len(head)
+    assert out[at:at + len(echoed)] == b"*" * len(echoed), (name, value, stream, out)
+
+
+MODEL_FETCH_SEEDS = [
+    b'{"model":"m","tools":[{"type":"web_fetch_20250910","allowed_domains":["a.example"]},{"type":"mcp",'
+    b'"server_url":"https://169.254.169.254/"}],"mcp_servers":[{"url":"http://127.0.0.1/"}]}',
+    b'{"model":"m","input":[{"type":"input_image","image_url":"https://[::1]:8/x"}],"web_search_options":{}}',
+    b'{"model":"m","messages":[{"content":[{"image_url":{"url":"http://0x7f.1/"}},{"source":{"url":"//x"}}]}]}']
+
+
+@target("model-fetches", lambda: [bytes([k]) + s for s in MODEL_FETCH_SEEDS for k in (0, 1)])
+def model_fetches(data: bytes) -> None:
+    """doors/model_fetches.provider_fetches on any JSON object a model request may carry, then Policy.decide on the
+    call's facts: never an exception; at most MAX_FETCHES entries and the cut; each entry JSON; a `data:` URL never
+    listed; under `server_tools = "refuse"` any entry refuses the call, and under `"egress"` with `allow = ["*:*"]`
+    no URL naming an always-refused name or address passes."""
+    from tkbox_nb.doors.addresses import refused_name
+    from tkbox_nb.doors.hostnames import HostError
+    from tkbox_nb.doors.model_fetches import MAX_FETCHES, provider_fetches
+    from tkbox_nb.guest.protocol import loads_one_reading
+    mode, text = (data[:1] or b"\0")[0] % 2, data[1:]
+    try:
+        doc = loads_one_reading(text)
+    except (ValueError, RecursionError):
+        return
+    if not isinstance(doc, dict):
+        return
+    fetches = provider_fetches(doc)
+    assert len(fetches) <= MAX_FETCHES + 1 and json.loads(json.dumps(fetches)) == fetches
+    assert all(not str(f.get("url", "")).lower().startswith("data:") for f in fetches)
+    policy = _model_fetch_policy("egress" if mode else "refuse")
+    facts = {"door": "model", "kind": "call", "provider": "openai", "model": "m", "mode": "live", "run_calls": 0,
+             "run_input_tokens": 0, "run_output_tokens": 0, "request_size": 1, "max_output": 1, "fetches": fetches}
+    v = policy.decide(facts)
+    if fetches and not mode:
+        assert v.verdict == "deny" and v.rule == "models.server_tools"
+    if v.verdict == "allow":
+        from urllib.parse import urlsplit
+        for f in fetches:
+            if isinstance(f.get("url"), str):
+                host = urlsplit(f["url"] if "://" in f["url"] else "https://" + f["url"]).hostname or ""
+                try:
+                    kind, value = check_host(host)
+                except HostError:
+                    raise AssertionError(("allowed a URL with no host", f)) from None
+                assert not refused_name(str(value)), f
+                if kind == "ip":
+                    assert classify(value)[0] == "ok", f
+
+
+@lru_cache(maxsize=2)
+def _model_fetch_policy(mode: str) -> Policy:
+    return Policy.from_toml(f'[egress]\nallow = ["*:*"]\n[models]\nallow = ["openai:*"]\nserver_tools = "{mode}"\n'
+                            '[models.openai]\nkey = "env:TKB_FUZZ_NO_KEY"\n')
+
+
 @target("intercept-request", lambda: [bytes([f, 200]) + b"GET /v1?x=1 HTTP/1.1\r\nHost: " + h + b"\r\n"
                                       b"Authorization: \xfe\r\nContent-Length: 3\r\n\r\nab\xfd"
                                       for f, h in ((0, b"api.example.org"), (2, b"tok.example:443"),

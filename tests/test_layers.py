@@ -28,9 +28,11 @@ LAYERS: list[tuple[str, list[str]]] = [
                      "tkbox_nb.connection", "tkbox_nb.testnet", "tkbox_nb.visible"]),
     ("policy and door rules", [
         "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",
-        "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader", "tkbox_nb.doors.proxy_request",
+        "tkbox_nb.doors.scrubber", "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader",
+        "tkbox_nb.doors.proxy_request",
         "tkbox_nb.doors.client_hello",
-        "tkbox_nb.doors.model_request", "tkbox_nb.doors.model_usage", "tkbox_nb.doors.box_ca",
+        "tkbox_nb.doors.model_request", "tkbox_nb.doors.model_fetches", "tkbox_nb.doors.model_usage",
+        "tkbox_nb.doors.box_ca",
         "tkbox_nb.patch_diff"]),
     ("records", ["tkbox_nb.signer", "tkbox_nb.recorder", "tkbox_nb.central_signer", "tkbox_nb.bundle",
                  "tkbox_nb.verify", "tkbox_nb.run", "tkbox_nb.scratch", "tkbox_nb.signer_lanes",

@@ -122,7 +122,8 @@ def test_bytes_that_merely_resemble_a_spelling_pass_unchanged():
 BAD_VALUES = {"a trailing space": "sk-live-SECRET-pasted ", "a leading tab": "\tsk-live-SECRET",
               "an escape": "sk-live-SECRET\x1bx", "a NUL": "sk-live\x00SECRET", "a line break": "sk-live\nSECRET",
               "DEL": "sk-live-SECRET\x7f", "a C1 control": "sk-live-SECRET\x85x", "a lone surrogate": "sk-\udcffSECRET",
-              "a tab inside": "sk-live\tSECRET", "too long": "sk-live-SECRET" + "x" * (16 * 1024)}
+              "a tab inside": "sk-live\tSECRET", "too short to scrub in base64": "sk-SEC",
+              "too long": "sk-live-SECRET" + "x" * (16 * 1024)}
 
 
 @pytest.mark.parametrize("what", sorted(BAD_VALUES))

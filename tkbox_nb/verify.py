@@ -333,6 +333,9 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
             fail_record(seq, "policy", f"names policy {str(args.get('policy'))[:19]}..., which the bundle lacks")
             continue
         facts = {k: v for k, v in args.items() if k not in ("policy", "verdict", "rule", "verdict_reason")}
+        why = _unstated_fetches(args, b.content)
+        if why:
+            fail_record(seq, "model fetches", why)
         v = pol.decide(facts)
         stated = (args.get("verdict"), args.get("rule"), args.get("verdict_reason", ""))
         if (v.verdict, v.rule, v.reason[:500]) != stated:
@@ -374,6 +377,25 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
         report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "
                                         "re-derived from the disclosed policy")
 
+
+
+def _unstated_fetches(args: dict, content: dict) -> str:
+    """For a model call whose request body is in the bundle: "" when the server-side tools, MCP servers and URLs it
+    states (`fetches`) are those the body names (doors/model_fetches.py), else why not, so a door that left one out
+    of the decision fails verification."""
+    if args.get("door") != "model" or args.get("kind") != "call" or args.get("request") not in content:
+        return ""
+    from .doors.model_fetches import provider_fetches
+    from .guest.protocol import loads_one_reading
+    try:
+        doc = loads_one_reading(content[args["request"]])
+    except (ValueError, RecursionError):
+        return ""  # the door decides no body it cannot read (a request error) and states no fetches for it
+    named = provider_fetches(doc) if isinstance(doc, dict) else []
+    if named != (args.get("fetches") or []):
+        return f"the call states {len(args.get('fetches') or [])} server-side fetch(es), its request body names " \
+               f"{len(named)}"
+    return ""
 
 
 def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:

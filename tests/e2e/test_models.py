@@ -443,3 +443,81 @@ def test_concurrent_calls_keep_exact_signed_totals_and_upstream_errors_pass_thro
     assert done == 8 or last["run_output_tokens"] > done * 7  # calls still in flight count what they asked for
     report = verify_bundle(tmp_path / "c.tkb")  # the totals each concurrent call stated recount exactly
     assert report.valid, report.summary()
+
+
+FETCHING = r'''
+import json, sys, anthropic
+a = anthropic.Anthropic(max_retries=0)
+img = sys.argv[1]
+out = []
+try:
+    m = a.messages.create(model="claude-3-5-haiku-latest", max_tokens=60,
+        tools=[{"type": "web_fetch_20250910", "name": "web_fetch", "allowed_domains": ["docs.tkb.test"]}],
+        extra_body={"mcp_servers": [{"type": "url", "url": "https://mcp.tkb.test/sse", "name": "m"}]},
+        messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": img}},
+                                               {"type": "text", "text": "fetch for me"}]}])
+    out.append(["ok", m.content[0].text])
+except anthropic.PermissionDeniedError as e:
+    out.append(["refused", e.status_code, str(e)])
+print(json.dumps(out))
+'''
+
+
+def _fetching_policy(net, extra: str) -> Policy:
+    return Policy.from_toml(f"""
+[egress]
+allow = ["docs.tkb.test:443", "*.docs.tkb.test:443", "mcp.tkb.test:443", "img.tkb.test:443"]
+
+[models]
+mode = "record"
+allow = ["anthropic:claude-*"]
+{extra}
+
+[models.anthropic]
+base_url = "http://{net.web}:{PORT}"
+key = "env:TKB_TEST_ANTHROPIC_KEY"
+""")
+
+
+def test_a_call_naming_a_web_fetch_tool_an_mcp_server_and_an_image_url_is_decided_against_egress(signer, net,
+                                                                                                  tmp_path):
+    """The provider would fetch each of these past the egress door: by default the call is refused, signed, with
+    the provider's error shape and nothing sent upstream; with `server_tools = "egress"` a call whose every host is on
+    the egress allow list goes up, and one naming another host is refused."""
+    up = Upstream(net)
+    try:
+        with Box(backend="bwrap", policy=_fetching_policy(net, ""), bundle_path=tmp_path / "r.tkb") as box:
+            refused = json.loads(_ok(box.run(["python3", "-c", FETCHING, "https://img.tkb.test/a.png"])))
+        assert up.requests() == []
+        with Box(backend="bwrap", policy=_fetching_policy(net, 'server_tools = "egress"'),
+                 bundle_path=tmp_path / "e.tkb") as box:
+            passed = json.loads(_ok(box.run(["python3", "-c", FETCHING, "https://img.tkb.test/a.png"])))
+            other = json.loads(_ok(box.run(["python3", "-c", FETCHING, "https://elsewhere.example/a.png"])))
+    finally:
+        up.stop()
+    assert refused[0][:2] == ["refused", 403] and "models.server_tools" in refused[0][2]
+    assert passed[0][0] == "ok"  # the upstream answered it
+    assert other[0][:2] == ["refused", 403] and "elsewhere.example:443 is not in [egress] allow" in other[0][2]
+    for bundle, rules in (("r.tkb", ["models.server_tools"]), ("e.tkb", ["models.allow[0]", "models.server_tools"])):
+        calls = [c for c in open_run(tmp_path / bundle).crossings() if c.door == "model"]
+        assert [c.args["rule"] for c in calls] == rules
+        assert [sorted(f["kind"] for f in c.args["fetches"]) for c in calls] == [["mcp", "tool", "url"]] * len(calls)
+        assert verify_bundle(tmp_path / bundle).valid
+
+
+def test_a_door_that_leaves_a_fetch_out_of_the_decision_fails_verification(signer, net, tmp_path, monkeypatch):
+    """The decision is re-derived from the signed facts; `tkbox verify` also reads the disclosed request body and
+    lists what it names, so a door stating fewer fetches than the body names (here: none, and the call passed) is
+    caught."""
+    monkeypatch.setattr("tkbox_nb.doors.model_request.provider_fetches", lambda doc: [])
+    up = Upstream(net)
+    try:
+        with Box(backend="bwrap", policy=_fetching_policy(net, ""), bundle_path=tmp_path / "l.tkb") as box:
+            passed = json.loads(_ok(box.run(["python3", "-c", FETCHING, "https://img.tkb.test/a.png"])))
+    finally:
+        up.stop()
+    assert passed[0][0] == "ok"
+    report = verify_bundle(tmp_path / "l.tkb")
+    assert not report.valid
+    assert any("model fetches" in c.name and "its request body names 3" in c.detail for c in report.checks), \
+        [(c.name, c.detail) for c in report.checks if not c.ok]

@@ -138,6 +138,8 @@ class ModelDoor:
                      "max_output": req.max_output, "mode": mode, "run_calls": self.calls,
                      "run_input_tokens": self.input_tokens, "run_output_tokens": self.output_tokens + self.reserved,
                      "request_size": len(req.body)}
+            if req.fetches:  # server-side tools, MCP servers, URLs the provider would fetch: decided, then signed
+                facts["fetches"] = req.fetches
             if mode == "replay":
                 facts["recorded"] = self.recordings is not None and self.recordings.has(req.key)
             crossing = recorder.decide("model", "call", facts, {"request": req.body})

@@ -2,7 +2,8 @@
 
 The box's clients reach the model endpoint with base URLs `http://127.0.0.1:3129/openai/v1` and
 `http://127.0.0.1:3129/anthropic`, so the path names the provider and the endpoint. Only POST to a few endpoints
-passes; the body must be one JSON object of at most the policy's `max_request_bytes`, naming a model. Everything
+passes; the body must be one JSON object of at most the policy's `max_request_bytes`, naming a model; what it asks the
+provider to fetch or run on its side (server-side tools, MCP servers, URLs) is listed (model_fetches.py). Everything
 here is hostile input: the parser returns a ModelRequest, or raises ModelRequestError with the HTTP status to answer
 and a reason (both end up in the signed refusal when the route is known).
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import h11
 
 from ..guest.protocol import loads_one_reading
+from .model_fetches import provider_fetches
 
 MAX_HEAD = 64 * 1024
 ROUTES = {  # box path prefix -> (provider, allowed endpoints)
@@ -45,6 +47,7 @@ class ModelRequest:
     stream: bool
     max_output: int | None            # max_tokens (or its OpenAI names) times n (choices), when the request says
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)   # the passed ones only
+    fetches: list[dict] = field(default_factory=list)  # what the provider would fetch or run: model_fetches.py
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -139,4 +142,5 @@ class ModelRequestParser:
         for k, v in headers:  # h11 reads obs-text (bytes over 0x7f) in a value; the upstream client sends ASCII only
             if not _FIELD_VALUE.fullmatch(v):
                 raise ModelRequestError(400, f"the {k.decode('ascii')} header is not visible ASCII", provider, endpoint)
-        return ModelRequest(provider, endpoint, body, model, stream, max(asked) * copies if asked else None, headers)
+        return ModelRequest(provider, endpoint, body, model, stream, max(asked) * copies if asked else None, headers,
+                            provider_fetches(doc))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets as _random
 import unicodedata
 from dataclasses import dataclass, field
@@ -21,9 +20,13 @@ from pathlib import Path
 
 from ..errors import PolicyError
 from .hostnames import host_pattern_matches
+from .scrubber import MIN_ENCODED_FORM, Scrubber, encoded_forms  # noqa: F401 (the door's scrubber, re-exported)
 
 PLACEHOLDER_PREFIX = "tkbox-ph-"
 MAX_VALUE = 16 * 1024
+# the fewest UTF-8 bytes a value may have: a shorter one's base64 at some alignment (where the box puts it in a Basic
+# header) is under scrubber.MIN_ENCODED_FORM characters, too common in unrelated bytes to be starred
+MIN_VALUE_BYTES = 7
 
 
 @dataclass
@@ -56,11 +59,14 @@ class Binding:
 
 def value_problem(value: str) -> str:
     """Why `value` cannot be (part of) an HTTP header field value as it is, "" when it can: empty, over MAX_VALUE
-    characters, whitespace at either end, a control character (tab, line break, NUL, DEL, C0 or C1) or a lone
-    surrogate. The answer never quotes the value: h11 and httpx name an illegal header value in their errors, so a
-    value that reached them would be in the error the box and the record get."""
+    characters or under MIN_VALUE_BYTES bytes, whitespace at either end, a control character (tab, line break,
+    NUL, DEL, C0 or C1) or a lone surrogate. The answer never quotes the value: h11 and httpx name an illegal header
+    value in their errors, so a value that reached them would be in the error the box and the record get."""
     if not value:
         return "is empty"
+    if len(value.encode("utf-8", "surrogatepass")) < MIN_VALUE_BYTES:
+        return (f"is under {MIN_VALUE_BYTES} bytes (its base64, as an echo at an offset the box chooses spells it, "
+                "would be too short to scrub)")
     if len(value) > MAX_VALUE:
         return f"is over {MAX_VALUE} characters"
     if value != value.strip():
@@ -179,72 +185,3 @@ class PlaceholderWatch:
                 where = "body (plain http)"
                 found.append((b.name, where if host_matches(self.host, b.hosts) else f"{where} to {self.host}"))
         return found
-
-
-MIN_ENCODED_FORM = 8   # a derived spelling shorter than this is not scrubbed (too likely in unrelated bytes)
-
-
-def _base64_cores(value: bytes, alphabet: str) -> list[bytes]:
-    """The characters of `value`'s base64 that do not depend on what is around it, for each of the three places it
-    can start in a longer encoded text (so `user:VALUE` in a Basic header or a JSON field's base64 is found too)."""
-    import base64
-    encode = base64.b64encode if alphabet == "std" else base64.urlsafe_b64encode
-    cores = []
-    for k in range(3):
-        text = encode(b"\0" * k + value).rstrip(b"=")
-        first = -(-8 * k // 6)                       # the first character holding no bit of the bytes before it
-        last = (8 * (k + len(value))) // 6           # characters wholly within the value's bits
-        cores.append(text[first:last])
-    return cores
-
-
-def encoded_forms(value: str) -> list[bytes]:
-    """Every spelling of a secret value the scrubber removes: its UTF-8 bytes, and as a server echoing it commonly
-    writes it back: JSON-escaped (ASCII or not, `/` escaped or not), percent-encoded (`quote`, `quote_plus`, `/`
-    encoded or kept as quote's default safe; hex digits in either case), base64 and base64url (at any
-    alignment) and hex (either case). Longest first, so a longer spelling is scrubbed before a shorter one inside it."""
-    import json
-    from urllib.parse import quote, quote_plus
-    raw = value.encode("utf-8")
-    forms = {raw}
-    for ascii_only in (True, False):
-        escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1].encode("utf-8")
-        forms |= {escaped, escaped.replace(b"/", b"\\/")}
-    for percent in (quote(value, safe=""), quote_plus(value, safe=""), quote(value)):
-        forms |= {percent.encode("ascii"),
-                  re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), percent).encode("ascii")}
-    for alphabet in ("std", "url"):
-        forms |= set(_base64_cores(raw, alphabet))
-    forms |= {raw.hex().encode("ascii"), raw.hex().upper().encode("ascii")}
-    return sorted((f for f in forms if f == raw or len(f) >= MIN_ENCODED_FORM), key=len, reverse=True)
-
-
-class Scrubber:
-    """Removes secret values from a byte stream (a response on its way into the box), across chunk boundaries:
-    each value, in each of its `encoded_forms`, becomes as many `*` (so lengths, and Content-Length, stay right).
-    A spelling outside that list (a compressed or encrypted echo, a value split by the server) is not found: the
-    door asks bound hosts for identity encoding and refuses others (threat model I24), and the rest is the bound
-    host's to keep to itself."""
-
-    def __init__(self, values: list[str]):
-        forms = {f for v in values if v for f in encoded_forms(v)}
-        self.values = sorted(forms, key=len, reverse=True)
-        self.keep = max((len(v) for v in self.values), default=1) - 1
-        self._tail = b""
-
-    def scrub(self, data: bytes) -> bytes:
-        for v in self.values:
-            data = data.replace(v, b"*" * len(v))
-        return data
-
-    def feed(self, data: bytes) -> bytes:
-        buf = self.scrub(self._tail + data)
-        if self.keep <= 0:
-            self._tail = b""
-            return buf
-        self._tail = buf[-self.keep:]
-        return buf[:-self.keep]
-
-    def flush(self) -> bytes:
-        out, self._tail = self.scrub(self._tail), b""
-        return out

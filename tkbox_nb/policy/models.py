@@ -9,16 +9,17 @@ from typing import Any
 
 from ..errors import PolicyError
 from .base import MAX_LIST, Settings, Verdict, seconds_problem, tname
+from .model_fetches import SERVER_TOOLS, decide_fetches
 
 MODEL_MODES = ("live", "record", "replay")
 MODEL_PROVIDERS = ("openai", "anthropic")
 # [models] keys: mode, allow, budgets (each per run, except the *_per_call and max_request_bytes ones), timeout
 MODEL_KEYS: dict[str, type | tuple[type, ...]] = {
     "mode": str, "allow": list, "max_calls": int, "max_input_tokens": int, "max_output_tokens": int,
-    "max_output_tokens_per_call": int, "max_request_bytes": int, "timeout_s": (int, float)}
+    "max_output_tokens_per_call": int, "max_request_bytes": int, "timeout_s": (int, float), "server_tools": str}
 MODEL_DEFAULTS: dict[str, Any] = {"mode": "live", "allow": [], "max_calls": 0, "max_input_tokens": 0,
                                   "max_output_tokens": 0, "max_output_tokens_per_call": 0,
-                                  "max_request_bytes": 4 << 20, "timeout_s": 120}
+                                  "max_request_bytes": 4 << 20, "timeout_s": 120, "server_tools": "refuse"}
 MAX_REQUEST_BYTES = 16 << 20  # the door's own ceiling on one request body, whatever the policy says
 PROVIDER_KEYS: dict[str, type] = {"base_url": str, "key": str, "secret": str}
 PROVIDER_URLS = {"openai": "https://api.openai.com", "anthropic": "https://api.anthropic.com"}
@@ -42,6 +43,8 @@ def validate(models: Any, name: str, secrets: dict[str, Any]) -> dict[str, Any]:
             raise PolicyError(f"{where} must be {tname(want)}")
         if key == "mode" and value not in MODEL_MODES:
             raise PolicyError(f"{where} must be one of {', '.join(MODEL_MODES)}, not {value!r}")
+        if key == "server_tools" and value not in SERVER_TOOLS:
+            raise PolicyError(f"{where} must be one of {', '.join(SERVER_TOOLS)}, not {value!r}")
         if key == "allow":
             for pattern in value:
                 provider, sep, model = pattern.partition(":") if isinstance(pattern, str) else ("", "", "")
@@ -128,6 +131,9 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
                                                 "calls upstream")
     if mode != "replay" and provider not in models.get("providers", {}):
         return Verdict("deny", "models.provider", f"[models.{provider}] is not configured")
+    refused = decide_fetches(policy, facts.get("fetches"))  # server-side tools, MCP servers, URLs the provider fetches
+    if refused:
+        return refused
     ints = {k: facts.get(k) for k in ("run_calls", "run_input_tokens", "run_output_tokens", "request_size")}
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints.values()):
         return Verdict("deny", "models.request", "a model call without the run's totals")
