@@ -104,7 +104,7 @@ class RunBounds:
     """RunRecorder's bounds: its refusal caps, the timer that signs their counts, and its size (recorder.py)."""
 
     _lock: threading.Lock
-    policy: Any
+    start_policy: Any  # [box] is fixed as the box starts (docs/policy.md)
     counts: dict
 
     def _init_bounds(self) -> None:
@@ -118,7 +118,7 @@ class RunBounds:
         """A refusal by the box policy: True to sign it one by one; False when it is counted instead (past the
         door's `[box] max_refusals` in this run), its count signed now if due, else by a timer once due."""
         with self._lock:
-            if self.caps.admit(door, kind, verdict.rule, self.policy.get("box", "max_refusals")):
+            if self.caps.admit(door, kind, verdict.rule, self.start_policy.get("box", "max_refusals")):
                 return True
             self.counts[(door, "deny")] = self.counts.get((door, "deny"), 0) + 1
             wait = self.caps.due_in(time.monotonic())
@@ -146,7 +146,7 @@ class RunBounds:
 
     def _account(self, size: int) -> None:
         """Add `size` bytes to the run's estimated bundle; past `[box] max_run_mib` the run is full."""
-        limit = self.policy.get("box", "max_run_mib") << 20
+        limit = self.start_policy.get("box", "max_run_mib") << 20
         with self._lock:
             self.run_bytes += size
             full = self.run_bytes > limit and not self.full
