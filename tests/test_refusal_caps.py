@@ -74,3 +74,32 @@ def test_the_caps_are_validated_with_one_line_errors(line, error):
         Policy.from_toml(f"[box]\n{line}\n", "p.toml")
     assert "\n" not in str(e.value)
     assert Policy.default().get("box", "max_refusals") == 1000 and Policy.default().get("box", "max_run_mib") == 384
+
+
+def test_verify_recounts_the_allowed_connections_each_connection_states():
+    from tkbox_nb.verify import _connection_totals
+
+    def record(seq, before, decision):
+        return ({"type": "policy.decision", "data": {"decision": decision}},
+                {"args": {"door": "egress", "kind": "connect", "run_connections": before}})
+    runs = {"honest": [(0, "allow"), (1, "deny"), (1, "allow"), (2, "allow")],
+            "hidden": [(0, "allow"), (0, "allow"), (1, "allow")]}  # the second states none before it: it hides one
+    for name, stated in runs.items():
+        events, disclosed, failed = {}, {}, []
+        for seq, (before, decision) in enumerate(stated, 2):
+            events[seq], disclosed[(seq, "policy.decision")] = record(seq, before, decision)
+        _connection_totals(events, disclosed, lambda seq, check, why: failed.append((seq, check)))
+        assert failed == ([] if name == "honest" else [(3, "connection totals"), (4, "connection totals")]), name
+
+
+def test_max_connections_refuses_a_connection_past_the_run_s_allowed_ones():
+    pol = Policy.from_toml('[egress]\nallow = ["198.18.34.2:8080"]\nallow_cidrs = ["198.18.0.0/15"]\n'
+                           'max_connections = 2\n')
+    facts = {"door": "egress", "kind": "connect", "host": "198.18.34.2", "port": 8080, "addresses": ["198.18.34.2"]}
+    assert pol.decide(facts).rule == "egress.allow[0]"  # a statement without the total (older runs): as before
+    assert [pol.decide(dict(facts, run_connections=n)).rule for n in (0, 1, 2, 9)] == \
+        ["egress.allow[0]"] * 2 + ["egress.max_connections"] * 2
+    assert pol.decide(dict(facts, run_connections="1")).rule == "egress.max_connections"
+    assert Policy.default().get("egress", "max_connections") == 10_000
+    with pytest.raises(PolicyError, match="^p.toml: egress.max_connections must be from 0 .no limit. to 1000000"):
+        Policy.from_toml("[egress]\nmax_connections = -1\n", "p.toml")

@@ -133,3 +133,38 @@ def test_a_run_reaching_its_size_limit_is_ended_fail_closed_with_its_bundle_writ
     assert unpacked(out) <= estimate, (unpacked(out), estimate)  # the estimate bounds the bundle from above
     print(f"\nfull: {len(run.crossings())} records, estimated {estimate} bytes, unpacked {unpacked(out)} bytes")
     assert verify_bundle(out, trust=signer.trust_path).valid
+
+
+FETCH_MANY = """
+import sys, urllib.request
+codes = []
+for _ in range(int(sys.argv[2])):
+    try:
+        codes.append(urllib.request.urlopen(sys.argv[1], timeout=20).status)
+    except urllib.error.HTTPError as e:
+        codes.append(e.code)
+print(codes)
+"""
+
+
+def test_allowed_connections_past_max_connections_are_refused_counted_and_recounted_by_verify(private_signer,
+                                                                                             tmp_path):
+    from tkbox_nb.testnet import NamespaceNet, available
+    if not available()[0]:
+        pytest.skip(available()[1])
+    signer, out = private_signer, tmp_path / "conns.tkb"
+    with NamespaceNet(index=34) as net:  # 198.18.34.0/24: no other test module uses it
+        pol = Policy.from_toml(f'[box]\nmax_refusals = 3\n[egress]\nallow = ["{net.web}:8080"]\n'
+                               f'allow_cidrs = ["198.18.0.0/15"]\nmax_connections = 4\n')
+        with Box(backend="bwrap", policy=pol, home=signer.home, bundle_path=out) as b:
+            r = b.run(["python3", "-c", FETCH_MANY, f"http://{net.web}:8080/hello.txt", "10"])
+    assert r.stdout.decode().strip() == str([200] * 4 + [403] * 6), r.stdout + r.stderr
+    egress = [c for c in open_run(out).crossings() if c.door == "egress"]
+    connects = [c for c in egress if c.args["kind"] == "connect"]
+    assert [(c.decision, c.args["run_connections"]) for c in connects] == \
+        [("allow", n) for n in range(4)] + [("deny", 4)] * 3
+    assert {c.args["rule"] for c in connects[4:]} == {"egress.max_connections"}
+    counts = [c.args for c in egress if c.args["kind"] == "refused_count"]  # the first at once, the rest later
+    assert sum(a["count"] for a in counts) == 3 and all(a["rules"] == {"egress.max_connections": a["count"]}
+                                                        for a in counts)
+    assert verify_bundle(out, trust=signer.trust_path).valid
