@@ -203,6 +203,8 @@ class RunRecorder(RunBounds):
                 self._timer.cancel()
         if self._run is not None and not self.broken:
             self._sign_counts(final=True)  # the refusals counted since the last count record, before the stop
+            with self._settled:  # and any count a timer took as the box began to stop
+                self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
             stop = self.decide("box", "stop", {"reason": reason[:500]})  # all the manifest shows (end_reason)
             if stop.allowed:
                 self.complete(stop, "ok", {})

@@ -104,6 +104,8 @@ class RunBounds:
     """RunRecorder's bounds: its refusal caps, the timer that signs their counts, and its size (recorder.py)."""
 
     _lock: threading.Lock
+    _settled: threading.Condition
+    _in_flight: int
     start_policy: Any  # [box] is fixed as the box starts (docs/policy.md)
     counts: dict
 
@@ -134,8 +136,15 @@ class RunBounds:
             due = self.caps.take(time.monotonic(), final)
             if not final:
                 self._schedule(self.caps.due_in(time.monotonic()))  # counted since, or not yet due: later
-        for door, facts in due:
-            self.decide(door, KIND, facts)  # type: ignore[attr-defined]
+            self._in_flight += bool(due)  # taken counts are in flight: a closing run signs its stop after them
+        try:
+            for door, facts in due:
+                self.decide(door, KIND, facts)  # type: ignore[attr-defined]
+        finally:
+            if due:
+                with self._settled:
+                    self._in_flight -= 1
+                    self._settled.notify_all()
 
     def _schedule(self, wait: float | None) -> None:
         """(Under the lock.) Sign the counts in `wait` seconds, unless a timer will already."""
