@@ -8,6 +8,7 @@ flood; and a run that would near the size a bundle may hold is ended fail-closed
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import time
 import zipfile
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapB
 
 # N connections over T threads, each a CONNECT to a name no policy here allows (never looked up): prints the answers
 FLOOD = """
-import os, socket, sys, threading, time
+import json, os, socket, sys, threading, time
 n, threads = int(sys.argv[1]), int(sys.argv[2])
 proxy = os.environ.get("HTTPS_PROXY", "http://127.0.0.1:3128").rsplit("/", 1)[-1].rsplit(":", 1)
 answers, lock = {}, threading.Lock()
@@ -48,7 +49,7 @@ t0 = time.monotonic()
 ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
 [t.start() for t in ts]
 [t.join() for t in ts]
-print(sorted(answers.items()), round(time.monotonic() - t0, 2))
+print(json.dumps(answers), round(time.monotonic() - t0, 2))
 """
 
 
@@ -71,7 +72,7 @@ def unpacked(path) -> int:
 def flood(box, n: int, threads: int = 16) -> tuple[dict, float]:
     r = box.run(["python3", "-c", FLOOD, str(n), str(threads)], timeout=600)
     answers, took = r.stdout.decode().rsplit(" ", 1)
-    return dict(eval(answers)), float(took)  # the box's own printout of a list of pairs and a number
+    return json.loads(answers), float(took)
 
 
 def test_a_refusal_flood_signs_its_first_refusals_then_counts_and_the_signer_does_not_grow(private_signer,
@@ -106,7 +107,6 @@ def test_a_refusal_flood_signs_its_first_refusals_then_counts_and_the_signer_doe
     assert verify_bundle(out, trust=signer.trust_path).valid
     r = run_cli("verify", str(out), "--trust", str(signer.trust_path))
     assert r.returncode == 0 and r.stdout.startswith("VALID"), r.stdout + r.stderr
-    assert "re-derived" in r.stdout or r.returncode == 0
     r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(out), "--trust", str(signer.trust_path)],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "Integrity: VERIFIED." in r.stdout, r.stdout
