@@ -7,7 +7,7 @@ has none). So every door's refusals go through one gate (RunRecorder.decide): th
 door in a run are signed one by one, as before; past them a refusal is only counted, by door, kind and box-policy
 rule, and the counts are signed as one record per door (kind `refused_count`, policy/refusals.py) at most once every
 `FLUSH_S`, and as the box stops. A flood then makes at most one record a second per door, and the signer's memory
-does not grow with it. (Comm faults and late outputs keep their own, lower caps: kernel/comms.py, box_late.py.)
+does not grow with it. (Comm faults and late outputs keep their own caps as well: kernel/comms.py, box_late.py.)
 
 Allowed crossings are bounded per run by the run's size instead (recorder.py: `[box] max_run_mib`), and by each
 door's own budgets (model calls, output bytes, patch files).
