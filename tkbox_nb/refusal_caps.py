@@ -10,7 +10,7 @@ rule, and the counts are signed as one record per door (kind `refused_count`, po
 does not grow with it. (Comm faults and late outputs keep their own caps as well: kernel/comms.py, box_late.py.)
 
 Allowed crossings are bounded per run by the run's size instead (recorder.py: `[box] max_run_mib`), and by each
-door's own budgets (model calls, output bytes, patch files).
+door's own budgets (`[egress] max_connections`, model calls, output bytes, patch files), a crossing past one refused.
 
 And a run is bounded as a whole: as its estimated bundle size (what it disclosed, and `RECORD_BYTES` a signed record)
 passes `[box] max_run_mib` (384 MiB by default, at most 448: the bundle may hold 512) the run is *full*: the box is
