@@ -14,7 +14,8 @@ What is compared, each in run order and each difference naming the crossing's re
 Counted and named in the coverage line but not compared (NOT_COMPARED): the host magics a rerun does not make again
 (replay.RERUN_SKIPS: %box_bundle, %box_view, %box_restart, %box_secret), and the exec door's comm messages (widget
 messages from a frontend, and the faults refused among them): a rerun has no frontend to send them, so comparing them
-would call every honest rerun of a notebook that used a widget different.
+would call every honest rerun of a notebook that used a widget different; and the counts of refusals a door signed
+past `[box] max_refusals` (refusal_caps.py): how a flood's refusals split between counts depends on timing.
 
 The verdict is `equivalent`, `different`, or `incomparable` when neither run has any crossing of these doors (only
 the box's own start and stop): such a pair is not called equivalent (exit 3, see EXIT_*).
@@ -53,7 +54,7 @@ SANITIZERS: list[tuple[str, str]] = [
 DOORS = ("exec cells", "exec commands", "egress", "secrets", "host magics", "model calls", "patch files")
 # crossings counted but not compared (see the module's docstring), each named by what it is
 NOT_COMPARED = ("host magics a rerun skips (" + ", ".join("%" + m for m in RERUN_SKIPS) + ")",
-                "comm messages (widgets, from a frontend)")
+                "comm messages (widgets, from a frontend)", "refusal counts (past [box] max_refusals)")
 
 
 @dataclass
@@ -258,7 +259,9 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}
-        if c.door == "exec":
+        if a.get("kind") == "refused_count":  # how many refusals were counted, not each signed: never compared
+            out[NOT_COMPARED[2]].append(_one(c.seq, "refusals", f"{c.door} {a.get('count')}"))
+        elif c.door == "exec":
             item = _exec_item(run, c, extra, late)
             if item is not None:
                 out["exec"].append(item)

@@ -151,6 +151,7 @@ class Box:
             self.recorder.bundle_hint = self.bundle_path
         # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on
         self.recorder.on_broken = lambda why: self.fail_closed(f"signer lost: {why}")
+        self.recorder.on_full = self.fail_closed  # the run reached [box] max_run_mib: the box ends, its bundle written
         self.recorder.open()
         try:
             seed = None

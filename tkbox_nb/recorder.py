@@ -7,6 +7,9 @@ whether or not the signer comes back (fail closed, no gaps that look like silenc
 
 Content a replay needs (cell code, outputs, commands) never goes to the signer: the arguments hold its SHA-256, the
 bytes go to a host-only spool next to the run, and the bundle discloses both with the record's salt.
+
+What a box can make its run record is bounded (refusal_caps.py): refusals past a cap are counted, and a run near the
+size a bundle may hold is ended, fail-closed, its bundle written.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .atomic_file import write_atomic
 from .errors import SignerError
 from .policy import Policy, Verdict
+from .policy.refusals import KIND as COUNT_KIND
+from .refusal_caps import COUNTED_RULE, FULL_RULE, RECORD_BYTES, RunBounds
 from .signer import MachineSigner
-from .signer_lanes import RunLanes, together
+from .signer_lanes import RunLanes, lanes_for as _lanes, together
 from .verify import BOX_FIELDS
 
 if TYPE_CHECKING:
@@ -73,7 +79,7 @@ def _cut_torn_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-class RunRecorder:
+class RunRecorder(RunBounds):
     """Opens one run on the machine signer for one box and records its crossings."""
 
     def __init__(self, signer: "MachineSigner | CentralSigner", policy: Policy, box: dict[str, Any],
@@ -104,6 +110,7 @@ class RunRecorder:
         self.replay_of = replay_of
         self.bundle_hint: Path | None = None
         self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
+        self._init_bounds()
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def open(self) -> "RunRecorder":
@@ -145,7 +152,7 @@ class RunRecorder:
                   "bundle_hint": str(self.bundle_hint) if self.bundle_hint else ""}
         if abandoned:
             handle["abandoned"] = abandoned[:300]
-        _write_private(self.spool / "handle.json", handle)
+        write_atomic(self.spool / "handle.json", json.dumps(handle).encode())
 
     def hint_bundle(self, path: str | Path) -> None:
         """Where this run's bundle is meant to go (used if the run has to be recovered)."""
@@ -191,7 +198,12 @@ class RunRecorder:
         with self._settled:
             self._stopping = True
             self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
+            if self._timer is not None:
+                self._timer.cancel()
         if self._run is not None and not self.broken:
+            self._sign_counts(final=True)  # the refusals counted since the last count record, before the stop
+            with self._settled:  # and any count a timer took as the box began to stop
+                self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
             stop = self.decide("box", "stop", {"reason": reason[:500]})  # all the manifest shows (end_reason)
             if stop.allowed:
                 self.complete(stop, "ok", {})
@@ -216,7 +228,8 @@ class RunRecorder:
         if self.spool is not None and self.broken and self._run is not None:
             self._write_handle(abandoned=self.broken)  # closed here but not in the signer: recover it once it answers
         elif self.spool is not None:  # closed: nothing left to close, only its bundle to write (run_recovery)
-            _write_private(self.spool / UNBUNDLED, {"pid": os.getpid(), "bundle_hint": str(self.bundle_hint or "")})
+            write_atomic(self.spool / UNBUNDLED,
+                         json.dumps({"pid": os.getpid(), "bundle_hint": str(self.bundle_hint or "")}).encode())
             (self.spool / "handle.json").unlink(missing_ok=True)
 
     # -- crossings -----------------------------------------------------------------------------------------------
@@ -239,13 +252,19 @@ class RunRecorder:
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken or "the run is closed"
             return crossing
         with self._lock:
-            stopping = self._stopping and tool != "box.stop"
+            stopping = self._stopping and tool != "box.stop" and kind != COUNT_KIND
             if not stopping:
                 self._in_flight += 1
         if stopping:
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], "the box is stopping"
             return crossing
         try:
+            if self.full and tool != "box.stop" and kind != COUNT_KIND:
+                crossing.rule_ids, crossing.reason = [FULL_RULE], self.full
+                return crossing
+            if verdict.verdict == "deny" and not self._admit(door, kind, verdict):
+                crossing.rule_ids, crossing.reason = [COUNTED_RULE], verdict.reason or "refused by the box policy"
+                return crossing
             return self._decide_signed(crossing, door, args, digests, content, verdict)
         finally:
             with self._settled:
@@ -291,6 +310,7 @@ class RunRecorder:
             crossing.args_digest = event_hash({"tool": tool, "args": json.loads(raw)})
         with self._lock:
             self.counts[(door, crossing.decision)] = self.counts.get((door, crossing.decision), 0) + 1
+        self._account(len(raw) + RECORD_BYTES)
         crossing.reason = reply.get("reason", verdict.reason)
         return crossing
 
@@ -308,6 +328,7 @@ class RunRecorder:
         if self.broken or self.closed:
             return False
         self._spool({"kind": "result", "call_id": crossing.call_id, "result": result, "content": digests}, content)
+        self._account(RECORD_BYTES + len(json.dumps(result)))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -361,6 +382,7 @@ class RunRecorder:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._lanes.call("model_event", **req)
+            self._account(RECORD_BYTES + len(json.dumps(req)))
         except Exception as e:
             if not self._closing:
                 self._fail(f"model_event of {crossing.call_id} was not recorded: {e}")
@@ -386,8 +408,10 @@ class RunRecorder:
                     fresh[digest] = base64.b64encode(data).decode()
             if fresh:
                 entry = dict(entry, blobs=fresh)
-            self._spool_file.write(json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n")
+            line = json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n"
+            self._spool_file.write(line)
             self._spool_file.flush()
+        self._account(len(line.encode()))
 
     def _keep_policy(self, policy: Policy) -> None:
         self.policies[policy.hash] = policy
@@ -420,24 +444,6 @@ class RunRecorder:
             self._spool_file.flush()
         self._write_box_manifest()
         return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
-
-
-def _write_private(path: Path, obj: dict) -> None:
-    """`obj` as JSON at `path`, whole (a temporary name, then rename), host-only (0600)."""
-    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-    os.replace(path.with_name(path.name + ".tmp"), path)
-
-
-def _lanes(signer, run_id: str, run_token: str, client) -> RunLanes:
-    """The lanes of a run that `client` registered or adopted. Where the signer has a lane client of its own (the
-    machine signer's Unix socket, signer_lanes.DirectClient) every lane uses one and `client` is closed; else (the
-    central signer, over HTTPS) lanes are Tracekit clients and `client` is the first."""
-    if hasattr(signer, "lane_client"):
-        client.close()
-        return RunLanes(signer.lane_client, run_id, run_token)
-    return RunLanes(signer.client, run_id, run_token, first=client)
 
 
 def _now() -> str:

@@ -157,6 +157,10 @@ class Run:
             return f"{a.get('op')} {src}{a.get('path')} ({a.get('size')} bytes, mode {a.get('mode', 0):o})"[:120]
         if c.door == "patch" and a.get("kind") == "summary":
             return f"patch: {a.get('allowed')} allowed, {a.get('refused')} refused, apply = {a.get('apply')}"[:120]
+        if a.get("kind") == "refused_count":  # refusals past [box] max_refusals, counted (refusal_caps.py)
+            rules = ", ".join(f"{k} {v}" for k, v in (a.get("rules") or {}).items()) if isinstance(a.get("rules"),
+                                                                                                dict) else ""
+            return f"{a.get('count')} more refused, counted, not each signed ({rules})"[:120]
         if c.door == "box":
             if a.get("kind") == "start":
                 return f"box {a.get('backend')} ({a.get('isolation')})"
@@ -173,7 +177,8 @@ class Run:
             rows.append({
                 "seq": c.seq, "time": c.time, "door": c.door, "tool": c.tool, "kind": str(a.get("kind", "")),
                 "decision": c.decision, "rule_ids": ",".join(c.rule_ids), "box_rule": str(a.get("rule", "")),
-                "status": str((c.result or {}).get("status", "" if c.decision == "allow" else "refused")),
+                "status": str((c.result or {}).get("status", "" if c.decision == "allow" else
+                                                   "counted" if a.get("kind") == "refused_count" else "refused")),
                 "summary": self.summary_of(c), "content": main if isinstance(main, str) else ""})
         df = pd.DataFrame(rows, columns=COLUMNS)
         df["seq"] = df["seq"].astype("int64")

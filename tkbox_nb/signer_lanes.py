@@ -304,3 +304,13 @@ def together(fn: Callable[[Any], Any], items: list, limit: int = LIMIT) -> list:
     if failed:
         raise failed[0]
     return out
+
+
+def lanes_for(signer, run_id: str, run_token: str, client) -> RunLanes:
+    """The lanes of a run that `client` registered or adopted. Where the signer has a lane client of its own (the
+    machine signer's Unix socket, signer_lanes.DirectClient) every lane uses one and `client` is closed; else (the
+    central signer, over HTTPS) lanes are Tracekit clients and `client` is the first."""
+    if hasattr(signer, "lane_client"):
+        client.close()
+        return RunLanes(signer.lane_client, run_id, run_token)
+    return RunLanes(signer.client, run_id, run_token, first=client)

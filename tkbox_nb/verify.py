@@ -344,6 +344,7 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
         elif v.verdict == "deny" and data.get("decision") != "deny":
             fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
     _model_totals(events, disclosed, fail_record)
+    _connection_totals(events, disclosed, fail_record)
     # the readable diff is exactly what the last patch summary committed to
     summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
                  and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
@@ -396,6 +397,19 @@ def _unstated_fetches(args: dict, content: dict) -> str:
         return f"the call states {len(args.get('fetches') or [])} server-side fetch(es), its request body names " \
                f"{len(named)}"
     return ""
+def _connection_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:
+    """The egress door states in each connection the run's allowed ones before it (`[egress] max_connections`),
+    deciding them one at a time: recount them from the signed records in order."""
+    allowed = 0
+    for seq in sorted(events):
+        args = (disclosed.get((seq, "policy.decision")) or {}).get("args")
+        if events[seq].get("type") != "policy.decision" or not isinstance(args, dict) \
+                or args.get("door") != "egress" or args.get("kind") != "connect" or "run_connections" not in args:
+            continue
+        if args.get("run_connections") != allowed:
+            fail_record(seq, "connection totals", f"the connection states {str(args.get('run_connections'))[:20]} "
+                                                  f"allowed before it, the signed records before it give {allowed}")
+        allowed += (events[seq].get("data") or {}).get("decision") == "allow"
 
 
 def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:

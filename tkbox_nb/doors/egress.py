@@ -106,6 +106,8 @@ class EgressDoor:
         self._open: dict[socket.socket, list] = {}   # relayed upstream -> [counts, bytes seen, when they last moved]
         self._open_changed = threading.Condition()
         self._reaper: threading.Thread | None = None
+        self.connections = 0  # allowed in this run, stated in each next one ([egress] max_connections)
+        self._connections_lock = threading.Lock()
 
     def close(self, reason: str, wait_s: float = 5.0) -> None:
         """At the box's stop: every relayed connection still open is shut, and its end signed (within `wait_s`)
@@ -248,7 +250,10 @@ class EgressDoor:
         policy = self.box.policy
         facts, address = stated_facts(req, policy, lambda name, port: resolve(
             name, port, policy.get("egress", "nameservers"), policy.get("egress", "connect_timeout_s")))
-        crossing = self.box.recorder.decide("egress", "connect", facts)
+        with self._connections_lock:  # one at a time, so each states the allowed ones signed before it (verify)
+            facts["run_connections"] = self.connections
+            crossing = self.box.recorder.decide("egress", "connect", facts)
+            self.connections += crossing.allowed
         if not crossing.allowed and self.box.recorder.broken:
             self.box.fail_closed(f"signer lost: {self.box.recorder.broken}")
         return crossing, address

@@ -1,5 +1,10 @@
 """[box]: which backend runs the box, the weakest isolation it may have, and its limits; and the box's own events.
 
+Two limits bound what a box can make its run record (refusal_caps.py, recorder.py): `max_refusals`, the refused
+crossings each door signs one by one in a run before it only counts them (the count signed at most once a second),
+and `max_run_mib`, the estimated size of the run's bundle at which the run is ended fail-closed, its bundle written,
+kept under the 512 MiB a bundle may hold (bundle.check_limits).
+
 A box's start and stop are always allowed: they are recorded so the run says what ran; a policy refuses a box by
 these settings before it starts (backends.registry compares `isolation`).
 """
@@ -15,10 +20,12 @@ BACKENDS = ("auto", "bwrap", "qemu", "firecracker")
 ISOLATION = ("namespace", "vm")  # a minimum: "vm" refuses to start a namespace box rather than fall back to one
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "backend": str, "isolation": str, "memory_mib": int, "cpus": int, "cpu_time_s": int, "max_processes": int,
-    "workspace_mib": int, "jailer": bool}
+    "workspace_mib": int, "jailer": bool, "max_refusals": int, "max_run_mib": int}
 DEFAULTS: dict[str, Any] = {
     "backend": "auto", "isolation": "namespace", "memory_mib": 2048, "cpus": 1, "cpu_time_s": 3600,
-    "max_processes": 256, "workspace_mib": 1024, "jailer": False}
+    "max_processes": 256, "workspace_mib": 1024, "jailer": False, "max_refusals": 1000, "max_run_mib": 384}
+MAX_REFUSALS = 100_000  # signed one by one per door: more and the refusals alone could pass the run size limit
+MAX_RUN_MIB = 448  # the bundle limit (512 MiB) less a margin for what the estimate cannot see ahead (the stop, zip)
 
 
 def validate(out: dict[str, dict[str, Any]], name: str) -> None:
@@ -35,6 +42,11 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
         v = out.get("box", {}).get(key)
         if v is not None and v < low:
             raise PolicyError(f"{name}: box.{key} must be at least {low}")
+    for key, high in (("max_refusals", MAX_REFUSALS), ("max_run_mib", MAX_RUN_MIB)):
+        v = out.get("box", {}).get(key)
+        if v is not None and not (0 if key == "max_refusals" else 1) <= v <= high:
+            raise PolicyError(f"{name}: box.{key} must be from {0 if key == 'max_refusals' else 1} to {high}, "
+                              f"not {v}")
 
 
 def decide(kind: Any, facts: dict[str, Any]) -> Verdict:

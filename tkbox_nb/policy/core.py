@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
-from . import box, egress, host, models, patch, secrets, signer
+from . import box, egress, host, models, patch, refusals, secrets, signer
 from . import exec as exec_
 from .base import MAX_LIST, Verdict, tname
 
@@ -113,6 +113,8 @@ class Policy:
     def decide(self, facts: dict[str, Any]) -> Verdict:
         """The verdict for one crossing described by `facts` (the door's statement, as signed). Pure."""
         door, kind = facts.get("door"), facts.get("kind")
+        if kind == refusals.KIND:  # the count a door signs of the refusals it did not sign one by one
+            return refusals.decide(door, facts)
         if door == "box":
             return box.decide(kind, facts)
         if door == "exec":

@@ -11,9 +11,10 @@ from .base import Settings, Verdict, seconds_problem
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
-    "upstream_ca_file": str}
+    "upstream_ca_file": str, "max_connections": int}
 DEFAULTS: dict[str, Any] = {"allow": [], "allow_cidrs": [], "nameservers": [], "connect_timeout_s": 10,
-                            "upstream_ca_file": ""}
+                            "upstream_ca_file": "", "max_connections": 10_000}
+MAX_CONNECTIONS = 1_000_000  # allowed connections a run may have (0: no limit but the run's size, [box] max_run_mib)
 
 
 def validate(out: dict[str, dict[str, Any]], name: str) -> None:
@@ -24,6 +25,9 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
         if not sep or not host or not (port == "*" or re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536):
             raise PolicyError(f"{name}: egress.allow entry {pattern!r} must be HOST:PORT (HOST may use * and ?, "
                               "PORT a number or *)")
+    if not 0 <= egress.get("max_connections", 0) <= MAX_CONNECTIONS:
+        raise PolicyError(f"{name}: egress.max_connections must be from 0 (no limit) to {MAX_CONNECTIONS}, not "
+                          f"{egress['max_connections']}")
     why = seconds_problem(egress["connect_timeout_s"], 600) if "connect_timeout_s" in egress else ""
     if why:
         raise PolicyError(f"{name}: egress.connect_timeout_s {why}")
@@ -75,6 +79,11 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
             return Verdict("deny", f"egress.{cls}", why)
     if allowed_by is None:
         return Verdict("deny", "egress.allow", f"{host}:{port} is not in [egress] allow")
+    before, limit = facts.get("run_connections"), policy.get("egress", "max_connections")
+    if limit and (not isinstance(before, int) or isinstance(before, bool) or before >= limit) \
+            and "run_connections" in facts:  # the run's allowed connections before this one (the door states it)
+        return Verdict("deny", "egress.max_connections", f"the run has had its {limit} connections "
+                                                         "([egress] max_connections)")
     return Verdict("allow", f"egress.allow[{allowed_by}]")
 
 
