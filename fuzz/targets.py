@@ -31,7 +31,8 @@ from tkbox_nb import protocol as p
 from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
 from tkbox_nb.box_messages import check_box_message, names_host_magic
 from tkbox_nb.box_outputs import ALLOWED as ALLOWED_MIME
-from tkbox_nb.box_outputs import BOX_PROMPT, HTML_WIDGETS, OUTPUT_WIDGETS, widget_kind
+from tkbox_nb.box_outputs import BOX_PROMPT
+from tkbox_nb.box_widgets import HTML_WIDGETS, OUTPUT_WIDGETS, widget_kind
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
 from tkbox_nb.doors.box_ca import BoxCA
