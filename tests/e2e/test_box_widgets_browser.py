@@ -7,7 +7,8 @@ a `Text` subclass with an extra synced key holding an HTML output, `jsdlink`ed i
 remote `url(...)`. Each payload's `onerror` would set `window.tkboxPwned` and the page's title, and each names a URL
 in 198.18.0.0/15 (the test range): the page must run none of them and ask for no URL off loopback (every request
 the page makes is recorded, and any off loopback is recorded and aborted). Ordinary widgets go on working: an
-`Output` used as `with out:` in a box cell shows what the cell printed in it, and a slider is shown.
+`Output` used as `with out:` in a box cell shows what the cell printed in it, and a slider is shown. The notebook is
+then saved and reloaded, so the page loads every widget again from the box's `update_states`: the same holds.
 """
 
 from __future__ import annotations
@@ -114,11 +115,24 @@ def test_no_widget_of_the_box_s_runs_script_or_fetches_a_remote_url_in_the_page(
         page.wait_for_function("[...document.querySelectorAll('.jupyter-widgets .jp-OutputArea')]"
                                ".some(e => e.innerText.includes('printed inside the output widget'))", timeout=60_000)
         time.sleep(3)  # time for a link to copy, an image to fail and its handler to run
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / f"box-widgets-{ui}.png"), full_page=True)
-        assert page.evaluate("window.tkboxPwned") is None
-        assert "PWNED" not in page.title()
-        assert "plain html" in page.locator(".widget-html-content").first.inner_text()  # the link never copied
-        assert off_loopback == [] and not [u for u in requested if "tkbox-probe" in u], (off_loopback, requested)
+        _nothing_ran_nor_left(page, ui, "", requested, off_loopback)
+        # saved and reloaded, the page loads every widget from the box's update_states (links among them, if the
+        # host let them through): the same holds
+        page.keyboard.press("Control+s")
+        time.sleep(2)
+        page.reload()
+        page.wait_for_function("[...document.querySelectorAll('.widget-html-content')]"
+                               ".some(e => e.innerText.includes('styled html'))", timeout=90_000)
+        time.sleep(3)
+        _nothing_ran_nor_left(page, ui, "-reloaded", requested, off_loopback)
     finally:
         page.close()
+
+
+def _nothing_ran_nor_left(page, ui: str, when: str, requested: list[str], off_loopback: list[str]) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"box-widgets-{ui}{when}.png"), full_page=True)
+    assert page.evaluate("window.tkboxPwned") is None
+    assert "PWNED" not in page.title()
+    assert "plain html" in page.locator(".widget-html-content").first.inner_text()  # the link never copied
+    assert off_loopback == [] and not [u for u in requested if "tkbox-probe" in u], (off_loopback, requested)
