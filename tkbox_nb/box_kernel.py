@@ -28,6 +28,7 @@ import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .recorder import Crossing
 
 READY_TIMEOUT_S = 90.0
+MAX_SENT = 4096  # shell requests sent to the box whose ids an Output widget may still name
 NOT_ANSWERED = {"status": "error", "ename": "NotAnswered", "evalue": "the box's kernel gave no result for it",
                 "traceback": []}
 PROTOCOL_VERSION = "5.3"
@@ -107,6 +109,7 @@ class BoxKernel:
         # what it will render
         self.comms: dict[str, str] = {}
         self.requests = _Requests(self)  # the msg_ids of the requests the box was sent: all an Output may capture
+        self.sent: OrderedDict[str, None] = OrderedDict()  # the newest MAX_SENT shell requests' (a widget's comm_msg)
         self.signed: set[str] = set()  # cells whose end is signed: what names them later is dropped and counted
         self.late = 0  # messages dropped so, not yet in a signed record
         self.late_outputs = LateOutputs()  # outputs naming signed cells, held until signed (box_late.py)
@@ -120,6 +123,10 @@ class BoxKernel:
     def send(self, channel: str, msg: dict[str, Any], buffers: list[bytes] = ()) -> None:
         import base64
         self._track_comm(msg["header"].get("msg_type"), msg.get("content") or {})
+        if channel == "shell" and isinstance(msg["header"].get("msg_id"), str):  # interact's `with out:` names one
+            self.sent[msg["header"]["msg_id"]] = None
+            while len(self.sent) > MAX_SENT:
+                self.sent.popitem(last=False)
         body = {"channel": channel, "header": msg["header"], "parent_header": msg.get("parent_header") or {},
                 "metadata": msg.get("metadata") or {}, "content": msg.get("content") or {},
                 "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers]}
@@ -353,11 +360,13 @@ class BoxKernel:
 
 
 class _Requests:
-    """The msg_ids of the requests a box was sent (cells running or signed): the only ones an Output widget of the
-    box's may name as its `msg_id` (box_widgets.widget_state)."""
+    """The msg_ids of the requests a box was sent (cells running or signed, the newest shell requests: a widget's
+    comm_msg, whose handler `interact` runs `with out:`): the only ones an Output widget of the box's may name as its
+    `msg_id` (box_widgets.widget_state). What answers them is the box's (a cell that mixes host magics with box code
+    shows its host outputs before the box is sent it)."""
 
     def __init__(self, kernel: BoxKernel):
         self.kernel = kernel
 
     def __contains__(self, msg_id: object) -> bool:
-        return msg_id in self.kernel.cells or msg_id in self.kernel.signed
+        return msg_id in self.kernel.cells or msg_id in self.kernel.signed or msg_id in self.kernel.sent

@@ -7,7 +7,8 @@ a `Text` subclass with an extra synced key holding an HTML output, `jsdlink`ed i
 remote `url(...)`. Each payload's `onerror` would set `window.tkboxPwned` and the page's title, and each names a URL
 in 198.18.0.0/15 (the test range): the page must run none of them and ask for no URL off loopback (every request
 the page makes is recorded, and any off loopback is recorded and aborted). Ordinary widgets go on working: an
-`Output` used as `with out:` in a box cell shows what the cell printed in it, and a slider is shown. The notebook is
+`Output` used as `with out:` in a box cell shows what the cell printed in it, a slider is shown, and `interact`'s
+slider, moved in the page, shows what its function printed for the new value. The notebook is
 then saved and reloaded, so the page loads every widget again from the box's `update_states`: the same holds.
 """
 
@@ -57,6 +58,7 @@ out = w.Output()
 display(out, w.IntSlider(value=4, description='knob'))
 with out:
     print('printed inside the output widget')
+w.interact(lambda n: print('n is', n), n=(0, 10))
 print('ordinary shown')
 """
 
@@ -111,6 +113,13 @@ def test_no_widget_of_the_box_s_runs_script_or_fetches_a_remote_url_in_the_page(
         _run_cell(page, 1)
         _wait_for_output(page, 1, "ordinary shown")
         page.wait_for_selector(".noUi-target", timeout=60_000)
+        _wait_for_output(page, 1, "n is 5")
+        # interact's slider moved in the page: the box runs the function for the new value `with out:`, its msg_id
+        # the frontend's comm_msg (a request the box was sent), and the frontend shows what it printed
+        track = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".noUi-target").nth(1)
+        box = track.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * 0.8, box["y"] + box["height"] / 2)
+        _wait_for_output(page, 1, "n is 8")
         # the Output widget captured what the box cell printed in it (its msg_id, the cell's own request)
         page.wait_for_function("[...document.querySelectorAll('.jupyter-widgets .jp-OutputArea')]"
                                ".some(e => e.innerText.includes('printed inside the output widget'))", timeout=60_000)
