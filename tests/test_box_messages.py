@@ -577,6 +577,11 @@ def test_keys_a_widget_s_model_does_not_define_are_dropped():
         "method": "update", "state": {}, "buffer_paths": [["x"], ["placeholder"]]}},
         buffers=[base64.b64encode(b).decode() for b in (b"<img onerror=x>", b"p")]), comms)
     assert m.content["data"]["buffer_paths"] == [["placeholder"]] and m.buffers == [b"p"]
+    # a message that would push the comm past the names it may have is still held to its model's keys
+    for n in range(6):
+        _box_comm(comms, "comm_msg", "t", {"_model_name": f"Fake{n}Model"})
+    m = _box_comm(comms, "comm_msg", "t", {"_model_name": "Fake9Model", "x": html, "value": "w"})
+    assert m.content["data"]["state"] == {"value": "w"}
     # an Output widget keeps its own keys (outputs filtered, as before)
     m = _box_comm(comms, "comm_open", "o", {"_model_name": "OutputModel", "outputs": html, "x": 1})
     assert set(m.content["data"]["state"]) == {"_model_name", "outputs"}
@@ -621,6 +626,18 @@ def test_update_states_carrying_a_link_or_unknown_key_is_sanitised():
     assert m.content["data"]["buffer_paths"] == [] and m.buffers == []
     assert "comm_msg.data.states:l (a link between widgets)" in m.dropped
     assert "comm_msg.data.states:l3 (a model_name that is not text)" in m.dropped
+    # an entry naming a widget the box has already: the page may set this state on it, so it may not make it render
+    # markup it did not (the Text's value was never sanitised as HTML), nor revive a refused comm
+    comms.update(t="TextModel", gone="!")
+    again = {"t": {"model_name": "TextModel", "state": {"_view_name": "HTMLView"}},
+             "gone": {"model_name": "TextModel", "state": {"value": "v"}},
+             "t2": {"model_name": "TextModel", "state": {"_view_name": "HTMLView", "value": "<img src=x onerror=y>"}}}
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
+        "method": "update_states", "states": again}}), comms)
+    assert set(m.content["data"]["states"]) == {"t2"}
+    assert m.content["data"]["states"]["t2"]["state"]["value"] == '<img src="x">'  # new: sanitised as HTML
+    assert "comm_msg.data.states:t (a widget that renders markup it did not)" in m.dropped
+    assert "comm_msg.data.states:gone (a comm refused before)" in m.dropped
 
 
 def test_a_style_or_layout_value_never_loads_a_url():

@@ -223,11 +223,13 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None, requests: Contai
         kind = box_widgets.widget_kind(known, state)  # what the comm was and this message asks it to be
         if t != "comm_open":  # the frontend keeps the state sent before, unchecked for a kind the comm was not
             box_widgets.widget_names(known, state, f"{t}.data.state", m.dropped)
-        box_widgets.widget_state(kind, state, f"{t}.data.state", m.dropped, requests)
+        # sanitised as what it asks to be; its keys, those of the models it may be (its names left after the above)
+        models = box_widgets.widget_kind(known, state)
+        box_widgets.widget_state(kind, state, f"{t}.data.state", m.dropped, requests, models)
         if isinstance(state, dict) and "buffer_paths" in data:
-            m.buffers = box_widgets.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped)
+            m.buffers = box_widgets.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped, models)
         if t == "comm_msg" and data.get("method") == "update_states":  # the control comm: every widget's state
-            m.buffers = box_widgets.control_states(data, m.buffers, f"{t}.data", m.dropped, requests)
+            m.buffers = box_widgets.control_states(data, m.buffers, f"{t}.data", m.dropped, requests, comms)
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")

@@ -220,12 +220,14 @@ def _inert_css(value: Any) -> bool:
     return all(m.group(1) in _CSS_FUNCTIONS for m in _CSS_FUNCTION.finditer(value.lower()))
 
 
-def widget_state(kind: str, state: Any, what: str, dropped: list[str], requests: Container[str] = ()) -> None:
+def widget_state(kind: str, state: Any, what: str, dropped: list[str], requests: Container[str] = (),
+                 models: str | None = None) -> None:
     """Sanitise, in place, widget state from the box for a comm of `kind` (`widget_kind` of what the comm had and
-    this state, "" when not known); `requests`: the msg_ids of the requests the box was sent."""
+    this state, "" when not known); `requests`: the msg_ids of the requests the box was sent; `models`: the kind
+    whose models' keys the state may set (`kind` when not given; the names the comm keeps, when a name was refused)."""
     if not isinstance(state, dict):
         return
-    allowed = model_keys(kind)
+    allowed = model_keys(kind if models is None else models)
     for key in [k for k in state if allowed is not None and k not in allowed]:
         del state[key]
         dropped.append(f"{what}:{str(key)[:40]} (no key of its model's)")
@@ -256,7 +258,8 @@ def widget_state(kind: str, state: Any, what: str, dropped: list[str], requests:
             dropped.append(f"{what}:{str(key)[:40]} (CSS that may load a URL)")
 
 
-def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropped: list[str]) -> list[bytes]:
+def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropped: list[str],
+                   models: str | None = None) -> list[bytes]:
     """The binary buffers a widget comm message keeps: the frontend puts each into the state at its buffer path,
     unchecked, so one that would set a key the host checks (names, description_allow_html, format, outputs, msg_id,
     the value of an HTML widget, any key of a Style or Layout model) or one its model lacks is dropped, with its
@@ -267,7 +270,7 @@ def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropp
     kept_paths, kept = [], []
     for i, path in enumerate(paths):
         key = path[0] if isinstance(path, list) and path else None
-        if not _buffer_key_ok(kind, key):
+        if not _buffer_key_ok(kind, key, models):
             dropped.append(f"{what}.buffer_paths:{str(key)[:40]}")
             continue
         kept_paths.append(path)
@@ -277,8 +280,8 @@ def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropp
     return kept + buffers[len(paths):]
 
 
-def _buffer_key_ok(kind: str, key: Any) -> bool:
-    allowed = model_keys(kind)
+def _buffer_key_ok(kind: str, key: Any, models: str | None = None) -> bool:
+    allowed = model_keys(kind if models is None else models)
     return isinstance(key, str) and key not in _CHECKED_KEYS and not _styled(kind) \
         and not (key == "value" and _renders(set(kind.split()), HTML_WIDGETS)) and (allowed is None or key in allowed)
 
@@ -290,12 +293,13 @@ def control_kind(entry: dict, known: str = "") -> str:
 
 
 def control_states(data: dict, buffers: list[bytes], what: str, dropped: list[str],
-                   requests: Container[str] = ()) -> list[bytes]:
+                   requests: Container[str] = (), comms: dict[str, str] | None = None) -> list[bytes]:
     """Sanitise, in place, the widget control comm's `update_states` (ipywidgets' answer to `request_states`, which
     the frontend loads every widget from on page load): each `states[id].state` as the comm_open of that widget
     would be, an entry that is no object with an object `state`, or one `refusal` refuses (a link), dropped, and of
     the buffers (`buffer_paths`, `[id, "state", key, ...]`) only those that set an unchecked key of a kept entry.
-    The buffers kept are returned."""
+    An entry naming a widget the box has already (`comms`) is judged with what it was: the page may hold it and set
+    this state on it, so it may not make it render markup it did not. The buffers kept are returned."""
     states = data.get("states")
     if not isinstance(states, dict):
         states = data["states"] = {}
@@ -304,11 +308,18 @@ def control_states(data: dict, buffers: list[bytes], what: str, dropped: list[st
     for model_id, entry in list(states.items()):
         why = refusal(entry["state"], entry) if isinstance(entry, dict) and isinstance(entry.get("state"), dict) \
             else "not a widget's state"
+        known = (comms or {}).get(model_id, "")
+        if why is None and known == REFUSED:
+            why = "a comm refused before"
+        elif why is None and known:
+            before, after = set(known.split()), set(control_kind(entry, known).split())
+            if any(_renders(after, k) and not _renders(before, k) for k in (HTML_WIDGETS, OUTPUT_WIDGETS)):
+                why = "a widget that renders markup it did not"
         if why is not None:
             del states[model_id]
             dropped.append(f"{what}.states:{model_id[:40]} ({why})")
             continue
-        kinds[model_id] = control_kind(entry)
+        kinds[model_id] = control_kind(entry, known)
         widget_state(kinds[model_id], entry["state"], f"{what}.states:{model_id[:40]}.state", dropped, requests)
     paths = data.get("buffer_paths", [])
     if not isinstance(paths, list):
