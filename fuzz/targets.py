@@ -31,7 +31,8 @@ from tkbox_nb import protocol as p
 from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
 from tkbox_nb.box_messages import check_box_message, names_host_magic
 from tkbox_nb.box_outputs import ALLOWED as ALLOWED_MIME
-from tkbox_nb.box_outputs import BOX_PROMPT, HTML_WIDGETS, OUTPUT_WIDGETS, widget_kind
+from tkbox_nb.box_outputs import BOX_PROMPT
+from tkbox_nb.box_widgets import HTML_WIDGETS, LINK_MODELS, OUTPUT_WIDGETS, model_keys, widget_kind
 from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
 from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
 from tkbox_nb.doors.box_ca import BoxCA
@@ -285,7 +286,7 @@ def box_message(data: bytes) -> None:
         m = check_box_message(p.loads_strict(body, "a message"))
     except p.ProtocolError:
         return
-    if m is None:
+    if m is None or m.refused is not None:  # dropped whole, or refused (a link's comm): never forwarded
         return
     bundles = [m.content.get("data")] if m.msg_type in ("display_data", "update_display_data", "execute_result",
                                                        "inspect_reply") else []
@@ -294,6 +295,9 @@ def box_message(data: bytes) -> None:
     if isinstance(state, dict):
         assert state.get("description_allow_html", False) is False
         names = set(widget_kind("", state).split())
+        assert not (LINK_MODELS & names), names  # no link ever passes
+        allowed = model_keys(widget_kind("", state))
+        assert allowed is None or set(state) <= allowed, sorted(state)  # nor a key its model lacks
         if names & OUTPUT_WIDGETS and "outputs" in state:
             bundles += [o.get("data") for o in state["outputs"] if o["output_type"] not in ("stream", "error")]
             assert all(set(o) <= {"output_type", "name", "text", "ename", "evalue", "traceback"}

@@ -171,15 +171,15 @@ def test_a_comm_msg_is_sanitised_for_the_widget_its_comm_opened():
     assert not check_box_message(message("iopub", "comm_msg", {"comm_id": "gone", "data": {}})).unknown_comm
 
 
-def _box_comm(comms, msg_type, comm_id, state):
+def _box_comm(comms, msg_type, comm_id, state, requests=()):
     """A comm message from the box as the host sees it: checked, then tracked as BoxKernel does."""
     content = {"comm_id": comm_id, "data": {"state": state, "buffer_paths": []}}
     if msg_type == "comm_open":
         content["target_name"] = "jupyter.widget"
     else:
         content["data"]["method"] = "update"
-    m = check_box_message(message("iopub", msg_type, content), comms)
-    BoxKernel._track_comm(SimpleNamespace(comms=comms), m.msg_type, m.content)
+    m = check_box_message(message("iopub", msg_type, content), comms, requests)
+    BoxKernel._track_comm(SimpleNamespace(comms=comms), m.msg_type, m.content, m.refused is not None)
     return m
 
 
@@ -206,11 +206,12 @@ def test_a_widget_that_names_many_models_is_still_judged_by_what_it_asks_for():
     # names it has already (a full state sent again) pass
     m = _box_comm(comms, "comm_msg", "u", {"_model_name": "TextModel", "value": "<b>"})
     assert m.content["data"]["state"] == {"_model_name": "TextModel", "value": "<b>"} and not m.dropped
-    # a name that is not text: the widget is not known, so its state is sanitised as any widget's
+    # a name that is not text is refused whole (the frontend's `module[name]` reads ["LinkModel"] as LinkModel)
     m = _box_comm(comms, "comm_open", "n", {"_model_name": ["HTMLModel"], "value": "<script>x</script>"})
-    assert m.content["data"]["state"]["value"] == "" and comms["n"] == "*"
-    plain = _box_comm(comms, "comm_open", "p", {"_model_name": "LinkModel", "_view_name": None, "value": "<b>"})
-    assert plain.content["data"]["state"]["value"] == "<b>" and comms["p"] == "LinkModel"
+    assert m.refused == "a _model_name that is not text" and comms["n"] == "!"
+    plain = _box_comm(comms, "comm_open", "p", {"_model_name": "SliderStyleModel", "_view_name": None,
+                                                "handle_color": "red"})
+    assert plain.content["data"]["state"]["handle_color"] == "red" and comms["p"] == "SliderStyleModel"
 
 
 def test_a_media_widget_never_loads_a_url_and_buffers_set_no_checked_key():
@@ -230,9 +231,9 @@ def test_a_media_widget_never_loads_a_url_and_buffers_set_no_checked_key():
     assert kept.buffers == [png] and kept.content["data"]["buffer_paths"] == [["value"]] and not kept.dropped
     # the frontend puts a buffer into the state at its path, unchecked: none may set a key the host checks
     html = check_box_message(message("iopub", "comm_msg", {"comm_id": "h", "data": {
-        "method": "update", "state": {}, "buffer_paths": [["value"], ["description_allow_html"], ["x", 0]]}},
+        "method": "update", "state": {}, "buffer_paths": [["value"], ["description_allow_html"], ["tooltip", 0]]}},
         buffers=[base64.b64encode(b).decode() for b in (b"<img onerror=x>", b"1", b"ok")]), {"h": "HTMLModel"})
-    assert html.buffers == [b"ok"] and html.content["data"]["buffer_paths"] == [["x", 0]]
+    assert html.buffers == [b"ok"] and html.content["data"]["buffer_paths"] == [["tooltip", 0]]
     assert html.dropped == ["comm_msg.data.buffer_paths:value", "comm_msg.data.buffer_paths:description_allow_html"]
 
 
@@ -488,7 +489,7 @@ def test_the_control_comm_s_update_states_is_sanitised_as_each_widget_s_comm_ope
               "bad": {"model_name": "HTMLModel", "state": "<script>x</script>"}, "worse": "<script>"}
     raw = message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
         "method": "update_states", "states": states,
-        "buffer_paths": [["h", "state", "value"], ["p", "state", "_view_name"], ["p", "state", "data"],
+        "buffer_paths": [["h", "state", "value"], ["p", "state", "_view_name"], ["p", "state", "placeholder"],
                          ["bad", "state", "x"], ["p", "nope", "x"]]}},
         buffers=["PHNjcmlwdD4=", "SFRNTFZpZXc=", "AAE=", "AAE=", "AAE="])
     m = check_box_message(raw, comms)
@@ -499,7 +500,7 @@ def test_the_control_comm_s_update_states_is_sanitised_as_each_widget_s_comm_ope
     assert got["t"]["state"]["value"] == ""
     assert got["o"]["state"]["outputs"] == [{"output_type": "display_data", "data": {"text/html": ""}, "metadata": {}}]
     assert got["p"]["state"]["value"] == "<b>"
-    assert m.content["data"]["buffer_paths"] == [["p", "state", "data"]] and m.buffers == [b"\x00\x01"]
+    assert m.content["data"]["buffer_paths"] == [["p", "state", "placeholder"]] and m.buffers == [b"\x00\x01"]
     assert comms["h"] == "HTMLModel HTMLView" and comms["t"] == "HTMLMathModel" and comms["p"] == "TextModel"
     # a later update of a widget loaded so is sanitised as what it was loaded as
     later = check_box_message(message("iopub", "comm_msg", {"comm_id": "t", "data": {
@@ -510,3 +511,154 @@ def test_the_control_comm_s_update_states_is_sanitised_as_each_widget_s_comm_ope
         "method": "update_states", "states": ["<script>"], "buffer_paths": [["h", "state", "value"]]}},
         buffers=["AAE="]), comms)
     assert m.content["data"]["states"] == {} and m.content["data"]["buffer_paths"] == [] and m.buffers == []
+
+
+def test_the_widget_key_table_is_ipywidgets_own():
+    """box_widgets.KEYS, checked in, is every standard model's synced keys as the installed ipywidgets defines them
+    (its Widget subclasses' traits with sync=True, by `_model_name`), links left out."""
+    from ipywidgets.widgets.widget import Widget
+
+    from tkbox_nb.box_widgets import KEYS, LINK_MODELS, STANDARD_MODULES
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+    want: dict[str, set[str]] = {}
+    for cls in subclasses(Widget):
+        traits = cls.class_traits()
+        if cls.__module__.startswith("ipywidgets") and traits["_model_module"].default_value in STANDARD_MODULES:
+            want.setdefault(traits["_model_name"].default_value, set()).update(cls.class_traits(sync=True))
+    assert LINK_MODELS <= set(want)
+    assert {name: set(keys) for name, keys in KEYS.items()} == {n: k for n, k in want.items() if n not in LINK_MODELS}
+
+
+def test_a_link_between_widgets_from_the_box_is_refused():
+    """jslink/jsdlink: the frontend would copy a key the host checked as a Text's into an Output's `outputs` or an
+    HTML's `value`. Its comm_open is refused (never forwarded, named in the cell's result), as is what names it later;
+    so is a name the frontend's `module[name]` would read as a link, and a standard module's model no widget has."""
+    comms: dict[str, str] = {}
+    for model in ("DirectionalLinkModel", "LinkModel"):
+        m = _box_comm(comms, "comm_open", model, {
+            "_model_name": model, "_model_module": "@jupyter-widgets/controls", "_view_name": None,
+            "source": ["IPY_MODEL_t", "x"], "target": ["IPY_MODEL_o", "outputs"]})
+        assert m.refused == "a link between widgets" and comms[model] == "!"
+        assert m.dropped == ["comm_open (a link between widgets)"]
+    for name, module, why in [(["LinkModel"], "@jupyter-widgets/controls", "a _model_name that is not text"),
+                              ("LinkModel", "some-module", "a link between widgets"),
+                              ("LinkModel ", "@jupyter-widgets/controls", "a link between widgets"),
+                              ("CoreWidgetModel", None, "the model 'CoreWidgetModel', no standard widget's"),
+                              ("TextModel", ["@jupyter-widgets/controls"], "a _model_module that is not text")]:
+        m = _box_comm(comms, "comm_open", "l", {"_model_name": name, "_model_module": module})
+        assert m.refused == why, (name, module)
+    assert _box_comm(comms, "comm_open", "v", {"_model_name": "TextModel", "_view_name": "LinkModel"}).refused
+    # a refused comm's later messages are refused too, and its close forgets it
+    m = _box_comm(comms, "comm_msg", "LinkModel", {"target": ["IPY_MODEL_h", "value"]})
+    assert m.refused == "a comm refused before" and comms["LinkModel"] == "!"
+    m = check_box_message(message("iopub", "comm_close", {"comm_id": "LinkModel", "data": {}}), comms)
+    BoxKernel._track_comm(SimpleNamespace(comms=comms), m.msg_type, m.content, m.refused is not None)
+    assert m.refused and "LinkModel" not in comms
+    # a later message may not name a link (nor a name that is not text): the names are dropped
+    _box_comm(comms, "comm_open", "t", {"_model_name": "TextModel", "value": "x"})
+    m = _box_comm(comms, "comm_msg", "t", {"_model_name": "LinkModel", "_view_module": ["x"], "value": "y"})
+    assert m.content["data"]["state"] == {"value": "y"} and comms["t"] == "TextModel"
+    # a third-party widget (its module not a standard one) is the frontend's business: it passes (I56, residual)
+    m = _box_comm(comms, "comm_open", "3", {"_model_name": "FigureModel", "_model_module": "jupyter-matplotlib",
+                                            "figure": 1})
+    assert m.refused is None and m.content["data"]["state"]["figure"] == 1
+
+
+def test_keys_a_widget_s_model_does_not_define_are_dropped():
+    """A Text subclass with an extra synced key holding outputs: the key is no TextModel's, so it is dropped, in a
+    comm_open, a later update and a binary buffer alike."""
+    import base64
+    comms: dict[str, str] = {}
+    html = [{"output_type": "display_data", "data": {"text/html": "<img src=x onerror=alert(1)>"}, "metadata": {}}]
+    m = _box_comm(comms, "comm_open", "t", {"_model_name": "TextModel", "_model_module": "@jupyter-widgets/controls",
+                                            "_view_name": "TextView", "value": "ok", "x": html})
+    assert "x" not in m.content["data"]["state"] and m.content["data"]["state"]["value"] == "ok"
+    assert m.dropped == ["comm_open.data.state:x (no key of its model's)"]
+    m = _box_comm(comms, "comm_msg", "t", {"x": html, "outputs": html, "value": "v"})
+    assert m.content["data"]["state"] == {"value": "v"}
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "t", "data": {
+        "method": "update", "state": {}, "buffer_paths": [["x"], ["placeholder"]]}},
+        buffers=[base64.b64encode(b).decode() for b in (b"<img onerror=x>", b"p")]), comms)
+    assert m.content["data"]["buffer_paths"] == [["placeholder"]] and m.buffers == [b"p"]
+    # a message that would push the comm past the names it may have is still held to its model's keys
+    for n in range(6):
+        _box_comm(comms, "comm_msg", "t", {"_model_name": f"Fake{n}Model"})
+    m = _box_comm(comms, "comm_msg", "t", {"_model_name": "Fake9Model", "x": html, "value": "w"})
+    assert m.content["data"]["state"] == {"value": "w"}
+    # an Output widget keeps its own keys (outputs filtered, as before)
+    m = _box_comm(comms, "comm_open", "o", {"_model_name": "OutputModel", "outputs": html, "x": 1})
+    assert set(m.content["data"]["state"]) == {"_model_name", "outputs"}
+
+
+def test_an_output_widget_captures_only_a_request_of_the_box_s():
+    """An Output widget captures into itself the outputs of the request its `msg_id` names, and syncs them back into
+    the box: only a request the box was sent may be named (`with out:` in a box cell), never a host cell's."""
+    comms: dict[str, str] = {}
+    box_requests = {"cell-1"}
+    m = _box_comm(comms, "comm_open", "o", {"_model_name": "OutputModel", "msg_id": "host-7"}, box_requests)
+    assert m.content["data"]["state"]["msg_id"] == "" and m.dropped == ["comm_open.data.state:msg_id (no request of "
+                                                                        "the box's)"]
+    for value, kept in [("cell-1", "cell-1"), ("", ""), ("host-8", ""), (["cell-1"], ""), (7, "")]:
+        m = _box_comm(comms, "comm_msg", "o", {"msg_id": value}, box_requests)
+        assert m.content["data"]["state"]["msg_id"] == kept, value
+    # nor from a buffer, nor from the control comm (below: update_states)
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "o", "data": {
+        "method": "update", "state": {}, "buffer_paths": [["msg_id"]]}}, buffers=["aG9zdC05"]), comms, box_requests)
+    assert m.content["data"]["buffer_paths"] == [] and m.buffers == []
+
+
+def test_update_states_carrying_a_link_or_unknown_key_is_sanitised():
+    """The control comm's update_states makes every widget it lists on page load: a link among them is dropped, as
+    is a key its model lacks, a msg_id no request of the box's, and a buffer setting either."""
+    comms = {"ctl": ""}
+    states = {"l": {"model_name": "DirectionalLinkModel", "model_module": "@jupyter-widgets/controls",
+                    "state": {"source": ["IPY_MODEL_t", "x"], "target": ["IPY_MODEL_o", "outputs"]}},
+              "l2": {"model_name": "TextModel", "state": {"_model_name": "LinkModel"}},
+              "l3": {"model_name": ["LinkModel"], "state": {}},
+              "t": {"model_name": "TextModel", "model_module": "@jupyter-widgets/controls",
+                    "state": {"value": "v", "x": "<img src=x onerror=alert(1)>"}},
+              "o": {"model_name": "OutputModel", "model_module": "@jupyter-widgets/output",
+                    "state": {"msg_id": "host-1", "outputs": []}}}
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
+        "method": "update_states", "states": states, "buffer_paths": [["t", "state", "x"], ["o", "state", "msg_id"],
+                                                                      ["l", "state", "y"]]}},
+        buffers=["AAE=", "AAE=", "AAE="]), comms, {"cell-1"})
+    got = m.content["data"]["states"]
+    assert set(got) == {"t", "o"} and got["t"]["state"] == {"value": "v"}
+    assert got["o"]["state"] == {"msg_id": "", "outputs": []}
+    assert m.content["data"]["buffer_paths"] == [] and m.buffers == []
+    assert "comm_msg.data.states:l (a link between widgets)" in m.dropped
+    assert "comm_msg.data.states:l3 (a model_name that is not text)" in m.dropped
+    # an entry naming a widget the box has already: the page may set this state on it, so it may not make it render
+    # markup it did not (the Text's value was never sanitised as HTML), nor revive a refused comm
+    comms.update(t="TextModel", gone="!")
+    again = {"t": {"model_name": "TextModel", "state": {"_view_name": "HTMLView"}},
+             "gone": {"model_name": "TextModel", "state": {"value": "v"}},
+             "t2": {"model_name": "TextModel", "state": {"_view_name": "HTMLView", "value": "<img src=x onerror=y>"}}}
+    m = check_box_message(message("iopub", "comm_msg", {"comm_id": "ctl", "data": {
+        "method": "update_states", "states": again}}), comms)
+    assert set(m.content["data"]["states"]) == {"t2"}
+    assert m.content["data"]["states"]["t2"]["state"]["value"] == '<img src="x">'  # new: sanitised as HTML
+    assert "comm_msg.data.states:t (a widget that renders markup it did not)" in m.dropped
+    assert "comm_msg.data.states:gone (a comm refused before)" in m.dropped
+
+
+def test_a_style_or_layout_value_never_loads_a_url():
+    """A Style or Layout model's values are set as CSS on an element: `background: url(...)` would be fetched with no
+    click, past the egress door; colours and arithmetic pass."""
+    comms: dict[str, str] = {}
+    m = _box_comm(comms, "comm_open", "s", {
+        "_model_name": "HTMLStyleModel", "background": "url(http://198.18.0.9/?secret)", "text_color": "rgb(1, 2, 3)",
+        "font_size": "calc(1em + 2px)", "description_width": "u\\72l(http://x/)"})
+    assert m.content["data"]["state"] == {"_model_name": "HTMLStyleModel", "text_color": "rgb(1, 2, 3)",
+                                          "font_size": "calc(1em + 2px)"}
+    for value in ("IMAGE-SET('http://x/' 1x)", "red /**/", ["url(http://x/)"], "-webkit-image-set(x)"):
+        m = _box_comm(comms, "comm_msg", "s", {"background": value})
+        assert m.content["data"]["state"] == {}, value
+    m = _box_comm(comms, "comm_open", "lay", {"_model_name": "LayoutModel", "border_top": "1px solid red",
+                                              "width": "50%", "grid_template_areas": "url(//x)"})
+    assert m.content["data"]["state"] == {"_model_name": "LayoutModel", "border_top": "1px solid red", "width": "50%"}

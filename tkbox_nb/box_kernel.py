@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import protocol as p
 from .box_late import FLUSH_S, Batch, LateOutputs
 from .box_messages import BoxMessage, check_box_message
-from .box_outputs import control_kind, widget_kind
+from .box_widgets import REFUSED, control_kind, widget_kind
 
 if TYPE_CHECKING:
     from .doors.context import DoorContext
@@ -120,12 +120,15 @@ class BoxKernel:
         self.cells: dict[str, Cell] = {}
         self.listeners: list[Callable[[BoxMessage], None]] = []
         # the box's comms, opened by its kernel or by the frontend toward it: id -> what the widget is (its model and
-        # view names, box_outputs.widget_kind), so the state a comm_msg carries is checked for what it will render
+        # view names, box_widgets.widget_kind; REFUSED for a link's), so the state a comm_msg carries is checked for
+        # what it will render
         self.comms: dict[str, str] = {}
+        self.requests = _Requests(self)  # the msg_ids of the requests the box was sent: all an Output may capture
         self.signed: set[str] = set()  # cells whose end is signed: what names them later is dropped and counted
         self.late = 0  # messages dropped so, not yet in a signed record
         self.late_outputs = LateOutputs()  # outputs naming signed cells, held until signed (box_late.py)
-        self.sent: OrderedDict[str, None] = OrderedDict()  # msg_ids the host sent into the box (shell, control)
+        self.sent: OrderedDict[str, None] = OrderedDict()  # msg_ids the host sent into the box (shell, control):
+        # what the box may send under, and all an Output widget may capture (_Requests)
         self.strays = 0  # messages naming none of them, dropped, not yet in a signed record
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one signer of late outputs at a time, so their records keep order
@@ -181,7 +184,7 @@ class BoxKernel:
                     if event[1] != p.CH_MSG:
                         raise p.ProtocolError(f"kernel data on channel {event[1]}")
                     for raw in self.reader.feed(event[2]):
-                        msg = check_box_message(raw, self.comms)
+                        msg = check_box_message(raw, self.comms, self.requests)
                         if msg is not None:
                             self._route(msg)
                 elif event[0] == "close":
@@ -204,15 +207,17 @@ class BoxKernel:
             self.box.fail_closed(reason)
         self._finish(reason)
 
-    def _track_comm(self, msg_type: Any, content: dict) -> None:
+    def _track_comm(self, msg_type: Any, content: dict, refused: bool = False) -> None:
         comm_id = content.get("comm_id")
         if not isinstance(comm_id, str):
             return
         data = content.get("data") if isinstance(content.get("data"), dict) else {}
-        if msg_type == "comm_open" or (msg_type == "comm_msg" and comm_id in self.comms):
+        if refused and msg_type != "comm_close":  # a link's comm: what names it later is refused with it
+            self.comms[comm_id] = REFUSED
+        elif msg_type == "comm_open" or (msg_type == "comm_msg" and comm_id in self.comms):
             known = self.comms.get(comm_id, "") if msg_type == "comm_msg" else ""
             self.comms[comm_id] = widget_kind(known, data.get("state"))
-            if msg_type == "comm_msg" and data.get("method") == "update_states":  # checked: box_outputs.control_states
+            if msg_type == "comm_msg" and data.get("method") == "update_states":  # checked: box_widgets.control_states
                 for model_id, entry in data["states"].items():
                     self.comms[model_id] = control_kind(entry, self.comms.get(model_id, ""))
         elif msg_type == "comm_close":
@@ -241,8 +246,10 @@ class BoxKernel:
                 self.stray()
             return
         if msg.channel == "iopub":
-            self._track_comm(msg.msg_type, msg.content)
-        if cell is not None and cell.held is None and msg.msg_type == "execute_reply" and cell.expressions:
+            self._track_comm(msg.msg_type, msg.content, msg.refused is not None)
+        if msg.refused is not None:  # its refusal is in the cell's dropped (signed); the frontend never sees it
+            pass
+        elif cell is not None and cell.held is None and msg.msg_type == "execute_reply" and cell.expressions:
             cell.held = msg  # it carries the expressions' results: shown once they are signed
         elif cell is not None and cell.held is not None:
             cell.behind.append(msg)
@@ -390,3 +397,16 @@ class BoxKernel:
         if cell.expression_results:
             content["user_expressions"] = json.dumps(cell.expression_results, sort_keys=True).encode("utf-8")
         return self.box.recorder.complete(cell.crossing, "ok" if status == "ok" else "error", result, content)
+
+
+class _Requests:
+    """The msg_ids of the requests a box was sent (cells running or signed, the newest shell requests: a widget's
+    comm_msg, whose handler `interact` runs `with out:`): the only ones an Output widget of the box's may name as its
+    `msg_id` (box_widgets.widget_state). What answers them is the box's (a cell that mixes host magics with box code
+    shows its host outputs before the box is sent it)."""
+
+    def __init__(self, kernel: BoxKernel):
+        self.kernel = kernel
+
+    def __contains__(self, msg_id: object) -> bool:
+        return msg_id in self.kernel.cells or msg_id in self.kernel.signed or msg_id in self.kernel.sent

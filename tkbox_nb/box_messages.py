@@ -8,7 +8,8 @@ a `ProtocolError` that ends the box.
 What is removed, and why (docs/threat-model.md, I14):
 - Script in outputs (JavaScript, and HTML, SVG or Markdown that carry it) would run in the notebook's origin, where
   it could type host-side magics (a looser `%%box_policy`) into the kernel: only an allowlist of inert MIME types
-  passes, HTML and Markdown sanitised, in outputs, the pager and widget state alike (box_outputs.py).
+  passes, HTML and Markdown sanitised, in outputs, the pager and widget state alike (box_outputs.py,
+  box_widgets.py, which also refuses links between widgets and keys no standard model has).
 - An `input_request`'s prompt is shown with `[box] ` at the start of each line, so the box cannot fake the host's
   own password prompt (%box_secret).
 - `execute_reply` payloads act on the frontend: each keeps its plain-ipykernel meaning except where it could act on
@@ -21,9 +22,10 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, field
+from collections.abc import Container
 from typing import Any
 
-from . import box_outputs
+from . import box_outputs, box_widgets
 from .errors import TkboxError
 from .protocol import ProtocolError
 
@@ -75,6 +77,7 @@ class BoxMessage:
     buffers: list[bytes] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     unknown_comm: bool = False  # a comm_msg or comm_close naming no comm of the box's (when it was checked)
+    refused: str | None = None  # why a comm message (a link's comm_open, a refused comm's later ones) is not forwarded
 
     @property
     def msg_type(self) -> str:
@@ -146,9 +149,11 @@ def _mimebundle(data: Any, what: str, dropped: list[str]) -> dict:
     return box_outputs.mimebundle(data, what, dropped)
 
 
-def check_box_message(raw: Any, comms: dict[str, str] | None = None) -> BoxMessage | None:
+def check_box_message(raw: Any, comms: dict[str, str] | None = None,
+                      requests: Container[str] = ()) -> BoxMessage | None:
     """The checked message, or None when its type is not one a kernel sends on its channel (dropped whole).
-    `comms`: what each comm of the box is (`box_outputs.widget_kind`), for the widget state a comm_msg carries."""
+    `comms`: what each comm of the box is (`box_widgets.widget_kind`), for the widget state a comm_msg carries;
+    `requests`: the msg_ids of the requests the box was sent (the only ones an Output widget may capture)."""
     obj = _dict(raw, "message")
     if set(obj) != MESSAGE_KEYS:
         raise _fail(f"keys {sorted(obj)[:8]}")
@@ -172,11 +177,11 @@ def check_box_message(raw: Any, comms: dict[str, str] | None = None) -> BoxMessa
     if header["msg_type"] not in CHANNEL_TYPES[channel]:
         return None
     msg = BoxMessage(channel, header, parent, metadata, content, buffers)
-    _check_content(msg, comms)
+    _check_content(msg, comms, requests)
     return msg
 
 
-def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
+def _check_content(m: BoxMessage, comms: dict[str, str] | None, requests: Container[str] = ()) -> None:
     c, t = m.content, m.msg_type
     if t == "status":
         if c.get("execution_state") not in ("busy", "idle", "starting"):
@@ -210,14 +215,21 @@ def _check_content(m: BoxMessage, comms: dict[str, str] | None) -> None:
         state = data.get("state")
         m.unknown_comm = comms is not None and t != "comm_open" and c["comm_id"] not in comms
         known = (comms or {}).get(c["comm_id"], "") if t != "comm_open" else ""
-        kind = box_outputs.widget_kind(known, state)  # what the comm was and this message asks it to be
+        m.refused = "a comm refused before" if known == box_widgets.REFUSED else \
+            box_widgets.refusal(state) if t == "comm_open" and isinstance(state, dict) else None
+        if m.refused is not None:  # never forwarded: named in the cell's signed result
+            m.dropped.append(f"{t} ({m.refused})")
+            return
+        kind = box_widgets.widget_kind(known, state)  # what the comm was and this message asks it to be
         if t != "comm_open":  # the frontend keeps the state sent before, unchecked for a kind the comm was not
-            box_outputs.widget_names(known, state, f"{t}.data.state", m.dropped)
-        box_outputs.widget_state(kind, state, f"{t}.data.state", m.dropped)
+            box_widgets.widget_names(known, state, f"{t}.data.state", m.dropped)
+        # sanitised as what it asks to be; its keys, those of the models it may be (its names left after the above)
+        models = box_widgets.widget_kind(known, state)
+        box_widgets.widget_state(kind, state, f"{t}.data.state", m.dropped, requests, models)
         if isinstance(state, dict) and "buffer_paths" in data:
-            m.buffers = box_outputs.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped)
+            m.buffers = box_widgets.widget_buffers(kind, data, m.buffers, f"{t}.data", m.dropped, models)
         if t == "comm_msg" and data.get("method") == "update_states":  # the control comm: every widget's state
-            m.buffers = box_outputs.control_states(data, m.buffers, f"{t}.data", m.dropped)
+            m.buffers = box_widgets.control_states(data, m.buffers, f"{t}.data", m.dropped, requests, comms)
     elif t == "execute_reply":
         if c.get("status") not in ("ok", "error", "aborted"):
             raise _fail("execute_reply.status")

@@ -9,12 +9,8 @@ an image only from a relative URL (a remote one would carry data out past the eg
 Everything else (SVG images, JavaScript, PDF, third-party renderers' JSON) is dropped. Each removal, and each text
 that sanitising changed, is named in `dropped`, which the cell's signed result carries.
 
-Widget state carries markup too: `widget_state` sanitises the `value` of an HTML or HTMLMath widget (by its model
-or its view), turns every `description_allow_html` off, filters each output of an Output widget like any other
-output, and drops `format: "url"` (a media widget would load its value as a URL); `widget_names` refuses a later
-message that would make a comm render markup it did not, `widget_buffers` a binary buffer that would set a checked
-key. Pure functions of their input; which widget a comm message updates comes from the caller (box_kernel tracks
-the box's comms, `widget_kind`).
+Widget state carries markup too: box_widgets.py checks it, with `outputs` (an Output widget's) and `clean_html`
+from here. Pure functions of their input.
 """
 
 from __future__ import annotations
@@ -31,13 +27,6 @@ INERT = frozenset({"text/plain", "text/latex", "image/png", "image/jpeg", "image
                    "application/json", "application/vnd.jupyter.widget-view+json"})
 SANITISED = frozenset({"text/html", "text/markdown"})
 ALLOWED = INERT | SANITISED
-HTML_WIDGETS = frozenset({"HTMLModel", "HTMLMathModel", "HTMLView", "HTMLMathView"})
-OUTPUT_WIDGETS = frozenset({"OutputModel", "OutputView"})
-MAX_WIDGET_NAMES = 8  # names a comm's kind keeps; past them, or on a name that is not text, it is ANY_WIDGET
-ANY_WIDGET = "*"  # a comm whose widget is not known: its state is sanitised as every kind's (HTML, Output)
-# keys of widget state the host checks: a comm message may not set them from a binary buffer (buffer_paths) instead
-_CHECKED_KEYS = frozenset({"_model_name", "_view_name", "_model_module", "_view_module", "description_allow_html",
-                           "format", "outputs"})
 BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host prompt does (kernel/app.py)
 
 _TAGS = set(nh3.ALLOWED_TAGS) | {"tfoot"}
@@ -145,134 +134,6 @@ def outputs(items: Any, what: str, dropped: list[str]) -> list:
             kept.append({k: v for k, v in item.items() if k in _TEXT_OUTPUT_KEYS})
         else:
             dropped.append(f"{what}:{str(kind)[:40]}")
-    return kept
-
-
-def widget_kind(known: str, state: Any) -> str:
-    """The model and view names a widget's comm has had (`known`, space-separated) with those `state` sets: a view
-    renders whatever model it is given, so an HTML view of a Text model renders its value as HTML. Every name the
-    state sets counts, so a message is judged by the names it sets itself; past `MAX_WIDGET_NAMES` names, or with a
-    name that is not text (nor None), it is `ANY_WIDGET` (which `widget_names` refuses to a comm that was not)."""
-    names = set(known.split())
-    if isinstance(state, dict):
-        for key in ("_model_name", "_view_name"):
-            value = state.get(key)
-            if isinstance(value, str):
-                names.update(value[:64].split()[:1])
-            elif value is not None:
-                names.add(ANY_WIDGET)
-    if len(names) > MAX_WIDGET_NAMES:
-        names = {ANY_WIDGET}
-    return " ".join(sorted(names))
-
-
-def widget_names(known: str, state: Any, what: str, dropped: list[str]) -> None:
-    """Refuse, in place, the model and view names of a later message to a comm of kind `known` that would make it
-    render markup it did not (HTML, HTMLMath, Output, or any widget, as past `MAX_WIDGET_NAMES`): the frontend keeps
-    the state sent before, which was not sanitised for that kind. A comm is what its comm_open made it, within the
-    names it may have."""
-    if not isinstance(state, dict):
-        return
-    before, after = set(known.split()), set(widget_kind(known, state).split())
-    if any(_renders(after, kinds) and not _renders(before, kinds) for kinds in (HTML_WIDGETS, OUTPUT_WIDGETS)):
-        for key in ("_model_name", "_view_name"):
-            if key in state:
-                del state[key]
-                dropped.append(f"{what}:{key} (a widget that renders markup)")
-
-
-def _renders(names: set[str], kinds: frozenset[str]) -> bool:
-    return ANY_WIDGET in names or bool(names & kinds)
-
-
-def widget_state(kind: str, state: Any, what: str, dropped: list[str]) -> None:
-    """Sanitise, in place, widget state from the box for a comm of `kind` (`widget_kind` of what the comm had and
-    this state, "" when not known)."""
-    if not isinstance(state, dict):
-        return
-    names = set(kind.split())
-    if state.get("description_allow_html", False) is not False:
-        state["description_allow_html"] = False
-        dropped.append(f"{what}:description_allow_html")
-    if _renders(names, HTML_WIDGETS) and "value" in state:
-        value = state["value"]
-        cleaned = clean_html(value) if isinstance(value, str) else None
-        if cleaned != value:
-            dropped.append(f"{what}:value ({'sanitised' if cleaned is not None else 'removed'})")
-            state["value"] = cleaned or ""
-    if _renders(names, OUTPUT_WIDGETS) and "outputs" in state:
-        state["outputs"] = outputs(state["outputs"], f"{what}.outputs", dropped)
-    # an Image, Video or Audio view with format "url" loads its value (text or a buffer) as a URL, with no click:
-    # no widget of the box's has it, whatever it is now (its view may become one of those in a later message)
-    if isinstance(state.get("format"), str) and state["format"].strip().lower() == "url":
-        del state["format"]
-        dropped.append(f"{what}:format url")
-
-
-def widget_buffers(kind: str, data: dict, buffers: list[bytes], what: str, dropped: list[str]) -> list[bytes]:
-    """The binary buffers a widget comm message keeps: the frontend puts each into the state at its buffer path,
-    unchecked, so one that would set a key the host checks (names, description_allow_html, format, outputs, the
-    value of an HTML widget) is dropped, with its path."""
-    paths = data.get("buffer_paths")
-    if not isinstance(paths, list):
-        return buffers
-    guarded = _guarded(kind)
-    kept_paths, kept = [], []
-    for i, path in enumerate(paths):
-        key = path[0] if isinstance(path, list) and path else None
-        if not isinstance(key, str) or key in guarded:
-            dropped.append(f"{what}.buffer_paths:{str(key)[:40]}")
-            continue
-        kept_paths.append(path)
-        if i < len(buffers):
-            kept.append(buffers[i])
-    data["buffer_paths"] = kept_paths
-    return kept + buffers[len(paths):]
-
-
-def _guarded(kind: str) -> frozenset[str]:
-    return _CHECKED_KEYS | ({"value"} if _renders(set(kind.split()), HTML_WIDGETS) else set())
-
-
-def control_kind(entry: dict, known: str = "") -> str:
-    """What a widget of the control comm's `update_states` is (with `known`, what its comm was before): its
-    `model_name` and the names its state sets, as the frontend makes its model from the one, its view from the other."""
-    return widget_kind(widget_kind(known, {"_model_name": entry.get("model_name")}), entry.get("state"))
-
-
-def control_states(data: dict, buffers: list[bytes], what: str, dropped: list[str]) -> list[bytes]:
-    """Sanitise, in place, the widget control comm's `update_states` (ipywidgets' answer to `request_states`, which
-    the frontend loads every widget from on page load): each `states[id].state` as the comm_open of that widget
-    would be, an entry that is no object with an object `state` dropped, and of the buffers (`buffer_paths`,
-    `[id, "state", key, ...]`) only those that set an unchecked key of a kept entry. The buffers kept are returned."""
-    states = data.get("states")
-    if not isinstance(states, dict):
-        states = data["states"] = {}
-        dropped.append(f"{what}.states")
-    kinds: dict[str, str] = {}
-    for model_id, entry in list(states.items()):
-        if not (isinstance(entry, dict) and isinstance(entry.get("state"), dict)):
-            del states[model_id]
-            dropped.append(f"{what}.states:{model_id[:40]}")
-            continue
-        kinds[model_id] = control_kind(entry)
-        widget_state(kinds[model_id], entry["state"], f"{what}.states:{model_id[:40]}.state", dropped)
-    paths = data.get("buffer_paths", [])
-    if not isinstance(paths, list):
-        paths = []
-        dropped.append(f"{what}.buffer_paths")
-    kept_paths, kept = [], []
-    for i, path in enumerate(paths):
-        ok = (isinstance(path, list) and len(path) >= 3 and path[0] in kinds and path[1] == "state"
-              and isinstance(path[2], str) and path[2] not in _guarded(kinds[path[0]]))
-        if not ok:
-            dropped.append(f"{what}.buffer_paths:{str(path)[:60]}")
-            continue
-        kept_paths.append(path)
-        if i < len(buffers):
-            kept.append(buffers[i])
-    if "buffer_paths" in data or kept_paths:
-        data["buffer_paths"] = kept_paths
     return kept
 
 

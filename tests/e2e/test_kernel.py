@@ -190,6 +190,31 @@ def test_widget_state_from_the_box_is_sanitised_and_widgets_still_work(client):
     assert any(t == "execute_result" and c["data"]["text/plain"] == "9" for t, c in outs)
 
 
+def test_an_output_widget_of_the_box_never_names_a_host_request_and_no_link_reaches_the_frontend(client, kernel_env):
+    """jupyter_client's msg_ids are sequential (`SESSION_PID_N`): a box cell can name the next request's, a host-magic
+    cell's, as an Output widget's msg_id, and the frontend would capture that cell's outputs into the widget and sync
+    them back into the box. Only a request of the box's passes (its own cell's, as `with out:` sets); a jsdlink's
+    comm_open never reaches the frontend; the refusals are named in the cell's signed result."""
+    msg_id = client.kc.execute(
+        "import ipywidgets as w\n"
+        "mine = get_ipython().kernel.get_parent()['header']['msg_id']\n"
+        "head, n = mine.rsplit('_', 1)\n"
+        "o = w.Output(msg_id=f'{head}_{int(n) + 1}')\n"
+        "p = w.Output(msg_id=mine)\n"
+        "t = w.Text(value='x')\n"
+        "link = w.jsdlink((t, 'value'), (o, 'msg_id'))\n"
+        "display(o, p, t)")
+    msgs = _iopub_until_idle(client, msg_id)
+    states = [m["content"]["data"]["state"] for m in msgs if m["msg_type"] == "comm_open"]
+    assert sorted(st.get("msg_id") for st in states if st.get("_model_name") == "OutputModel") == ["", msg_id]
+    assert [st["_model_name"] for st in states if "Link" in st.get("_model_name", "")] == []
+    assert any(st.get("_model_name") == "TextModel" for st in states)
+    client.stop()
+    cell = [x for x in open_run(only_bundle(kernel_env)).crossings() if x.door == "exec"][-1]
+    named = " ".join(cell.result["dropped"])
+    assert "comm_open (a link between widgets)" in named and "msg_id (no request of the box's)" in named, named
+
+
 def test_a_box_prompt_cannot_pass_for_the_host_s_password_prompt(client):
     prompts = []
 

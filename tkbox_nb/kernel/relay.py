@@ -93,6 +93,8 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
         if isinstance(transient, dict) and "display_id" in transient:
             shown = box_display_id(box_id, str(transient["display_id"]))
             content = dict(content, transient=dict(transient, display_id=shown))
+    elif msg.msg_type in ("comm_open", "comm_msg"):
+        content = output_ids_for_frontend(content, parents)
     elif msg.msg_type == "execute_reply" and ("user_expressions" in content or content.get("status") == "ok"):
         results = content.get("user_expressions") if isinstance(content.get("user_expressions"), dict) else {}
         missing = unevaluated([k for k in sorted(asked or ()) if k not in results],
@@ -101,3 +103,24 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
         content = dict(content, user_expressions={k: results[k] for k in sorted(asked or ()) if k in results} | missing)
     return {"header": header, "parent_header": parents.get(msg.parent_id), "metadata": msg.metadata,
             "content": content}
+
+
+def output_ids_for_frontend(content: dict, parents: Parents) -> dict:
+    """`content` of a checked widget message with each Output widget's `msg_id` (box_widgets let through only ids of
+    requests the box was sent, which are the host's ids toward the box) named as the frontend knows that request, so
+    `with out:` still captures its outputs in the page; an id the host no longer maps becomes "" (capture nothing)."""
+    data = content.get("data")
+    if not isinstance(data, dict):
+        return content
+
+    def mapped(state: Any) -> Any:
+        if not isinstance(state, dict) or not isinstance(state.get("msg_id"), str) or not state["msg_id"]:
+            return state
+        return dict(state, msg_id=str(parents.get(state["msg_id"]).get("msg_id", "")))
+
+    if isinstance(data.get("state"), dict):
+        data = dict(data, state=mapped(data["state"]))
+    if isinstance(data.get("states"), dict):
+        data = dict(data, states={k: dict(v, state=mapped(v.get("state"))) if isinstance(v, dict) else v
+                                  for k, v in data["states"].items()})
+    return dict(content, data=data)
