@@ -45,8 +45,9 @@ def problems(root: Path = ROOT) -> list[str]:
 
 
 def test_every_invariant_names_a_test_and_every_named_test_exists():
-    ids = [i for i, _ in invariants()]
-    assert len(ids) >= 50 and ids == [f"I{n}" for n in range(1, len(ids) + 1)]
+    ids = [int(i[1:]) for i, _ in invariants()]
+    # in order and each once; ids may skip (engineers working at once are given disjoint ranges of new ids)
+    assert len(ids) >= 50 and ids[0] == 1 and all(a < b for a, b in zip(ids, ids[1:]))
     assert problems() == []
 
 
