@@ -107,10 +107,10 @@ class StateFeed:
         h = hashlib.sha256()
         try:
             while chunk := self._src.read(self.CHUNK):
-                h.update(chunk)
                 view = memoryview(chunk)
-                while len(view):
+                while len(view):  # QEMU reads this chunk while it is hashed (hashlib lets go of the GIL)
                     view = view[os.write(self._w, view):]
+                h.update(chunk)
             self.sha256 = h.hexdigest()
         except OSError:  # BrokenPipeError: QEMU closed its end
             self.broken = True
