@@ -183,6 +183,7 @@ class Box:
             while not self.conn.ready.wait(0.1):
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
                     raise BoxEnded(f"the box did not come up ({self.running.exit_reason()}): {self._log_tail()}")
+            self.running.ready()  # its output stream's tail ends here: what box code writes there is not the host's
             if self.ended:
                 raise BoxEnded(self.ended)
         except BaseException as e:

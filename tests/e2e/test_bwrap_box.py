@@ -59,12 +59,12 @@ def test_host_loopback_services_are_unreachable(box):
 def test_host_files_home_and_signer_are_invisible(box, signer):
     r = sh(box, f"ls -a /root; ls /etc/ssh; ls /home; ls {signer.home}; ls {signer.socket_path}; ls /sys")
     out = r.stdout.decode()
-    # only /root's listing reaches stdout: empty, or holding just the interpreter's own tree where Python lives
-    # under /root/.pyenv and the box binds it read-only; the four other paths are not there at all
-    assert out.split() in ([".", "..", ".pyenv"], [".", ".."]), out
+    # no /root at all: the interpreter is bound at /opt/tkbox/python even where it lives under /root/.pyenv; the
+    # four other paths are not there either
+    assert out.split() == [], out
     for secret in ("signer.sock", "trust.json", "ssh_host", ".bash_history"):
         assert secret not in out
-    assert r.stderr.count(b"No such file or directory") >= 5
+    assert r.stderr.count(b"No such file or directory") >= 6
     r = box.run([PY, "-c", f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(signer.socket_path)!r})"])
     assert r.exit_code != 0
 
@@ -494,7 +494,7 @@ def test_an_interrupted_stop_still_ends_the_box_and_closes_its_run(signer, tmp_p
     ws.mkdir()
     (ws / "stall.py").write_text(STALLING_GUEST)
     b = Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "i.tkb",
-            agent_argv=[sys.executable, "/run/tkbox/seed/stall.py"]).start()
+            agent_argv=["python3", "/run/tkbox/seed/stall.py"]).start()
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -511,3 +511,66 @@ def test_an_interrupted_stop_still_ends_the_box_and_closes_its_run(signer, tmp_p
     run = open_run(tmp_path / "i.tkb")
     assert "stop interrupted (KeyboardInterrupt)" in run.box["end_reason"]
     assert verify_bundle(tmp_path / "i.tkb").valid
+
+
+WRITE_EVERY_FD = r"""
+import os, sys
+marker, agent, opened = sys.argv[1].encode(), None, {}
+for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if b"tkbox_guest.agent" in argv and not argv[0].endswith(b"bwrap"):
+            agent = agent or pid
+    except OSError:
+        continue
+    for fd in range(64):
+        try:
+            w = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            os.write(w, marker + b"\n")
+            opened.setdefault(pid, []).append(fd)
+        except OSError:
+            pass
+        os.close(w)
+print("agent", agent, "opened", opened.get(agent, []), "pid1", opened.get(1, []))
+"""
+
+
+def test_box_code_cannot_write_the_agent_s_stderr_or_the_host_s_start_error_tail(signer, tmp_path):
+    """The agent's stderr is a pipe to the host, shown as the tail of a box that did not come up: box code (the
+    agent's user) opened /proc/2/fd/2 and wrote there. The agent is not dumpable, so none of its fds opens; what
+    reaches the host's stream some other way (bubblewrap's init's stderr) after the hello is dropped."""
+    with Box(backend="bwrap", bundle_path=tmp_path / "fd.tkb") as b:
+        assert b.execute("1 + 1").status == "ok"  # a kernel too: its fds are written as well
+        r = b.run([PY, "-c", WRITE_EVERY_FD, "tkbox-marker-6c1f"])
+        out = r.stdout.decode()
+        assert r.exit_code == 0 and "agent 2 opened [] " in out, (out, r.stderr)
+        time.sleep(0.3)  # what reached the host's stream is drained
+        assert "tkbox-marker-6c1f" not in b.running.log_tail()
+        assert b.execute("2 + 2").outputs[-1]["data"]["text/plain"] == "4"  # the box still works
+    assert "tkbox-marker-6c1f" not in b.running.log_tail()
+
+
+def test_no_box_process_s_command_line_or_environment_names_a_host_path(signer, tmp_path):
+    """/proc/1/cmdline was bubblewrap's whole command line (the host scratch directory, the interpreter's and the
+    venv's host paths); the agent ran as <venv>/bin/python3. Now bubblewrap's options come through a file, the
+    interpreter and venv are seen at /opt/tkbox, and the box's /etc is copied in, not bound from a host folder."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "data.txt").write_text("x\n")
+    host_paths = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), str(tmp_path), "tkbox-box-",
+                  str(Path(bwrap.__file__).resolve().parents[2]), os.environ.get("TKBOX_HOME") or "/nonexistent"}
+    with Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "p.tkb") as b:
+        assert b.execute("import ipykernel, sys; sys.prefix").outputs[-1]["data"]["text/plain"] == "'/opt/tkbox/venv'" \
+            or sys.prefix == sys.base_prefix
+        r = sh(b, "for p in /proc/[0-9]*; do echo \"== $p\"; tr '\\0' ' ' < $p/cmdline; echo; "
+                  "tr '\\0' ' ' < $p/environ 2>/dev/null; echo; done; echo == mountinfo; cat /proc/self/mountinfo")
+    out = r.stdout.decode()
+    assert "bwrap --args" in out and "tkbox_guest.agent" in out and "ipykernel" in out and "PATH=" in out, out
+    listed = out.split("== mountinfo")[0]
+    for path in host_paths:
+        assert path not in listed, (path, listed)
+    assert "tkbox-box-" not in out.split("== mountinfo")[1]  # the box's /etc is no host scratch folder

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import zipfile
 
 import pytest
@@ -226,7 +225,7 @@ def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer
     ws.mkdir()
     program = CRAFTED.replace("TAIL", tail or "pass")
     bundle = tmp_path / "g.tkb"
-    box = Box(workspace=ws, bundle_path=bundle, policy=AUTO, agent_argv=[sys.executable, "-c", program]).start()
+    box = Box(workspace=ws, bundle_path=bundle, policy=AUTO, agent_argv=["python3", "-c", program]).start()
     box.collect_patch_at_stop = False
     try:
         if not tail:
@@ -310,7 +309,7 @@ def crafted_box(ws, bundle, entries, policy=AUTO):
     program = CRAFTED.split("def crafted")[0] + (
         "def crafted(seed, work):\n    for header, content in ENTRIES:\n        yield patch.encode(header, content)\n"
         "patch.stream = crafted\nsys.exit(agent.main())\n").replace("ENTRIES", repr(entries))
-    box = Box(workspace=ws, bundle_path=bundle, policy=policy, agent_argv=[sys.executable, "-c", program]).start()
+    box = Box(workspace=ws, bundle_path=bundle, policy=policy, agent_argv=["python3", "-c", program]).start()
     box.collect_patch_at_stop = False
     return box
 

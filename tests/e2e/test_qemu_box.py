@@ -54,6 +54,36 @@ def test_the_guest_has_no_network_device(box):
     assert r.exit_code != 0 and b"Network is unreachable" in r.stderr
 
 
+DEVICES = r"""
+import glob, os
+def read(path):
+    with open(path) as f:
+        return f.read().strip()
+print(sorted(read(d + "/device") for d in glob.glob("/sys/bus/virtio/devices/*")))
+print(sorted(glob.glob("/sys/bus/pci/devices/*")))
+acpi = {os.path.basename(d).split(":")[0] for d in glob.glob("/sys/bus/acpi/devices/*")}
+print(sorted(acpi - {"LNXSYBUS", "LNXSYSTM"}))
+print(sorted(l.split()[-1] for l in open("/proc/interrupts") if l.split()[0].rstrip(":").isdigit()))
+print(sorted(l.split()[-1] for l in open("/proc/interrupts") if l.split()[0].rstrip(":").isdigit() and "XT-PIC" in l))
+print(len(glob.glob("/sys/class/tty/ttyS*")), read("/proc/tty/driver/serial").count("uart:16550A"))
+"""
+
+
+def test_the_guest_finds_only_the_devices_it_was_given(box):
+    """What the guest kernel found (I35): two virtio disks and the virtio console (the door), no PCI, and of the
+    machine's own devices ACPI's GED and power button, three virtio-mmio slots, fw_cfg, one 16550 UART (the console)
+    and the RTC; interrupts from those alone, through the one IO-APIC (no legacy PIC, no second IO-APIC)."""
+    r = box.run(["python3", "-c", DEVICES])
+    assert r.exit_code == 0, r.stderr
+    virtio, pci, acpi, irqs, pic, serial = r.stdout.decode().splitlines()
+    assert virtio == "['0x0002', '0x0002', '0x0003']" and pci == "[]"
+    assert acpi == "['ACPI0013', 'LNRO0005', 'PNP0501', 'PNP0B00', 'PNP0C0C', 'QEMU0002']"
+    assert irqs == "['ACPI:Ged', 'rtc0', 'ttyS0', 'virtio0', 'virtio1', 'virtio2']" and pic == "[]"
+    assert serial.split()[1] == "1"  # of the ttyS* the driver makes, one port is there: the console
+    r = sh(box, "dmesg | grep -c 'IOAPIC\\['")
+    assert r.stdout.strip() == b"1", r
+
+
 def test_it_is_a_vm_with_its_own_kernel(box):
     r = sh(box, "uname -r; cat /proc/cpuinfo | grep -c ^processor")
     kernel, cpus = r.stdout.split()

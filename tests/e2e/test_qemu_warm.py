@@ -164,3 +164,35 @@ def test_a_state_that_does_not_restore_is_set_aside_and_made_again(signer, qemu_
         assert again.run(["echo", "ok"]).stdout == b"ok\n"
     assert find_state(image, key) is not None
     assert _boot_fact(tmp_path / "again.tkb") == find_state(image, key).boot_fact
+
+
+def test_a_state_whose_bytes_are_not_those_recorded_fails_before_the_go_and_is_set_aside(signer, qemu_image, state,
+                                                                                         tmp_path):
+    """The run signs `warm:sha256:` of the state as it was made; a state changed since (same size, owner, mode: the
+    checks find_state makes) is hashed as QEMU reads it, and the box fails before the GO, naming both hashes."""
+    from tkbox_nb.backends.image import Image
+    from tkbox_nb.errors import TkboxError
+    copy = tmp_path / "img"
+    (copy / "warm").mkdir(parents=True)
+    for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
+        (copy / f).symlink_to(qemu_image.path / f)
+    image = Image(qemu_image.digest, copy)
+    key = state.path.stem
+    changed = copy / "warm" / f"{key}.vmstate"
+    data = bytearray(state.path.read_bytes())
+    data[-1] ^= 0xFF  # the stream's last byte: QEMU may still load it; the hash cannot match
+    changed.write_bytes(bytes(data))
+    os.chmod(changed, 0o600)
+    (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
+    assert find_state(image, key) is not None  # size, owner and mode all pass
+    box = _box(image, tmp_path, "changed")
+    with pytest.raises(TkboxError, match=f"not those recorded.*recorded {state.sha256[:16]}"):
+        box.start()
+    box.stop()
+    assert find_state(image, key) is None and (copy / "warm" / f"{key}.vmstate.bad").exists()
+    assert "not those recorded" in open_run_reason(tmp_path / "changed.tkb")
+
+
+def open_run_reason(bundle: Path) -> str:
+    from tkbox_nb.run import open_run
+    return open_run(bundle).box["end_reason"]

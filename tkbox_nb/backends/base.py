@@ -42,7 +42,9 @@ class RunningBox(abc.ABC):
 
     def _keep_tail(self, stream, name: str) -> None:
         """Drain `stream` on a thread, keeping only its last bytes in memory: a box that writes without end costs
-        the host nothing."""
+        the host nothing. Only until the agent's hello (`ready`): the tail explains a box that did not come up, and
+        after the hello box code runs, which may reach this stream (bubblewrap's init's stderr, a VM's serial
+        port): what comes then is read and dropped, never shown as the host's."""
         self._tail = bytearray()
 
         def drain() -> None:
@@ -53,9 +55,17 @@ class RunningBox(abc.ABC):
                     return
                 if not chunk:
                     return
+                if self._tail_closed:
+                    continue
                 self._tail += chunk
                 del self._tail[:-self.TAIL_BYTES]
         threading.Thread(target=drain, daemon=True, name=name).start()
+
+    _tail_closed = False
+
+    def ready(self) -> None:
+        """The agent said hello: from now on box code runs, and the tail keeps nothing more."""
+        self._tail_closed = True
 
     def alive(self) -> bool:
         return self.proc.poll() is None

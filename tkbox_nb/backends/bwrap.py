@@ -7,6 +7,12 @@ synthetic /etc with only what programs need to start, a fresh /proc and a read-o
 are host RAM that no rlimit of the box counts, so /tmp may hold half of `memory_mib` and /dev/shm a quarter (both
 together stay below the box's memory), and /workspace `workspace_mib`. No host home, no /root, no /etc/ssh, no
 $TKBOX_HOME, no host /sys. Its only interface is `lo`; its only way out is the door socket, an inherited fd.
+
+What the box's /proc shows names no host path: bubblewrap reads its options from a file (`--args`), so its command
+line, PID 1's in the box, is only the box's command; the interpreter (when outside /usr) and this process's venv are
+seen at /opt/tkbox/python and /opt/tkbox/venv; the box's /etc is copied in from fds, not bound from a host folder.
+/proc/self/mountinfo still names the host source of each bind (the interpreter's, the venv's lib, the guest package,
+the workspace seed copy): docs/backends.md. bwrap's stderr is read by the host only until the agent's hello.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from . import seccomp
 from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+BOX_PYTHON = "/opt/tkbox/python"  # where the box sees this host's interpreter when it lives outside /usr
+BOX_VENV = "/opt/tkbox/venv"      # and this process's venv, remade there: its host paths stay out of the box's /proc
 PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
 CGROUP_PREFIX = "tkbox-"  # then the host pid and the box id (scratch.sweep)
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
@@ -43,6 +51,50 @@ def _grow_buffers(sock: socket.socket, size: int = 4 << 20) -> None:
         except OSError:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, size)
+
+
+def _under_usr(path: str) -> bool:
+    return path == "/usr" or path.startswith("/usr/")
+
+
+@functools.cache
+def interpreter() -> tuple[str, tuple[tuple[str, str], ...], dict[str, str]]:
+    """(the box's path of this host's Python, its read-only binds (host, box), the environment it needs there).
+
+    A box runs this process's interpreter, but not at its host path: the argv and environment of every box process
+    are readable in the box's /proc, and a path such as /root/.pyenv/... or /home/ci/checkout/.venv tells the box
+    who runs it and where. An interpreter outside /usr is bound at BOX_PYTHON (a shared build finds its libpython
+    there through LD_LIBRARY_PATH, its RUNPATH being the host's); a venv's lib/ is bound at BOX_VENV and the venv
+    remade around it (box_files: a pyvenv.cfg naming the interpreter's box path; start(): bin/python3 a link)."""
+    base = sys.base_prefix
+    exe = getattr(sys, "_base_executable", None) or sys.executable
+    binds: list[tuple[str, str]] = []
+    env: dict[str, str] = {}
+    if _under_usr(base) or not exe.startswith(base.rstrip("/") + "/"):
+        python = exe
+        if not _under_usr(base):  # an interpreter whose executable lies outside its prefix: bound where it is
+            binds.append((base, base))
+    else:
+        python = BOX_PYTHON + exe[len(base.rstrip("/")):]
+        binds.append((base, BOX_PYTHON))
+        if any(Path(base, "lib").glob("libpython*.so*")):
+            env["LD_LIBRARY_PATH"] = f"{BOX_PYTHON}/lib"
+    if sys.prefix != base and Path(sys.prefix, "lib").is_dir():
+        binds.append((str(Path(sys.prefix, "lib")), f"{BOX_VENV}/lib"))
+    return python, tuple(binds), env
+
+
+def venv_cfg() -> bytes:
+    """The pyvenv.cfg of the box's venv: the host's, with `home` the interpreter's directory in the box."""
+    system = "false"
+    with contextlib.suppress(OSError):
+        for line in Path(sys.prefix, "pyvenv.cfg").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "include-system-site-packages":
+                system = "true" if value.strip().lower() == "true" else "false"
+    version = ".".join(map(str, sys.version_info[:3]))
+    return (f"home = {os.path.dirname(interpreter()[0])}\ninclude-system-site-packages = {system}\n"
+            f"version = {version}\n").encode()
 
 
 def _pids_cgroup_usable() -> bool:
@@ -114,6 +166,30 @@ def tmpfs_sizes(memory_mib: int) -> tuple[int, int]:
     return max(memory_mib << 19, 1 << 20), max(memory_mib << 18, 1 << 20)
 
 
+def box_files(spec: BoxSpec, workdir: Path) -> dict[str, Path]:
+    """The box's /etc (the host's few files programs need to start, and its own passwd, group, hosts, resolv.conf and
+    CA bundle) and a venv's pyvenv.cfg: box path -> a host file. The host's are named where they are (opened, not
+    copied); the box's own are written in `workdir`. Folders of ETC_FILES are bound read-only instead (argv)."""
+    files: dict[str, Path] = {}
+    for name in ETC_FILES:
+        src = Path("/etc") / name
+        if src.is_file():  # (a link followed: /etc/localtime)
+            files[f"/etc/{name}"] = src
+    own = {"passwd": PASSWD.encode(), "group": GROUP.encode(),
+           "hosts": b"127.0.0.1 localhost tkbox\n::1 localhost\n",
+           "resolv.conf": b"# no name servers in a box: names are resolved on the host\n"}
+    if spec.ca_bundle is not None:
+        own["tkbox/ca-bundle.pem"] = spec.ca_bundle
+    for name, data in own.items():
+        path = workdir / name.replace("/", "-")
+        path.write_bytes(data)
+        files[f"/etc/{name}"] = path
+    if sys.prefix != sys.base_prefix:
+        (workdir / "pyvenv.cfg").write_bytes(venv_cfg())
+        files[f"{BOX_VENV}/pyvenv.cfg"] = workdir / "pyvenv.cfg"
+    return files
+
+
 class BwrapBackend(Backend):
     name = "bwrap"
     isolation = "namespace"
@@ -134,10 +210,15 @@ class BwrapBackend(Backend):
         self._processes = process_limit()  # decided before box.start is signed, which names a limit it cannot hold
         return {"unenforced": "max_processes"} if self._processes == "unenforced" else {}
 
-    def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None,
-             nproc: bool = False) -> list[str]:
+    def argv(self, spec: BoxSpec, door_fd: int, files: dict[str, int], seccomp_fd: int | None = None,
+             nproc: bool = False) -> tuple[list[str], list[str]]:
+        """bubblewrap's options for `spec` and the box's command. The options go to bubblewrap through a file
+        (`--args`, start()), never on its command line, which is PID 1's in the box (/proc/1/cmdline); only the
+        command (no host path in it) is there. `files` maps each file the host makes for the box (its
+        /etc, a venv's pyvenv.cfg: box_files) to an fd that bubblewrap copies into the box's root: no host directory
+        is bound for them, so /proc/self/mountinfo names none of this host's scratch directories."""
         exe = shutil.which("bwrap") or "bwrap"
-        a = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        a = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--hostname", "tkbox", "--uid", "1000", "--gid", "1000"]
         if _disables_userns(exe):  # no user namespace inside the box: the kernel code it opens stays shut
             a += ["--unshare-user", "--disable-userns"]
@@ -150,61 +231,54 @@ class BwrapBackend(Backend):
                 a += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 a += ["--ro-bind", str(host), f"/{top}"]
-        a += ["--ro-bind", str(etc_dir), "/etc"]
+        a += ["--perms", "0755", "--dir", "/etc"]
         for name in ETC_FILES:
-            if (Path("/etc") / name).is_dir() and (etc_dir / name).is_dir():
+            if (Path("/etc") / name).is_dir():
+                if "/" in name:
+                    a += ["--perms", "0755", "--dir", os.path.dirname(f"/etc/{name}")]
                 a += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+        for path, fd in sorted(files.items()):
+            a += ["--perms", "0755", "--dir", os.path.dirname(path), "--perms", "0644", "--file", str(fd), path]
         tmp_bytes, shm_bytes = tmpfs_sizes(spec.memory_mib)  # host RAM the box's rlimits do not count
         a += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
               "--remount-ro", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
-        # after /tmp's tmpfs, so an interpreter that lives under /tmp (a CI checkout's venv) is not hidden by it
-        for prefix in sorted({sys.base_prefix, sys.prefix}):
-            if not prefix.startswith("/usr/"):
-                a += ["--ro-bind", prefix, prefix]
+        python, py_binds, py_env = interpreter()
+        for host, box in py_binds:
+            a += ["--ro-bind", host, box]
+        if sys.prefix != sys.base_prefix:  # a venv, remade at BOX_VENV (its pyvenv.cfg is one of `files`)
+            a += ["--perms", "0755", "--dir", f"{BOX_VENV}/bin", "--symlink", python, f"{BOX_VENV}/bin/python3",
+                  "--symlink", python, f"{BOX_VENV}/bin/python"]
         a += ["--ro-bind", str(GUEST_DIR), "/opt/tkbox/tkbox_guest",
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
         a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
-        env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONPATH": "/opt/tkbox", "PYTHONDONTWRITEBYTECODE": "1", "TKBOX_DOOR_FD": str(door_fd),
-               "TKBOX_BOX_ID": spec.box_id, "USER": "box", **spec.env}
+        box_python = f"{BOX_VENV}/bin/python3" if sys.prefix != sys.base_prefix else python
+        env = {"PATH": f"{os.path.dirname(box_python)}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
+               "LANG": "C.UTF-8", "PYTHONPATH": "/opt/tkbox", "PYTHONDONTWRITEBYTECODE": "1",
+               "TKBOX_DOOR_FD": str(door_fd), "TKBOX_BOX_ID": spec.box_id, "USER": "box", **py_env, **spec.env}
         if spec.seed is not None:
             env["TKBOX_SEED"] = "/run/tkbox/seed"
         for k, v in env.items():
             a += ["--setenv", k, v]
+        command = []
         if nproc:  # set inside the box's user namespace, so the count is the box's processes only
-            a += [shutil.which("prlimit") or "prlimit", f"--nproc={spec.max_processes}", "--"]
-        a += spec.agent_argv or [os.path.join(sys.prefix, "bin", "python3"), "-m", "tkbox_guest.agent"]
-        return a
+            command += [shutil.which("prlimit") or "prlimit", f"--nproc={spec.max_processes}", "--"]
+        command += spec.agent_argv or [box_python, "-m", "tkbox_guest.agent"]
+        return [exe, *a], command
 
     @staticmethod
-    def _prepare(spec: BoxSpec, workdir: Path, pids_cgroup: bool) -> tuple[Path, Path | None]:
-        """The box's /etc (copied, with its own passwd, hosts and resolv.conf) and its pids cgroup."""
-        etc_dir = workdir / "etc"
-        etc_dir.mkdir()
-        for name in ETC_FILES:
-            src = Path("/etc") / name
-            dst = etc_dir / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():  # a mount point only: the host's folder is bound over it read-only (argv), since
-                dst.mkdir(parents=True, exist_ok=True)  # copying its hundreds of links cost most of a box's start
-            elif src.exists():
-                shutil.copy2(src, dst, follow_symlinks=True)
-        if spec.ca_bundle is not None:
-            (etc_dir / "tkbox").mkdir()
-            (etc_dir / "tkbox" / "ca-bundle.pem").write_bytes(spec.ca_bundle)
-        (etc_dir / "passwd").write_text(PASSWD)
-        (etc_dir / "group").write_text(GROUP)
-        (etc_dir / "hosts").write_text("127.0.0.1 localhost tkbox\n::1 localhost\n")
-        (etc_dir / "resolv.conf").write_text("# no name servers in a box: names are resolved on the host\n")
+    def _prepare(spec: BoxSpec, workdir: Path, pids_cgroup: bool) -> tuple[dict[str, Path], Path | None]:
+        """The files the host makes for the box (box path -> the host file bubblewrap copies in: box_files) and its
+        pids cgroup."""
+        files = box_files(spec, workdir)
         cgroup = None
         if pids_cgroup:
             scratch.sweep(CGROUP_PREFIX, PIDS_CGROUP, cgroups=True)  # those of host processes that were killed
             cgroup = PIDS_CGROUP / f"{CGROUP_PREFIX}{os.getpid()}-{spec.box_id}"
             cgroup.mkdir()
             (cgroup / "pids.max").write_text(f"{spec.max_processes}\n")
-        return etc_dir, cgroup
+        return files, cgroup
 
     def start(self, spec: BoxSpec) -> BwrapRunning:
         host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -213,7 +287,7 @@ class BwrapBackend(Backend):
         workdir = scratch.fresh("tkbox-box-")
         processes = getattr(self, "_processes", None) or process_limit()
         try:
-            etc_dir, cgroup = self._prepare(spec, workdir, processes == "pids-cgroup")
+            files, cgroup = self._prepare(spec, workdir, processes == "pids-cgroup")
         except BaseException:
             host_end.close()
             box_end.close()
@@ -230,14 +304,23 @@ class BwrapBackend(Backend):
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
         fd = box_end.fileno()
-        filter_fd = None
-        if seccomp.supported():
-            (workdir / "seccomp.bpf").write_bytes(seccomp.program())
-            filter_fd = os.open(workdir / "seccomp.bpf", os.O_RDONLY | os.O_CLOEXEC)
+        fds: list[int] = []  # every fd bubblewrap reads at its start: closed here once it runs
+
+        def rd(path: Path) -> int:
+            fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            return fds[-1]
         try:
+            file_fds = {box: rd(host) for box, host in files.items()}
+            filter_fd = None
+            if seccomp.supported():
+                (workdir / "seccomp.bpf").write_bytes(seccomp.program())
+                filter_fd = rd(workdir / "seccomp.bpf")
+            (exe, *args), command = self.argv(spec, fd, file_fds, filter_fd, nproc=processes == "rlimit-nproc")
+            # bwrap's argv is PID 1's command line in the box: its arguments (host paths) go through a file
+            (workdir / "bwrap.args").write_bytes(b"".join(arg.encode() + b"\0" for arg in args))
+            args_fd = rd(workdir / "bwrap.args")
             # bwrap's own environment stays readable in the box (/proc/1/environ of its init): give it none of ours
-            proc = subprocess.Popen(self.argv(spec, fd, etc_dir, filter_fd, nproc=processes == "rlimit-nproc"),
-                                    pass_fds=[fd] + ([filter_fd] if filter_fd is not None else []),
+            proc = subprocess.Popen([exe, "--args", str(args_fd), "--", *command], pass_fds=[fd, *fds],
                                     stdin=subprocess.DEVNULL,
                                     env={"PATH": "/usr/bin:/bin"},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=in_child,
@@ -251,6 +334,6 @@ class BwrapBackend(Backend):
             raise
         finally:
             box_end.close()
-            if filter_fd is not None:
-                os.close(filter_fd)
+            for f in fds:
+                os.close(f)
         return BwrapRunning(proc, host_end, cgroup, workdir)

@@ -4,8 +4,9 @@ Isolation is a virtual machine: the box's code runs on the guest kernel, and rea
 devices QEMU gives it: a read-only root disk (the cached image), a read-only config disk made for this box (its
 environment, CA bundle and workspace seed, written by the host with `mke2fs -d`), and one virtio-serial port, the door,
 whose host end is a Unix socket this process listens on and QEMU connects to. `-nodefaults` means no NIC, no
-display, no USB; the workspace is a tmpfs inside the guest that the host never mounts. KVM is used when it can run a
-stock kernel here, TCG (emulation) otherwise; the choice is the box's recorded isolation ("vm-kvm" or "vm-tcg").
+display, no USB; the machine's own legacy devices are cut to those the guest needs (MACHINE); the workspace is a tmpfs
+inside the guest that the host never mounts. KVM is used when it can run a stock kernel here, TCG (emulation)
+otherwise; the choice is the box's recorded isolation ("vm-kvm" or "vm-tcg").
 """
 
 from __future__ import annotations
@@ -24,9 +25,17 @@ from .base import BoxSpec
 from .image import DOOR_NAME, Image, current_image
 from .microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
                       stop_process_group, vmm_limits)
-from .warm_start import WarmState, discard_state, fit_config_disk, go_message, warm_state
+from .warm_start import StateFeed, WarmState, discard_state, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
+# The microvm machine without what the guest does not need: no legacy i8259 PIC (the IO-APIC routes every interrupt),
+# no second IO-APIC, no option ROMs (qboot loads the kernel itself), no SMM, no USB, no PCIe. Kept, each for a reason
+# (docs/backends.md, I35): the PIT (under TCG the kernel calibrates its clocks against it; no kvmclock there), the
+# RTC (a cold boot's wall clock; its CMOS NVRAM is guest-writable memory of QEMU's, never a file), the ISA serial
+# port (ttyS0, the console: its tail is the reason a box did not come up, kept only until the agent's hello), ACPI
+# (its GED is the guest's power button and poweroff) and fw_cfg (microvm loads the kernel, initrd and command line
+# through it; it cannot be turned off).
+MACHINE = "microvm,pic=off,ioapic2=off,x-option-roms=off,smm=off,usb=off,pcie=off"
 CONNECT_TIMEOUT_S = 15.0
 
 
@@ -71,7 +80,7 @@ class QemuBackend(ImageBackend):
         if self.accel == "tcg":
             timing = ["-icount", "shift=auto,sleep=on"]
             cmdline += " lpj=4000000"
-        return [shutil.which(QEMU) or QEMU, "-M", "microvm", "-accel", accel, "-cpu", "max" if self.accel == "tcg"
+        return [shutil.which(QEMU) or QEMU, "-M", MACHINE, "-accel", accel, "-cpu", "max" if self.accel == "tcg"
                 else "host", "-m", str(spec.memory_mib), "-smp", str(cpus),
                 *timing, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
                 *self._confinement(),
@@ -145,29 +154,37 @@ class QemuBackend(ImageBackend):
             self.prepare(spec.memory_mib, spec.cpus)
         warm, self._prepared = self._warm, False
         workdir = scratch.fresh("tkbox-vm-", "/tmp")  # short: a Unix socket path lives here
-        state_fd = None
+        feed = None
         try:
             if warm is not None:
-                state_fd = os.open(warm.path, os.O_RDONLY)  # inherited by QEMU only (pass_fds)
+                feed = StateFeed(warm.path)  # its read end inherited by QEMU only (pass_fds)
             proc, door, wrapped = self.launch(spec, workdir, warm is not None,
-                                              extra=["-incoming", f"fd:{state_fd}"] if warm else [],
-                                              pass_fds=(state_fd,) if warm else ())
+                                              extra=["-incoming", f"fd:{feed.fd}"] if feed else [],
+                                              pass_fds=(feed.fd,) if feed else ())
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         finally:
-            if state_fd is not None:
-                os.close(state_fd)
+            if feed is not None:
+                feed.close_read_end()  # a QEMU that failed to start closes the pipe: the feed ends
         running = VmRunning(proc, door, workdir, wrapped=wrapped)
         if warm is not None:
-            self._go(running, warm)
+            self._go(running, warm, feed)
         return running
 
-    def _go(self, running: VmRunning, warm: WarmState) -> None:
-        """Send the GO and wait (without reading it) for the guest's first byte. A restore that fails ends QEMU
-        before that byte: its state is set aside (the next box makes a new one) and this box fails, since its run
-        already names that state."""
+    def _go(self, running: VmRunning, warm: WarmState, feed: StateFeed) -> None:
+        """Check that QEMU read the state the run names, send the GO and wait (without reading it) for the guest's
+        first byte. A state whose bytes are not those recorded, or one that does not restore (QEMU ends before that
+        byte), is set aside (the next box makes a new one) and this box fails, since its run already names it."""
         door = running.door
+        if not feed.wait(self.ready_timeout_s):
+            running.kill()
+            raise TkboxError("the warm-started VM did not read its saved state in time")
+        if feed.sha256 is not None and feed.sha256 != warm.sha256:
+            running.kill()
+            discard_state(warm)
+            raise TkboxError(f"the saved state's bytes are not those recorded (sha256 {feed.sha256[:16]}..., "
+                             f"recorded {warm.sha256[:16]}...); it is set aside (the next box makes a new one)")
         try:
             door.sendall(go_message())
             door.settimeout(self.ready_timeout_s)
@@ -179,7 +196,7 @@ class QemuBackend(ImageBackend):
         finally:
             with contextlib.suppress(OSError):
                 door.settimeout(None)
-        if first == b"":
+        if first == b"" or feed.broken:
             time.sleep(0.2)  # the console's last lines (QEMU's reason) are drained on a thread
             reason = running.log_tail() or running.exit_reason()
             running.kill()

@@ -10,8 +10,10 @@ first bytes on the door are the GO message, which gives the guest fresh entropy 
 the box's config. No code of any box ever ran in a template, so no box's state is in it.
 
 The state is a host file beside the image, named by everything the restore depends on (image, memory, vCPUs,
-acceleration, QEMU binary, this format) and recorded in the run by its SHA-256 (the box's `boot` fact). Its making is
-serialized by a lock; a box that cannot have one (the template failed) boots cold, and its run says so.
+acceleration, QEMU binary, machine options: this format) and recorded in the run by its SHA-256 (the box's `boot`
+fact). Its making is serialized by a lock; a box that cannot have one (the template failed) boots cold, and its run
+says so. A restore reads the state through a pipe this process fills (StateFeed), hashing each byte QEMU gets: the GO
+is sent only when what QEMU read is the state the run names, so the signed hash is of the bytes restored.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +50,7 @@ class TemplateVm(Protocol):
                console: Path | None = None) -> tuple[Any, socket.socket, bool]: ...
 
 
-FORMAT = 1
+FORMAT = 2  # 2: the microvm machine without its legacy PIC, option ROMs, USB and PCIe (qemu.py MACHINE)
 CONFIG_DISK_BYTES = 64 << 30  # a warm guest found its config disk this size in the template: every box's is (sparse)
 QMP_LINE_MAX = 1 << 20
 
@@ -84,6 +87,47 @@ def find_state(image: Image, key: str) -> WarmState | None:
             and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0):
         return None
     return WarmState(base / f"{key}.vmstate", meta["sha256"])
+
+
+class StateFeed:
+    """A saved state given to QEMU through a pipe (`-incoming fd:N`, `fd` the read end), each byte hashed on its way:
+    `wait` says whether QEMU got all of it, and its SHA-256."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path):
+        self._src = open(path, "rb")
+        self.fd, self._w = os.pipe()  # neither inherited but by pass_fds; the read end is QEMU's alone once it runs
+        self.sha256: str | None = None
+        self.broken = False  # QEMU stopped reading (it refused the stream, or ended)
+        self._done = threading.Event()
+        threading.Thread(target=self._pump, daemon=True, name="tkbox-warm-feed").start()
+
+    def _pump(self) -> None:
+        h = hashlib.sha256()
+        try:
+            while chunk := self._src.read(self.CHUNK):
+                view = memoryview(chunk)
+                while len(view):  # QEMU reads this chunk while it is hashed (hashlib lets go of the GIL)
+                    view = view[os.write(self._w, view):]
+                h.update(chunk)
+            self.sha256 = h.hexdigest()
+        except OSError:  # BrokenPipeError: QEMU closed its end
+            self.broken = True
+        finally:
+            self._src.close()
+            with contextlib.suppress(OSError):
+                os.close(self._w)
+            self._done.set()
+
+    def close_read_end(self) -> None:
+        """This process's copy of the read end, once QEMU has its own."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the feed ended (whole, or QEMU stopped reading) within `timeout_s`."""
+        return self._done.wait(timeout_s)
 
 
 def console_tail(workdir: Path) -> str:

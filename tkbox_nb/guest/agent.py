@@ -130,6 +130,35 @@ def send_patch(door, sid):
     door.close(sid, {"entries": count})
 
 
+def _private():
+    """Make this process's /proc entries (its fds, memory, environment) closed to box code: not dumpable. The agent
+    runs as the same user as the box's commands, which could otherwise open /proc/<agent>/fd/N: its pipes, and its
+    stderr, which reaches the host. (Its children's exec makes them dumpable again.)"""
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError, ImportError):
+        pass
+
+
+def _quiet():
+    """From the hello on, the agent's stdout and stderr go nowhere: the host keeps its stderr (bubblewrap's, a VM's
+    console) only as the tail shown when a box does not come up, and once the door is up nothing from the box may
+    reach the host but through it. Every process started later inherits these."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    for fd in (1, 2):
+        try:
+            os.dup2(null, fd)
+        except OSError:
+            pass
+    os.close(null)
+
+
 def serve(sock):
     door = Door(sock)
     commands, kernels, readers = {}, {}, {}
@@ -140,6 +169,7 @@ def serve(sock):
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
+    _quiet()
     forwarders = []  # the egress proxy and the model endpoint: each connection to either is a stream it opens
     from .forwarder import Forwarder
     for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model")):
@@ -248,6 +278,8 @@ class CharDevice:
 
 def main(door=None):
     """Serve the door: a socket fd in $TKBOX_DOOR_FD (bubblewrap), or `door` given by the VM's entry (vm.py)."""
+    if door is None:  # a namespace box, whose commands run as this process's user (in a VM they are root anyway)
+        _private()
     seed = os.environ.get("TKBOX_SEED")
     if seed and os.path.isdir(seed):  # the box's own writable copy, in its size-limited tmpfs
         import shutil
