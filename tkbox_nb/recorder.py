@@ -28,7 +28,7 @@ from .errors import SignerError
 from .policy import Policy, Verdict
 from .signer import MachineSigner
 from .signer_lanes import RunLanes, together
-from .verify import BOX_FIELDS
+from .verify import BOX_FIELDS, BOX_OBJECTS
 
 if TYPE_CHECKING:
     from .central_signer import CentralSigner
@@ -128,7 +128,7 @@ class RunRecorder:
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS if k in self.box})
+        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box})
         if not start.allowed:
             self.close("the signer refused the box start")
             raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")
@@ -187,17 +187,19 @@ class RunRecorder:
         self._keep_policy(policy)
         self.policy = policy
 
-    def close(self, reason: str = "box stopped") -> None:
+    def close(self, reason: str = "box stopped", stop_facts: dict[str, Any] | None = None) -> None:
+        """Sign the box's stop (with `stop_facts`: the mounts that changed while it ran) and close the run."""
         if self.closed:
             return
         with self._settled:
             self._stopping = True
             self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
         if self._run is not None and not self.broken:
-            stop = self.decide("box", "stop", {"reason": reason[:500]})  # all the manifest shows (end_reason)
+            # all the manifest shows: end_reason and the stop facts (mounts_changed)
+            stop = self.decide("box", "stop", {"reason": reason[:500], **(stop_facts or {})})
             if stop.allowed:
                 self.complete(stop, "ok", {})
-        self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)
+        self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken, **(stop_facts or {}))
         self._write_box_manifest()
         self._closing = True
         if self._lanes is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .bundle import BOX_FORMAT, BundleContents, opens, parse, read_bundle_bytes, read_entries
 from .errors import BundleError, PolicyError
+from .mount_digest import check_disclosed
 from .policy import Policy, policy_hash
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
@@ -26,6 +27,7 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
               "unenforced")  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
+BOX_OBJECTS = ("mounts",)  # box.start facts that are objects: each dataset mount's target, digest, files, bytes
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
 WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
 
@@ -355,7 +357,8 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
         report.add("box manifest", False, "no disclosed box.start record")
     else:
         seq, args = starts[0]
-        differs = [k for k in BOX_FIELDS if b.box.get(k) != args.get(k) and not _unsigned_then(k, args)]
+        differs = [k for k in BOX_FIELDS + BOX_OBJECTS if b.box.get(k) != args.get(k) and not _unsigned_then(k, args)]
+        mounts_problem = check_disclosed(args.get("mounts"), b.files)
         first_policy = (b.box.get("policy") or {}).get("hash") if isinstance(b.box.get("policy"), dict) else None
         if differs:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
@@ -363,12 +366,22 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
         elif stops and _shown_reason(b.box, args) != str(stops[-1][1].get("reason")):
             report.add("box manifest", False, f"end_reason disagrees with the signed box.stop record {stops[-1][0]}")
+        elif stops and b.box.get("mounts_changed") != stops[-1][1].get("mounts_changed"):
+            report.add("box manifest", False, f"mounts_changed disagrees with the signed box.stop {stops[-1][0]}")
+        elif mounts_problem:
+            report.add("mounts", False, mounts_problem)
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
                                                      if k == "policy.decision" and isinstance(d.get("args"), dict)}:
             report.add("box manifest", False, "the policies list lacks a policy the records name")
         else:
             report.add("box manifest", True, f"box {args.get('box_id')} ({args.get('backend')}, "
                                              f"{args.get('isolation')}) agrees with record {seq}")
+            if isinstance(args.get("mounts"), dict) and args["mounts"]:
+                report.add("mounts", True, f"{len(args['mounts'])} mount list(s) open their signed digests")
+            changed = stops[-1][1].get("mounts_changed") if stops else None
+            if isinstance(changed, dict) and changed:  # signed by the box's stop: shown with the verdict
+                report.warnings.append("data changed under a mount while the box ran: " + "; ".join(
+                    f"{n}: {', '.join(map(str, p[:3] if isinstance(p, list) else []))}" for n, p in changed.items()))
     n_dec = sum(1 for k in disclosed if k[1] == "policy.decision")
     if all(c.ok for c in report.checks):
         report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "

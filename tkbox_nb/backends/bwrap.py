@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from .. import scratch
+from ..mounts import bwrap_args as mount_args
 from . import seccomp
 from .base import Backend, BoxSpec, RunningBox
 
@@ -165,6 +166,7 @@ class BwrapBackend(Backend):
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
+        a += mount_args(spec.mounts)  # the dataset mounts, read-only (mounts.py)
         a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
         env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
                "PYTHONPATH": "/opt/tkbox", "PYTHONDONTWRITEBYTECODE": "1", "TKBOX_DOOR_FD": str(door_fd),
