@@ -66,7 +66,8 @@ def prepare(policy: Any, home: Path, backend_name: str) -> list[Mount]:
             raise TkboxError(f"mounts.{name}: the source {spec['source']} does not exist")
         if _overlaps(source, home_real):
             where = "inside" if _inside(source, home_real) else "over"
-            raise TkboxError(f"mounts.{name}: the source {source} is {where} $TKBOX_HOME ({home_real}), which holds the signer's keys and is never shown to a box")
+            raise TkboxError(f"mounts.{name}: the source {source} is {where} $TKBOX_HOME ({home_real}), which holds "
+                             "the signer's keys and is never shown to a box")
         s = md.scan(source)
         digest, entries = md.digest(s, home)
         out.append(Mount(name, source, spec["target"], s, digest, entries))
