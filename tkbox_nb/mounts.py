@@ -114,6 +114,26 @@ def bwrap_args(binds: list[tuple[str, str]]) -> list[str]:
     return a
 
 
+def rerun_differences(signed: Any, lists: dict[str, bytes], policy: Any, home: Path) -> dict[str, str]:
+    """Each mount whose data a rerun under `policy` would read differs from the original's (its signed `mounts`,
+    its disclosed `lists` by bundle path), with the first path that differs; {} when every mount is the same. The
+    host's data is digested now (cached), before any box starts."""
+    signed = signed if isinstance(signed, dict) else {}
+    now = {m.name: m for m in prepare(policy, home, "bwrap")} if policy.data.get("mounts") else {}
+    out = {}
+    for name in sorted(set(signed) | set(now)):
+        fact, m = signed.get(name), now.get(name)
+        if m is None or not isinstance(fact, dict):
+            out[name] = "(the rerun's policy has no such mount)" if m is None else "(the original had no such mount)"
+        elif m.digest != fact.get("digest"):
+            try:
+                was = md.parse_list(lists.get(f"box/mounts/{name}.jsonl", b""))
+            except (ValueError, UnicodeError, RecursionError):
+                was = []
+            out[name] = md.first_difference(was, m.entries) or "(its digest)"
+    return out
+
+
 def stop_facts(mounts: list[Mount]) -> dict[str, Any] | None:
     """What box.stop signs beside its reason: `mounts_changed`, when a file changed under a mount; else None."""
     found = changed(mounts)
