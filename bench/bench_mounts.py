@@ -92,7 +92,7 @@ def main(n: int | None = None) -> None:
             withs.append(_start(home, mounted))
         w, wo = statistics.median(withs), statistics.median(withouts)
         print(f"  warm box start with the mount {w * 1000:.0f} ms, without {wo * 1000:.0f} ms: {w / wo:.2f}x "
-              f"(target <= 1.1x: {'met' if w / wo <= 1.1 else 'NOT met'}; the first, cold start: {first * 1000:.0f} ms)")
+              f"(target <= 1.1x: {'met' if w / wo <= 1.1 else 'NOT met'}; the first, cold: {first * 1000:.0f} ms)")
         from tkbox_nb import Box
         hosts, boxes = [], []
         with Box(policy=mounted, home=home, bundle_path=home / "bench-read.tkb") as box:
