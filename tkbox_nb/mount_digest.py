@@ -115,10 +115,26 @@ def _hash_file(path: bytes) -> bytes:
         return hashlib.file_digest(fh, "sha256").hexdigest().encode()
 
 
-def digest(s: Scan, home: Path | None) -> tuple[str, list[tuple[bytes, bytes, bytes]]]:
-    """The mount's digest and its entries (rel, kind, body), reading only the files whose metadata the cache under
-    `home` does not hold; then the cache holds every file of this scan (and only those)."""
+def _tree_key(s: Scan) -> str:
+    """What the whole tree's metadata is: when it is the cached tree's, so are its digest and list."""
+    return hashlib.sha256(repr((s.entries, [s.meta[rel] for rel, _, _ in s.entries])).encode(
+        "utf-8", "surrogateescape")).hexdigest()
+
+
+def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
+    """The mount's digest and its disclosed list (`list_bytes`), reading only the files whose metadata the cache
+    under `home` does not hold; then the cache holds every file of this scan (and only those). A tree whose every
+    entry's metadata is the cached tree's (the warm start of an unchanged dataset) takes the cached digest and list
+    without hashing its entries again."""
     cache_file = _cache_path(home, s.root) if home is not None else None
+    tree_key = _tree_key(s)
+    if cache_file is not None:
+        try:
+            tree = json.loads(cache_file.with_suffix(".tree").read_bytes())
+            if isinstance(tree, dict) and tree.get("key") == tree_key and isinstance(tree.get("digest"), str):
+                return tree["digest"], cache_file.with_suffix(".list").read_bytes()
+        except (OSError, ValueError):
+            pass  # no cached tree, or another: each file is looked up below
     cache = _load_cache(cache_file) if cache_file is not None else {}
     root_b = s.root.encode("utf-8", "surrogateescape")
     bodies: dict[bytes, bytes] = {}
@@ -140,15 +156,24 @@ def digest(s: Scan, home: Path | None) -> tuple[str, list[tuple[bytes, bytes, by
             raise TkboxError(f"cannot read the mount source {s.root}: {e.strerror or e} ({e.filename})") from None
     entries = [(rel, kind.encode(), bodies[rel] if kind.startswith("f") else target)
                for rel, kind, target in s.entries]
-    if cache_file is not None and (todo or len(cache) != len(bodies)):
-        fresh = {rel.decode("utf-8", "surrogateescape"): [*s.meta[rel], body.decode()] for rel, body in bodies.items()}
+    root, listing = digest_of(entries), list_bytes(entries)
+    if cache_file is not None:
         cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(fresh, f)
-        os.replace(tmp, cache_file)
-    return digest_of(entries), entries
+        if todo or len(cache) != len(bodies):
+            _write_private(cache_file, json.dumps({rel.decode("utf-8", "surrogateescape"): [*s.meta[rel], b.decode()]
+                                                   for rel, b in bodies.items()}).encode())
+        _write_private(cache_file.with_suffix(".list"), listing)
+        _write_private(cache_file.with_suffix(".tree"), json.dumps({"key": tree_key, "digest": root}).encode())
+    return root, listing
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A cache file, whole (beside it, then renamed), readable by this user only."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def digest_of(entries: list[tuple[bytes, bytes, bytes]]) -> str:
@@ -209,7 +234,7 @@ def differing(a: list, b: list, limit: int = 20) -> list[str]:
     return [_show(k) for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)][:limit]
 
 
-def summary(entries: list[tuple[bytes, bytes, bytes]], s: Scan) -> dict[str, Any]:
+def summary(s: Scan) -> dict[str, Any]:
     return {"files": len(s.files), "bytes": sum(s.meta[r][1] for r in s.files)}
 
 

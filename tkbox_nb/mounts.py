@@ -30,7 +30,11 @@ class Mount:
     target: str
     scan: md.Scan
     digest: str
-    entries: list
+    listing: bytes  # box/mounts/NAME.jsonl
+
+    @property
+    def entries(self) -> list:
+        return md.parse_list(self.listing)
 
 
 def refuse_backend(policy: Any, backend_name: str) -> None:
@@ -69,8 +73,8 @@ def prepare(policy: Any, home: Path, backend_name: str) -> list[Mount]:
             raise TkboxError(f"mounts.{name}: the source {source} is {where} $TKBOX_HOME ({home_real}), which holds "
                              "the signer's keys and is never shown to a box")
         s = md.scan(source)
-        digest, entries = md.digest(s, home)
-        out.append(Mount(name, source, spec["target"], s, digest, entries))
+        digest, listing = md.digest(s, home)
+        out.append(Mount(name, source, spec["target"], s, digest, listing))
     return out
 
 
@@ -82,7 +86,7 @@ def facts(mounts: list[Mount], original: dict[str, Any] | None = None) -> dict[s
         return {}
     out = {}
     for m in mounts:
-        f = {"target": m.target, "digest": m.digest, **md.summary(m.entries, m.scan)}
+        f = {"target": m.target, "digest": m.digest, **md.summary(m.scan)}
         if original and m.name in original:
             f["differs_from_original"] = original[m.name]
         out[m.name] = f
@@ -94,7 +98,7 @@ def disclose(mounts: list[Mount], spool: Path) -> None:
     if mounts:
         (spool / LIST_DIR).mkdir(mode=0o700, exist_ok=True)
     for m in mounts:
-        (spool / LIST_DIR / f"{m.name}.jsonl").write_bytes(md.list_bytes(m.entries))
+        (spool / LIST_DIR / f"{m.name}.jsonl").write_bytes(m.listing)
 
 
 def binds(mounts: list[Mount]) -> list[tuple[str, str]]:

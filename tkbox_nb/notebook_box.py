@@ -217,6 +217,8 @@ class NotebookBox:
             note = "; its [box] section (backend, limits) applies from the next box (%box_restart)"
         if policy.data.get("signer", {}) != old.data.get("signer", {}):
             note += "; its [signer] section applies from the next box (%box_restart): a run signs into one signer"
+        if policy.data.get("mounts", {}) != old.data.get("mounts", {}):
+            note += "; its [mounts] apply from the next box (%box_restart): a box's mounts are digested at its start"
         return f"policy {policy.name} ({policy.hash[:19]}...) in force for every crossing from now{note}"
 
     def status(self) -> str:
