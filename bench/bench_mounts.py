@@ -9,7 +9,8 @@ same run (medians of `--n` rounds, default 5):
   same files (one process), both from the page cache (the files were just read). Target: at least 0.8x its speed.
 - reading: every file of the dataset read once in the box (at the mount's target) against the same reads on the
   host, both timed by the reading process itself, in turn (3x `--n` rounds each: each is short, and a loaded host's
-  noise is larger than the difference). Target: at least 0.9x the host's speed.
+  noise is larger than the difference), the fastest of each compared (load only adds time; the medians are printed
+  too). Target: at least 0.9x the host's speed.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def main(n: int | None = None) -> None:
                         hosts.append(float(r.stdout.split()[0]))
                     else:
                         boxes.append(float(box.run(["python3", "-c", READ, "/data"]).stdout.split()[0]))
-        host, inbox = statistics.median(hosts), statistics.median(boxes)
-        print(f"  reading every file: in the box {inbox * 1000:.0f} ms, on the host {host * 1000:.0f} ms: "
-              f"{host / inbox:.2f}x the host's speed (target >= 0.9x: {'met' if host / inbox >= 0.9 else 'NOT met'})")
+        host, inbox = min(hosts), min(boxes)  # the fastest of each: a loaded host only ever adds time to a read
+        print(f"  reading every file: in the box {inbox * 1000:.0f} ms, on the host {host * 1000:.0f} ms (fastest of "
+              f"{len(hosts)}; medians {statistics.median(boxes) * 1000:.0f} and {statistics.median(hosts) * 1000:.0f}):"
+              f" {host / inbox:.2f}x the host's speed (target >= 0.9x: {'met' if host / inbox >= 0.9 else 'NOT met'})")
         MachineSigner(home).stop()
         shutil.rmtree(work / "home", ignore_errors=True)
