@@ -165,6 +165,8 @@ def test_a_vm_box_with_mounts_refuses_to_start_in_one_line(signer, tmp_path):
             Box(policy=policy(tmp_path).replace('backend = "bwrap"', f'backend = "{backend}"'))
         assert str(e.value).startswith(f"[mounts] needs the bwrap backend: a {backend} box cannot mount host data"), \
             str(e.value)
+    with pytest.raises(TkboxError, match=r'^\[mounts\] needs the bwrap backend, and box.isolation = "vm"'):
+        Box(policy=policy(tmp_path).replace('backend = "bwrap"', 'backend = "auto"\nisolation = "vm"'))
     r = run_cli("run", "--backend", "qemu", "--policy", str(_write(tmp_path / "p.toml", policy(tmp_path))), "--",
                 "true")
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "[mounts] needs the bwrap backend" in r.stderr
@@ -269,3 +271,15 @@ def test_a_rerun_with_changed_data_is_refused_naming_the_file_and_goes_on_with_a
     diffs = {d["kind"]: d for d in json.loads(r.stdout)["differences"]}
     assert r.returncode == 1 and "data: files that differ: a.txt" in diffs["mounts"]["diff"], r.stdout
     assert "command stdout" in diffs
+
+
+def test_box_status_lists_the_mounts_from_the_policy_and_once_started_their_digests(signer, tmp_path):
+    from tkbox_nb.notebook_box import NotebookBox
+    ds = dataset(tmp_path)
+    nb = NotebookBox(policy=Policy.from_toml(policy(ds), "p.toml"))
+    assert f"mounts   data: {ds} at /data (read-only, digested when the box starts)" in nb.status(), nb.status()
+    try:
+        nb.ensure_box()
+        assert f"mounts   data: {ds} at /data (read-only, {independent_digest(ds)[:25]}..., 3 files)" in nb.status()
+    finally:
+        nb.stop()

@@ -49,6 +49,9 @@ def backend_for(policy: Any, name: str) -> str:
     """The backend a box with this policy takes: "auto" is bwrap when the policy has mounts (only it mounts host
     data); a VM backend named with mounts is refused in one line."""
     if policy.data.get("mounts"):
+        if name == "auto" and policy.get("box", "isolation") == "vm":
+            raise TkboxError("[mounts] needs the bwrap backend, and box.isolation = \"vm\" asks for a VM box, which "
+                             "cannot mount host data yet (docs/backends.md, \"Dataset mounts\")")
         name = "bwrap" if name == "auto" else name
         refuse_backend(policy, name)
     return name
