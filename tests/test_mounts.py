@@ -283,3 +283,16 @@ def test_box_status_lists_the_mounts_from_the_policy_and_once_started_their_dige
         assert f"mounts   data: {ds} at /data (read-only, {independent_digest(ds)[:25]}..., 3 files)" in nb.status()
     finally:
         nb.stop()
+
+
+def test_a_mount_of_one_file_is_the_tree_of_one_entry_with_the_empty_path(signer, tmp_path):
+    f = tmp_path / "labels.csv"
+    f.write_text("id,label\n1,cat\n")
+    body = hashlib.sha256(f.read_bytes()).hexdigest().encode()
+    want = "tree2:sha256:" + hashlib.sha256(b"tkbox-tree-2\0" + b"".join(
+        len(x).to_bytes(8, "big") + x for x in (b"", b"f-", body))).hexdigest()
+    with Box(policy=policy(f, "/data/labels.csv"), bundle_path=tmp_path / "r.tkb") as box:
+        r = box.run(["sh", "-c", "cat /data/labels.csv; echo more >> /data/labels.csv || echo refused"])
+    assert r.stdout == b"id,label\n1,cat\nrefused\n", r.stdout + r.stderr
+    assert start_args(tmp_path / "r.tkb")[0]["mounts"]["data"]["digest"] == want
+    assert verify_bundle(tmp_path / "r.tkb", trust=signer.trust_path).valid
