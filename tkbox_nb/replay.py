@@ -257,7 +257,8 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     data_diffs = _data_differences(run, policy, home)
     if data_diffs and not allow_changed_data:
         name, first = next(iter(data_diffs.items()))
-        raise TkboxError(f"mount {name}: its data differs from the original run's, first at {first} "
+        source = policy.data.get("mounts", {}).get(name, {}).get("source", "none")  # the host path it would show
+        raise TkboxError(f"mount {name} ({source}): its data differs from the original run's, first at {first} "
                          "(--allow-changed-data to rerun with it; the difference is then signed in the rerun's start)")
     notes += [f"mount {n}: its data differs from the original run's, first at {f}; signed in the rerun's box.start "
               "(differs_from_original), and the audit reports it" for n, f in data_diffs.items()]
