@@ -262,8 +262,8 @@ def test_a_rerun_with_changed_data_is_refused_naming_the_file_and_goes_on_with_a
     (ds / "a.txt").write_text("beta\n")
     r = run_cli("rerun", str(tmp_path / "a.tkb"), "-o", str(tmp_path / "b.tkb"))
     assert r.returncode != 0 and not (tmp_path / "b.tkb").exists(), r.stdout + r.stderr
-    assert r.stderr.count("\n") == 1 and f"mount data ({ds}): its data differs from the original run's, first at a.txt" \
-        in r.stderr and "--allow-changed-data" in r.stderr, r.stderr
+    said = f"mount data ({ds}): its data differs from the original run's, first at a.txt"
+    assert r.stderr.count("\n") == 1 and said in r.stderr and "--allow-changed-data" in r.stderr, r.stderr
     r = run_cli("rerun", str(tmp_path / "a.tkb"), "-o", str(tmp_path / "b.tkb"), "--allow-changed-data")
     assert r.returncode == 0 and "first at a.txt" in r.stderr, r.stderr
     assert start_args(tmp_path / "b.tkb")[0]["mounts"]["data"]["differs_from_original"] == "a.txt"
