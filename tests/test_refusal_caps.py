@@ -77,7 +77,7 @@ def test_the_caps_are_validated_with_one_line_errors(line, error):
 
 
 def test_verify_recounts_the_allowed_connections_each_connection_states():
-    from tkbox_nb.verify import _connection_totals
+    from tkbox_nb.verify_recount import connection_totals as _connection_totals
 
     def record(seq, before, decision):
         return ({"type": "policy.decision", "data": {"decision": decision}},

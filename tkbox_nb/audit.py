@@ -93,7 +93,7 @@ class Audit:
     def covered(self) -> str:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
         left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
-        return f"compared (crossings in A/B): {doors}; the starting policy and workspace" + \
+        return f"compared (crossings in A/B): {doors}; the starting policy, workspace and mounts" + \
             (f"; not compared: {left}" if left else "")
 
     def as_dict(self) -> dict:
@@ -181,6 +181,35 @@ def _workspace(digest: Any) -> tuple[str, str]:
     return str(digest), f"{digest} (tree digest version 1)" if digest_version(digest) == 1 else str(digest)
 
 
+def _mounts(run: Run, start: Crossing | None) -> dict[str, tuple[str, str]]:
+    """The dataset mounts, compared by digest (each name, target and digest), and the mounts whose files changed
+    while the box ran (signed by its stop); "none" for a run without mounts."""
+    signed = ((start.args if start else None) or {}).get("mounts")
+    stop = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "stop"), None)
+    changed = ((stop.args if stop else None) or {}).get("mounts_changed")
+    signed = signed if isinstance(signed, dict) else {}
+    shown = "; ".join(f"{n} at {f.get('target')}: {f.get('digest')}" for n, f in sorted(signed.items())
+                      if isinstance(f, dict)) or "none"
+    return {"mounts": _field(shown), "mounts changed while the box ran": _field(
+        "; ".join(f"{n}: {', '.join(map(str, p))}" for n, p in sorted(changed.items()) if isinstance(p, list))
+        if isinstance(changed, dict) and changed else "none")}
+
+
+def _mount_files(ra: Run, rb: Run) -> str:
+    """The files that differ between two runs' mounts of one name (their disclosed lists), for the audit."""
+    from .mount_digest import differing, parse_list
+    out = []
+    for name in sorted({n for r in (ra, rb) for n in r._b.files if n.startswith("box/mounts/")}):
+        try:
+            la, lb = (parse_list(r._b.files.get(name, b"")) for r in (ra, rb))
+        except (ValueError, UnicodeError, RecursionError):
+            continue
+        files = differing(la, lb)
+        if files:
+            out.append(f"{name[len('box/mounts/'):-len('.jsonl')]}: files that differ: {', '.join(files)}")
+    return "\n".join(out)
+
+
 def _text(run: Run, digest: Any) -> str:
     return (run.content(digest) or b"").decode("utf-8", "replace") if isinstance(digest, str) else ""
 
@@ -255,7 +284,8 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     seq0 = start.seq if start else None
     out["box"] = [Item(seq0, "box", {
         "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
-        "workspace": _workspace(((start.args if start else None) or {}).get("workspace_digest"))})]
+        "workspace": _workspace(((start.args if start else None) or {}).get("workspace_digest")),
+        **_mounts(run, start)})]
     late = late_outputs(run)
     for c in run.crossings():
         a = c.args or {}
@@ -400,5 +430,8 @@ def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path |
     a, b = ra.path, rb.path
     fa, fb = facts(ra, extra), facts(rb, extra)
     ca, cb = coverage(fa), coverage(fb)
-    return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb),
-                 {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})
+    diffs = compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb)
+    for d in diffs:
+        if d.kind == "mounts":  # which files: from the two runs' disclosed lists, each opened by its signed digest
+            d.diff = _mount_files(ra, rb)
+    return Audit(str(a), str(b), diffs, {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})

@@ -30,7 +30,7 @@ from .recorder import Crossing, RunRecorder
 from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
-
+from . import mounts as mounts_
 
 
 @dataclass
@@ -66,10 +66,8 @@ def _bindings(policy: Policy, given: dict[str, Any]) -> list:
 def egress_env(port: int = 3128) -> dict[str, str]:
     """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
     url = f"http://127.0.0.1:{port}"
-    env = {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": ""}
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        env[name] = env[name.lower()] = url
-    return env
+    proxies = {n: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY") for n in (name, name.lower())}
+    return {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": "", **proxies}
 
 
 class Box:
@@ -79,6 +77,7 @@ class Box:
     workspace, recorder and door stream, `fail_closed` and `exchange`, and nothing else of it."""
 
     kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
+    mounts_original: dict[str, str] | None = None  # a rerun that went on with changed data: mount -> first difference
 
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
@@ -87,6 +86,7 @@ class Box:
                  model_replay: Any = None, jailer: bool | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
+        name = mounts_.backend_for(self.policy, name)  # only bwrap mounts data (a VM's box refuses [mounts])
         jailer = self.policy.get("box", "jailer") if jailer is None else jailer
         self.backend = get_backend(name, self.policy.get("box", "isolation"), jailer=bool(jailer))
         self.workspace = Path(workspace) if workspace else None
@@ -144,6 +144,8 @@ class Box:
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
             boot = dict(boot, workspace_digest=tree_digest(self.workspace))
+        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
+        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original))
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
             "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
@@ -154,6 +156,7 @@ class Box:
         self.recorder.on_full = self.fail_closed  # the run reached [box] max_run_mib: the box ends, its bundle written
         self.recorder.open()
         try:
+            mounts_.disclose(self.mounts, self.recorder.spool)
             seed = None
             if self.workspace is not None:  # a copy, never the host directory itself
                 seed = self.recorder.spool / "seed"
@@ -164,7 +167,8 @@ class Box:
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
-                env=self._box_env(), ca_bundle=self.ca.trust_bundle() if self.ca else None))
+                env=self._box_env(), ca_bundle=self.ca.trust_bundle() if self.ca else None,
+                mounts=mounts_.binds(self.mounts)))
             self.spawned.set()
             for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
                 c = self.recorder.decide("secrets", "bind", {
@@ -230,7 +234,7 @@ class Box:
                 try:
                     self._end_processes(reason)
                 finally:
-                    self.recorder.close(self.ended or reason)
+                    self.recorder.close(self.ended or reason, mounts_.stop_facts(getattr(self, "mounts", [])))
                 if self.recorder.broken:
                     raise BoxEnded(f"no bundle yet: the run could not be closed ({self.recorder.broken}); its records "
                                    f"up to the loss stay in the signer's store, run {self.recorder.run_id}: once the "

@@ -314,6 +314,9 @@ def write_bundle(signer, run_id: str, spool: Path, out_path: str | Path, final: 
             (spool / "policies" / (h.removeprefix("sha256:") + ".toml")).read_bytes()
     if (spool / "patch.diff").exists():  # the last patch summary's diff, readable with `unzip -p` and `git apply`
         box_files["box/patch.diff"] = (spool / "patch.diff").read_bytes()
+    mount_lists = spool / "mounts"  # each dataset mount's entries, which its signed digest commits to (mounts.py)
+    for f in sorted(mount_lists.glob("*.jsonl")) if mount_lists.is_dir() else []:
+        box_files[f"box/mounts/{f.name}"] = f.read_bytes()
     box_files.update(disclosure_files(disclosures))
     box["format"] = BOX_FORMAT
     box["content_files"] = sorted(n for n in box_files if n.startswith("box/content-"))

@@ -103,7 +103,7 @@ def _cmd_rerun(a) -> int:
     if os.path.isdir(a.output):
         raise TkboxError(f"cannot write {a.output}: it is a directory")
     done = rerun(_run(a.bundle, a.trust, a.no_verify), a.output, policy=a.policy, backend=a.backend,
-                 workspace=a.workspace, env=_env_values(a.env))
+                 workspace=a.workspace, env=_env_values(a.env), allow_changed_data=a.allow_changed_data)
     for note in done.notes:
         print(f"tkbox rerun: {visible(note)}", file=sys.stderr)
     print(f"wrote {done.path}: a new signed run, naming the original ({visible(done.named)}) in its box manifest "
@@ -121,6 +121,8 @@ def _cmd_rerun_many(a) -> int:
         raise UsageError("-o names one rerun; with --many each rerun goes to --out-dir")
     if not a.bundle:
         raise UsageError("--many needs at least one bundle")
+    if a.allow_changed_data:
+        raise UsageError("--allow-changed-data goes with one rerun (-o), not --many: a batch refuses changed data")
     if a.workspace is not None or a.env:
         raise UsageError("--workspace and --env go with one rerun (-o), not --many: a batch's workers start each "
                          "rerun from an empty workspace and send no host environment")
@@ -173,6 +175,9 @@ def add_commands(sub) -> None:
                     "(a different one is said, and the audit reports it)")
     rr.add_argument("--env", action="append", metavar="NAME", help="an environment variable the run's commands "
                     "set, its value read from this environment (a bundle holds the names only)")
+    rr.add_argument("--allow-changed-data", action="store_true", help="rerun even when a dataset mount's data "
+                    "differs from the original's (refused by default, naming the first differing file); the "
+                    "difference is signed in the rerun's start record")
     rr.add_argument("--backend", default="auto")
     rr.add_argument("--trust")
     rr.add_argument("--no-verify", action="store_true")

@@ -162,9 +162,13 @@ class NotebookBox:
             self._record(facts, content)
         return box
 
+    mounts_original: dict[str, str] | None = None  # a rerun that goes on with changed data (replay.rerun)
+
     def _new_box(self, bundle: Path | None) -> Box:
-        return Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
-                   home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
+        box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
+                  home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
+        box.mounts_original = self.mounts_original
+        return box
 
     def stop(self, reason: str = "box stopped") -> Path | None:
         """Stop the box (if any) and write its bundle; returns the bundle's path. An early box never taken is
@@ -213,6 +217,8 @@ class NotebookBox:
             note = "; its [box] section (backend, limits) applies from the next box (%box_restart)"
         if policy.data.get("signer", {}) != old.data.get("signer", {}):
             note += "; its [signer] section applies from the next box (%box_restart): a run signs into one signer"
+        if policy.data.get("mounts", {}) != old.data.get("mounts", {}):
+            note += "; its [mounts] apply from the next box (%box_restart): a box's mounts are digested at its start"
         return f"policy {policy.name} ({policy.hash[:19]}...) in force for every crossing from now{note}"
 
     def status(self) -> str:
@@ -229,6 +235,13 @@ class NotebookBox:
                 doors.setdefault(door, {})[decision] = n
             for door, counts in doors.items():
                 lines.append(f"{door:8s} " + ", ".join(f"{n} {d}" for d, n in counts.items()))
+        mounts = getattr(self.box, "mounts", None) if self.live else None
+        if mounts:  # read-only, each with the digest its box.start signed
+            lines.append("mounts   " + "; ".join(f"{m.name}: {m.source} at {m.target} (read-only, {m.digest[:25]}..., "
+                                                  f"{len(m.scan.files)} files)" for m in mounts))
+        elif self.policy.data.get("mounts"):
+            lines.append("mounts   " + "; ".join(f"{n}: {s['source']} at {s['target']} (read-only, digested when the "
+                                                  "box starts)" for n, s in self.policy.data["mounts"].items()))
         if self.secrets:
             lines.append("secrets  " + "; ".join(s.describe() for s in self.secrets.values()))
         if self.bundles:

@@ -8,8 +8,7 @@ whether or not the signer comes back (fail closed, no gaps that look like silenc
 Content a replay needs (cell code, outputs, commands) never goes to the signer: the arguments hold its SHA-256, the
 bytes go to a host-only spool next to the run, and the bundle discloses both with the record's salt.
 
-What a box can make its run record is bounded (refusal_caps.py): refusals past a cap are counted, and a run near the
-size a bundle may hold is ended, fail-closed, its bundle written.
+What a box can make its run record is bounded (refusal_caps.py): refusals past a cap counted, a run near full ended.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from .policy.refusals import KIND as COUNT_KIND
 from .refusal_caps import COUNTED_RULE, FULL_RULE, RECORD_BYTES, RunBounds
 from .signer import MachineSigner
 from .signer_lanes import RunLanes, lanes_for as _lanes, together
-from .verify import BOX_FIELDS
+from .verify import BOX_FIELDS, BOX_OBJECTS
 
 if TYPE_CHECKING:
     from .central_signer import CentralSigner
@@ -136,7 +135,7 @@ class RunRecorder(RunBounds):
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS if k in self.box})
+        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box})
         if not start.allowed:
             self.close("the signer refused the box start")
             raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")
@@ -192,7 +191,8 @@ class RunRecorder(RunBounds):
         self._keep_policy(policy)
         self.policy = policy
 
-    def close(self, reason: str = "box stopped") -> None:
+    def close(self, reason: str = "box stopped", stop_facts: dict[str, Any] | None = None) -> None:
+        """Sign the box's stop (with `stop_facts`: the mounts that changed while it ran) and close the run."""
         if self.closed:
             return
         with self._settled:
@@ -204,10 +204,10 @@ class RunRecorder(RunBounds):
             self._sign_counts(final=True)  # the refusals counted since the last count record, before the stop
             with self._settled:  # and any count a timer took as the box began to stop
                 self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
-            stop = self.decide("box", "stop", {"reason": reason[:500]})  # all the manifest shows (end_reason)
+            stop = self.decide("box", "stop", {"reason": reason[:500], **(stop_facts or {})})  # all the manifest shows
             if stop.allowed:
                 self.complete(stop, "ok", {})
-        self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken)
+        self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken, **(stop_facts or {}))
         self._write_box_manifest()
         self._closing = True
         if self._lanes is not None:

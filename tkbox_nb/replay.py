@@ -253,11 +253,26 @@ def _steps(run: Run) -> list:
     return out
 
 
+def _data_differences(run: Run, policy: Any, home: str | Path | None) -> dict[str, str]:
+    """mounts.rerun_differences for the run's signed box.start and disclosed mount lists."""
+    from .mounts import rerun_differences
+    from .signer import default_home
+    start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
+    signed = (start.args or {}).get("mounts") if start else None
+    if not signed and not policy.data.get("mounts"):
+        return {}
+    lists = {n: b for n, b in run._b.files.items() if n.startswith("box/mounts/")}
+    return rerun_differences(signed, lists, policy, Path(home) if home else default_home())
+
+
 def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None = None, home: str | Path | None = None,
-          backend: str = "auto", workspace: str | Path | None = None, env: dict[str, str] | None = None) -> Rerun:
+          backend: str = "auto", workspace: str | Path | None = None, env: dict[str, str] | None = None,
+          allow_changed_data: bool = False) -> Rerun:
     """Make the run's cells, commands and host magics again, in order, in a fresh box under the run's own starting
     policy (or `policy`), from `workspace`; model calls are answered from the run's recordings. `env` gives the values
-    of the environment variables its commands set (a bundle holds their names only)."""
+    of the environment variables its commands set (a bundle holds their names only). Each dataset mount's data is
+    digested first: data that differs from the original's is refused in one line naming the first differing file,
+    unless `allow_changed_data` (the difference is then signed in the rerun's box.start)."""
     from .box import BoxEnded
     from .errors import DoorRefused
     from .notebook_box import NotebookBox, split_host_magics
@@ -292,7 +307,16 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         notes.append("the original stated its workspace as a version-1 tree digest, which this rerun's workspace has "
                      "too; the rerun states version 2 (docs/bundle-format.md), so the audit reports the workspace as "
                      "different")
+    data_diffs = _data_differences(run, policy, home)
+    if data_diffs and not allow_changed_data:
+        name, first = next(iter(data_diffs.items()))
+        source = policy.data.get("mounts", {}).get(name, {}).get("source", "none")  # the host path it would show
+        raise TkboxError(f"mount {name} ({source}): its data differs from the original run's, first at {first} "
+                         "(--allow-changed-data to rerun with it; the difference is then signed in the rerun's start)")
+    notes += [f"mount {n}: its data differs from the original run's, first at {f}; signed in the rerun's box.start "
+              "(differs_from_original), and the audit reports it" for n, f in data_diffs.items()]
     nb = NotebookBox(policy=policy, backend=backend, home=home, workspace=workspace)
+    nb.mounts_original = data_diffs or None
     nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets", models_replayed)
     nb.replay_of = run.run_id
     if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings

@@ -17,7 +17,9 @@ from typing import Any
 
 from .bundle import BOX_FORMAT, BundleContents, opens, parse, read_bundle_bytes, read_entries
 from .errors import BundleError, PolicyError
+from .mount_digest import check_disclosed
 from .policy import Policy, policy_hash
+from .verify_recount import connection_totals, model_totals, unstated_fetches
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -26,6 +28,7 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
               "unenforced")  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
+BOX_OBJECTS = ("mounts",)  # box.start facts that are objects: each dataset mount's target, digest, files, bytes
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
 WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
 
@@ -333,7 +336,7 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
             fail_record(seq, "policy", f"names policy {str(args.get('policy'))[:19]}..., which the bundle lacks")
             continue
         facts = {k: v for k, v in args.items() if k not in ("policy", "verdict", "rule", "verdict_reason")}
-        why = _unstated_fetches(args, b.content)
+        why = unstated_fetches(args, b.content)
         if why:
             fail_record(seq, "model fetches", why)
         v = pol.decide(facts)
@@ -343,8 +346,8 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
                                               f"{stated[0]} by {stated[1]}")
         elif v.verdict == "deny" and data.get("decision") != "deny":
             fail_record(seq, "re-derivation", f"the box policy denies it but the signer decided {data.get('decision')}")
-    _model_totals(events, disclosed, fail_record)
-    _connection_totals(events, disclosed, fail_record)
+    model_totals(events, disclosed, fail_record)
+    connection_totals(events, disclosed, fail_record)
     # the readable diff is exactly what the last patch summary committed to
     summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
                  and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
@@ -359,7 +362,8 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
         report.add("box manifest", False, "no disclosed box.start record")
     else:
         seq, args = starts[0]
-        differs = [k for k in BOX_FIELDS if b.box.get(k) != args.get(k) and not _unsigned_then(k, args)]
+        differs = [k for k in BOX_FIELDS + BOX_OBJECTS if b.box.get(k) != args.get(k) and not _unsigned_then(k, args)]
+        mounts_problem = check_disclosed(args.get("mounts"), b.files)
         first_policy = (b.box.get("policy") or {}).get("hash") if isinstance(b.box.get("policy"), dict) else None
         if differs:
             report.add("box manifest", False, f"{', '.join(differs)} disagree with the signed box.start record {seq}")
@@ -367,82 +371,23 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
             report.add("box manifest", False, f"policy.hash disagrees with the signed box.start record {seq}")
         elif stops and _shown_reason(b.box, args) != str(stops[-1][1].get("reason")):
             report.add("box manifest", False, f"end_reason disagrees with the signed box.stop record {stops[-1][0]}")
+        elif stops and b.box.get("mounts_changed") != stops[-1][1].get("mounts_changed"):
+            report.add("box manifest", False, f"mounts_changed disagrees with the signed box.stop {stops[-1][0]}")
+        elif mounts_problem:
+            report.add("mounts", False, mounts_problem)
         elif not set(b.box.get("policies") or []) >= {d["args"].get("policy") for (s, k), d in disclosed.items()
                                                      if k == "policy.decision" and isinstance(d.get("args"), dict)}:
             report.add("box manifest", False, "the policies list lacks a policy the records name")
         else:
             report.add("box manifest", True, f"box {args.get('box_id')} ({args.get('backend')}, "
                                              f"{args.get('isolation')}) agrees with record {seq}")
+            if isinstance(args.get("mounts"), dict) and args["mounts"]:
+                report.add("mounts", True, f"{len(args['mounts'])} mount list(s) open their signed digests")
+            changed = stops[-1][1].get("mounts_changed") if stops else None
+            if isinstance(changed, dict) and changed:  # signed by the box's stop: shown with the verdict
+                report.warnings.append("data changed under a mount while the box ran: " + "; ".join(
+                    f"{n}: {', '.join(map(str, p[:3] if isinstance(p, list) else []))}" for n, p in changed.items()))
     n_dec = sum(1 for k in disclosed if k[1] == "policy.decision")
     if all(c.ok for c in report.checks):
         report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "
                                         "re-derived from the disclosed policy")
-
-
-
-def _unstated_fetches(args: dict, content: dict) -> str:
-    """For a model call whose request body is in the bundle: "" when the server-side tools, MCP servers and URLs it
-    states (`fetches`) are those the body names (doors/model_fetches.py), else why not, so a door that left one out
-    of the decision fails verification."""
-    if args.get("door") != "model" or args.get("kind") != "call" or args.get("request") not in content:
-        return ""
-    from .doors.model_fetches import provider_fetches
-    from .guest.protocol import loads_one_reading
-    try:
-        doc = loads_one_reading(content[args["request"]])
-    except (ValueError, RecursionError):
-        return ""  # the door decides no body it cannot read (a request error) and states no fetches for it
-    named = provider_fetches(doc) if isinstance(doc, dict) else []
-    if named != (args.get("fetches") or []):
-        return f"the call states {len(args.get('fetches') or [])} server-side fetch(es), its request body names " \
-               f"{len(named)}"
-    return ""
-def _connection_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:
-    """The egress door states in each connection the run's allowed ones before it (`[egress] max_connections`),
-    deciding them one at a time: recount them from the signed records in order."""
-    allowed = 0
-    for seq in sorted(events):
-        args = (disclosed.get((seq, "policy.decision")) or {}).get("args")
-        if events[seq].get("type") != "policy.decision" or not isinstance(args, dict) \
-                or args.get("door") != "egress" or args.get("kind") != "connect" or "run_connections" not in args:
-            continue
-        if args.get("run_connections") != allowed:
-            fail_record(seq, "connection totals", f"the connection states {str(args.get('run_connections'))[:20]} "
-                                                  f"allowed before it, the signed records before it give {allowed}")
-        allowed += (events[seq].get("data") or {}).get("decision") == "allow"
-
-
-def _model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict], fail_record) -> None:
-    """The model door decides budgets on the run's totals it states in each call (docs/policy.md#models); recount
-    them from the signed records in order: calls allowed before, tokens the results before reported, and output
-    tokens asked for by calls allowed and not yet ended. The door signs a call's result and moves its totals under
-    one lock, so the recount is exact."""
-    calls = used_in = used_out = 0
-    in_flight: dict[str, int] = {}
-    for seq in sorted(events):
-        e, data = events[seq], events[seq].get("data") or {}
-        if e.get("type") == "policy.decision" and (seq, "policy.decision") in disclosed:
-            args = disclosed[(seq, "policy.decision")].get("args")
-            if not isinstance(args, dict) or args.get("door") != "model" or args.get("kind") != "call" \
-                    or "run_calls" not in args:
-                continue
-            want = {"run_calls": calls, "run_input_tokens": used_in,
-                    "run_output_tokens": used_out + sum(in_flight.values())}
-            stated = {k: args.get(k) for k in want}
-            if stated != want:
-                fail_record(seq, "model totals", f"the call states {stated}, the signed records before it give {want}")
-            if data.get("decision") == "allow":
-                calls += 1
-                asked = args.get("max_output")
-                in_flight[str(data.get("decision_id"))] = asked if isinstance(asked, int) else 0
-        elif e.get("type") == "tool.result" and str(data.get("decision_id")) in in_flight:
-            in_flight.pop(str(data.get("decision_id")))
-            result = (disclosed.get((seq, "tool.result")) or {}).get("result")
-            usage = result.get("usage") if isinstance(result, dict) else None
-            for key, n in (("input_tokens", 0), ("output_tokens", 1)):
-                v = usage.get(key) if isinstance(usage, dict) else None
-                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-                    if n == 0:
-                        used_in += v
-                    else:
-                        used_out += v

@@ -29,6 +29,7 @@ class BoxSpec:
     env: dict[str, str] = field(default_factory=dict)
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
     ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
+    mounts: list[tuple[str, str]] = field(default_factory=list)  # (host source, box target), read-only (mounts.py)
 
 
 class RunningBox(abc.ABC):

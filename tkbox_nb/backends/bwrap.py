@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from .. import scratch
+from ..mounts import bwrap_args as mount_args
 from . import seccomp
 from .base import Backend, BoxSpec, RunningBox
 
@@ -252,6 +253,7 @@ class BwrapBackend(Backend):
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
+        a += mount_args(spec.mounts)  # the dataset mounts, read-only (mounts.py)
         a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
         box_python = f"{BOX_VENV}/bin/python3" if sys.prefix != sys.base_prefix else python
         env = {"PATH": f"{os.path.dirname(box_python)}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
-from . import box, egress, host, models, patch, refusals, secrets, signer
+from . import box, egress, host, models, mounts, patch, refusals, secrets, signer
 from . import exec as exec_
 from .base import MAX_LIST, Verdict, tname
 
@@ -173,12 +173,16 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     models_table = data.pop("models", None)
     if models_table is not None:
         out["models"] = models.validate(models_table, name, out.get("secrets", {}))
+    mounts_table = data.pop("mounts", None)
+    if mounts_table is not None:
+        out["mounts"] = mounts.validate(mounts_table, name)
     for section, body in data.items():
         if section in _LATER:
             raise PolicyError(f"{name}: [{section}] is not enforced by this version ({_LATER[section]} is not built "
                               "yet); remove it rather than rely on it")
         if section not in _SCHEMA:
-            raise PolicyError(f"{name}: unknown section [{section}] (known: {', '.join(sorted(_SCHEMA))})")
+            known = ', '.join(sorted([*_SCHEMA, "models", "mounts", "secrets"]))
+            raise PolicyError(f"{name}: unknown section [{section}] (known: {known})")
         if not isinstance(body, dict):
             raise PolicyError(f"{name}: [{section}] must be a table")
         keys = _SCHEMA[section]
