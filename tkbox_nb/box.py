@@ -26,7 +26,8 @@ from .doors.exec import CommandResult, ExecDoor
 from .doors.patch import Patch, PatchDoor
 from .errors import BoxEnded, DoorRefused, TkboxError
 from .policy import Policy
-from .recorder import Crossing, RunRecorder
+from .environment import box_environment
+from .recorder import Crossing, RunRecorder, sha256_digest
 from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
@@ -144,9 +145,12 @@ class Box:
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
             boot = dict(boot, workspace_digest=tree_digest(self.workspace))
+        env = box_environment(self.backend, self.signer.home)
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
-            "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
+            "image_digest": self.backend.image_digest(), "environment": sha256_digest(env), **boot},
+            replay_of=self.replay_of)
+        self.recorder.start_content = {"environment": env}  # box.start commits to it; the bundle discloses it
         if self.bundle_path is not None:
             self.recorder.bundle_hint = self.bundle_path
         # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on

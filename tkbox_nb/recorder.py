@@ -102,6 +102,7 @@ class RunRecorder:
         self.policies: dict[str, Policy] = {}
         self.replay_of = replay_of
         self.bundle_hint: Path | None = None
+        self.start_content: dict[str, bytes] = {}  # content box.start commits to (the environment manifest)
         self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class RunRecorder:
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS if k in self.box})
+        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS if k in self.box},
+                            self.start_content or None)
         if not start.allowed:
             self.close("the signer refused the box start")
             raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")

@@ -134,6 +134,13 @@ class BwrapBackend(Backend):
         self._processes = process_limit()  # decided before box.start is signed, which names a limit it cannot hold
         return {"unenforced": "max_processes"} if self._processes == "unenforced" else {}
 
+    def environment(self, cache_dir: Path) -> bytes:
+        """The box runs the host's interpreter and venv, bound read-only: its manifest is the host's, as the box
+        sees each path (the binds of argv below), from the cache while the site directories are unchanged."""
+        from ..environment import host_python, manifest
+        view = {"/usr": "/usr", **{p: p for p in (sys.base_prefix, sys.prefix)}}
+        return manifest(host_python(view, cache_dir), self.name, self.image_digest())
+
     def argv(self, spec: BoxSpec, door_fd: int, etc_dir: Path, seccomp_fd: int | None = None,
              nproc: bool = False) -> list[str]:
         exe = shutil.which("bwrap") or "bwrap"
