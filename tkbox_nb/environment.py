@@ -172,16 +172,18 @@ def box_path(path: str, view: dict[str, str]) -> str | None:
 
 
 def host_python(view: dict[str, str], cache_dir: Path | None = None,
-                dpkg_status: Path = Path("/var/lib/dpkg/status")) -> dict[str, Any]:
+                dpkg_status: Path = Path("/var/lib/dpkg/status"), dirs: list[Path] | None = None) -> dict[str, Any]:
     """The environment part of a bubblewrap box's manifest: this interpreter and its distributions as the box sees
     them (`view`: host directory -> box directory), and the host's Debian packages (the box binds the host's /usr),
-    from the cache under `cache_dir` when the scanned directories are as they were."""
-    dirs = [d for d in host_site_dirs() if box_path(str(d), view) is not None]
+    from the cache under `cache_dir` when the scanned directories are as they were. `dirs`: other site directories
+    than this interpreter's."""
+    dirs = [d for d in (host_site_dirs() if dirs is None else dirs) if box_path(str(d), view) is not None]
     extra = [dpkg_status] if dpkg_status.is_file() else []
     key = state(dirs, extra)
     cache = None
     if cache_dir is not None:
-        name = hashlib.sha256(canonical({"exe": sys.executable, "view": view})).hexdigest()[:32]
+        name = hashlib.sha256(canonical({"exe": sys.executable, "view": view, "dirs": [str(d) for d in dirs]})
+                              ).hexdigest()[:32]
         cache = cache_dir / f"{name}.json"
         try:
             held = json.loads(cache.read_bytes())
@@ -313,3 +315,13 @@ def box_environment(backend: Any, home: Path) -> bytes:
     except Exception as e:  # an unreadable site directory, a cache the user cannot write
         return manifest(None, backend.name, backend.image_digest(),
                         f"could not be read ({type(e).__name__}: {str(e)[:200]})")
+
+
+def status_line(data: bytes | None) -> str:
+    """A running box's manifest in one line with the start of its digest (%box_status)."""
+    if data is None:
+        return "not recorded"
+    try:
+        return f"{summary(parse(data))} ({_sha(data)[:19]}...)"
+    except ValueError as e:
+        return f"unreadable: {e}"
