@@ -16,7 +16,8 @@ from tkbox_nb.backends.qemu import QemuBackend
 from conftest import run_cli
 
 DATA = Path(__file__).parent / "data"
-RECORD = b"pkg/__init__.py,sha256=AAAA,10\npkg/mod.py,sha256=BBBB,20\npkg/__pycache__/mod.pyc,,\npkg-1.0.dist-info/RECORD,,\n"
+RECORD = (b"pkg/__init__.py,sha256=AAAA,10\npkg/mod.py,sha256=BBBB,20\npkg/__pycache__/mod.pyc,,\n"
+          b"pkg-1.0.dist-info/RECORD,,\n")
 
 
 def dist(site: Path, name: str, version: str, record: bytes = RECORD) -> Path:
@@ -89,7 +90,8 @@ def built_root(tree: Path, dpkg: bool = True) -> Path:
     if dpkg:
         (tree / "var/lib/dpkg").mkdir(parents=True)
         (tree / "var/lib/dpkg/status").write_text(
-            "Package: python3.11-minimal\nStatus: install ok installed\nArchitecture: amd64\nVersion: 3.11.2-6+deb12u1\n\n"
+            "Package: python3.11-minimal\nStatus: install ok installed\nArchitecture: amd64\n"
+            "Version: 3.11.2-6+deb12u1\n\n"
             "Package: python3-pandas\nStatus: install ok installed\nArchitecture: all\nVersion: 1.5.3+dfsg-2\n")
     dist(tree / "usr/lib/python3/dist-packages", "pandas", "1.5.3")
     dist(tree / "usr/local/lib/python3.11/dist-packages", "scikit-learn", "1.5.0")

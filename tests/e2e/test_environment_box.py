@@ -49,7 +49,8 @@ def test_a_bwrap_bundle_names_the_interpreter_and_distributions_as_the_box_saw_t
         assert dists[name]["files_digest"].startswith("sha256:") and dists[name]["hashed"] > 0
     assert run.box["environment"] == next(c for c in run.crossings() if c.tool == "box.start").args["environment"]
     df = run.environment
-    assert df[(df["kind"] == "distribution") & (df["name"] == "pandas")]["version"].tolist() == [seen["dists"]["pandas"][0]]
+    pandas = df[(df["kind"] == "distribution") & (df["name"] == "pandas")]
+    assert pandas["version"].tolist() == [seen["dists"]["pandas"][0]]
     assert f"cpython {platform.python_version()}" in status  # %box_status's env line
     assert summary(run)["environment"].startswith(f"cpython {platform.python_version()}")  # the run view's line
 
