@@ -51,29 +51,30 @@ def test_the_cache_follows_installs_upgrades_and_removals(tmp_path):
     site, cache = tmp_path / "site", tmp_path / "cache"
     dist(site, "alpha", "1.0")
     view = {str(tmp_path): "/opt/tkbox"}
-    first = env.host_python(view, cache, tmp_path / "no-status", dirs=[site])
+    first = json.loads(env.host_python(view, cache, tmp_path / "no-status", dirs=[site]))
     assert [(d["name"], d["version"], d["location"]) for d in first["distributions"]] == \
         [("alpha", "1.0", "/opt/tkbox/site")]
     assert first["paths"] == ["/opt/tkbox/site"] and first["debian"] == {"unavailable": "no dpkg status on the host"}
     assert len(list(cache.iterdir())) == 1
     t = time.perf_counter()
-    assert env.host_python(view, cache, tmp_path / "no-status", dirs=[site]) == first
+    assert json.loads(env.host_python(view, cache, tmp_path / "no-status", dirs=[site])) == first
     assert time.perf_counter() - t < 0.05
     dist(site, "beta", "2.0")  # an install
-    names = [(d["name"], d["version"]) for d in env.host_python(view, cache, tmp_path / "no-status",
-                                                                dirs=[site])["distributions"]]
+    names = [(d["name"], d["version"]) for d in json.loads(env.host_python(view, cache, tmp_path / "no-status",
+                                                                           dirs=[site]))["distributions"]]
     assert names == [("alpha", "1.0"), ("beta", "2.0")]
     (site / "alpha-1.0.dist-info").rename(site / "alpha-1.1.dist-info")  # an upgrade, as pip moves it
     (site / "alpha-1.1.dist-info" / "METADATA").write_text("Name: alpha\nVersion: 1.1\n")
-    names = [(d["name"], d["version"]) for d in env.host_python(view, cache, tmp_path / "no-status",
-                                                                dirs=[site])["distributions"]]
+    names = [(d["name"], d["version"]) for d in json.loads(env.host_python(view, cache, tmp_path / "no-status",
+                                                                           dirs=[site]))["distributions"]]
     assert names == [("alpha", "1.1"), ("beta", "2.0")]
 
 
 def test_a_directory_the_box_does_not_see_is_left_out(tmp_path):
     dist(tmp_path / "a", "alpha", "1.0")
     dist(tmp_path / "b", "beta", "1.0")
-    got = env.host_python({str(tmp_path / "a"): "/a"}, None, tmp_path / "none", dirs=[tmp_path / "a", tmp_path / "b"])
+    got = json.loads(env.host_python({str(tmp_path / "a"): "/a"}, None, tmp_path / "none",
+                                     dirs=[tmp_path / "a", tmp_path / "b"]))
     assert [d["name"] for d in got["distributions"]] == ["alpha"] and got["paths"] == ["/a"]
 
 
@@ -119,7 +120,7 @@ def test_a_vm_box_discloses_its_images_manifest_or_says_the_image_has_none(tmp_p
     (image / ENVIRONMENT).write_text(json.dumps(env.image_python(built_root(tmp_path / "root"))))
     m = env.parse(backend.environment(tmp_path / "cache"))
     assert m["image_digest"] == "tkbox-image:" + "ab" * 16 and m["backend"] == "qemu"
-    assert ("pandas", "1.5.3") in [(d["name"], d["version"]) for d in m["distributions"]]
+    assert ("pandas", "1.5.3") in [(d["name"], d["version"]) for d in m["environment"]["distributions"]]
 
 
 def good_manifest() -> dict:
@@ -133,13 +134,15 @@ def good_manifest() -> dict:
 
 @pytest.mark.parametrize("change, why", [
     (lambda m: m.update(format="other/1"), "is not tkbox-environment/1"),
-    (lambda m: m.update(interpreter="cpython"), "interpreter is not an object"),
-    (lambda m: m["distributions"].append("a"), "distribution 1 is not an object"),
-    (lambda m: m["distributions"][0].update(version=3), "distribution 0 version"),
-    (lambda m: m["distributions"][0].update(files_digest="md5:00"), "files_digest is not a sha256"),
-    (lambda m: m["distributions"][0].update(name="x" * 1001), "distribution 0 name"),
-    (lambda m: m.update(debian={"packages": [{"name": "a"}]}), "debian.packages"),
-    (lambda m: m.update(distributions=[{}] * (env.MAX_ITEMS + 1)), "at most 20000"),
+    (lambda m: m.update(environment=[]), "environment is not an object"),
+    (lambda m: m["environment"].update(interpreter="cpython"), "interpreter is not an object"),
+    (lambda m: m["environment"].update(paths="/usr"), "paths is not a list"),
+    (lambda m: m["environment"]["distributions"].append("a"), "distribution 1 is not an object"),
+    (lambda m: m["environment"]["distributions"][0].update(version=3), "distribution 0 version"),
+    (lambda m: m["environment"]["distributions"][0].update(files_digest="md5:00"), "files_digest is not a sha256"),
+    (lambda m: m["environment"]["distributions"][0].update(name="x" * 1001), "distribution 0 name"),
+    (lambda m: m["environment"].update(debian={"packages": [{"name": "a"}]}), "debian.packages"),
+    (lambda m: m["environment"].update(distributions=[{}] * (env.MAX_ITEMS + 1)), "at most 20000"),
 ])
 def test_a_bundles_manifest_is_read_strictly(change, why):
     m = good_manifest()
@@ -151,6 +154,13 @@ def test_a_bundles_manifest_is_read_strictly(change, why):
         env.parse(b"\xff{")
     with pytest.raises(ValueError, match="over 8 MiB"):
         env.parse(b" " * (env.MAX_BYTES + 1))
+
+
+def test_the_spliced_manifest_is_the_canonical_encoding():
+    """A warm start splices the cached bytes in; the result is byte for byte what canonical() gives."""
+    m = good_manifest()
+    assert env.manifest(env.canonical(m["environment"]), "bwrap", "none") == env.canonical(m)
+    assert env.manifest(m["environment"], "bwrap", "none") == env.canonical(m)
 
 
 def test_a_bundle_made_before_environments_still_verifies_and_says_it_has_none():

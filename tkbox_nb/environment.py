@@ -172,11 +172,11 @@ def box_path(path: str, view: dict[str, str]) -> str | None:
 
 
 def host_python(view: dict[str, str], cache_dir: Path | None = None,
-                dpkg_status: Path = Path("/var/lib/dpkg/status"), dirs: list[Path] | None = None) -> dict[str, Any]:
-    """The environment part of a bubblewrap box's manifest: this interpreter and its distributions as the box sees
-    them (`view`: host directory -> box directory), and the host's Debian packages (the box binds the host's /usr),
-    from the cache under `cache_dir` when the scanned directories are as they were. `dirs`: other site directories
-    than this interpreter's."""
+                dpkg_status: Path = Path("/var/lib/dpkg/status"), dirs: list[Path] | None = None) -> bytes:
+    """The environment part of a bubblewrap box's manifest, as canonical JSON: this interpreter and its
+    distributions as the box sees them (`view`: host directory -> box directory), and the host's Debian packages
+    (the box binds the host's /usr), from the cache under `cache_dir` when the scanned directories are as they
+    were. `dirs`: other site directories than this interpreter's."""
     dirs = [d for d in (host_site_dirs() if dirs is None else dirs) if box_path(str(d), view) is not None]
     extra = [dpkg_status] if dpkg_status.is_file() else []
     key = state(dirs, extra)
@@ -185,23 +185,23 @@ def host_python(view: dict[str, str], cache_dir: Path | None = None,
         name = hashlib.sha256(canonical({"exe": sys.executable, "view": view, "dirs": [str(d) for d in dirs]})
                               ).hexdigest()[:32]
         cache = cache_dir / f"{name}.json"
-        try:
-            held = json.loads(cache.read_bytes())
-            if held.get("state") == key and isinstance(held.get("environment"), dict):
-                return held["environment"]
-        except (OSError, ValueError):
+        try:  # the state's digest on the first line, then the bytes as they go into the manifest: never re-encoded
+            held = cache.read_bytes()
+            if held[:65] == key.encode() + b"\n":
+                return held[65:]
+        except OSError:
             pass
     exe = os.path.join(sys.prefix, "bin", "python3")
-    env = {"interpreter": {"implementation": sys.implementation.name, "version": platform.python_version(),
+    env = canonical({"interpreter": {"implementation": sys.implementation.name, "version": platform.python_version(),
                            "platform": sysconfig.get_platform(), "executable": box_path(exe, view) or exe},
            "paths": [box_path(str(d), view) for d in dirs],
            "distributions": scan([(d, box_path(str(d), view) or "") for d in dirs]),
            "debian": {"packages": dpkg_packages(dpkg_status.read_text("utf-8", "replace"))} if extra
-           else {"unavailable": "no dpkg status on the host"}}
+           else {"unavailable": "no dpkg status on the host"}})
     if cache is not None:
         from .atomic_file import write_atomic
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_atomic(cache, json.dumps({"state": key, "environment": env}).encode())
+        write_atomic(cache, key.encode() + b"\n" + env)
     return env
 
 
@@ -221,10 +221,15 @@ def image_python(tree: Path) -> dict[str, Any]:
             else {"unavailable": "the image keeps no dpkg status"}}
 
 
-def manifest(env: dict[str, Any] | None, backend: str, image_digest: str, why_none: str = "") -> bytes:
-    """The manifest a box.start commits to: the environment part and the backend and image as the box names them."""
-    body = dict(env) if env else {"unavailable": why_none or "not recorded"}
-    return canonical({"format": FORMAT, "backend": backend, "image_digest": image_digest, **body})
+def manifest(env: bytes | dict[str, Any] | None, backend: str, image_digest: str, why_none: str = "") -> bytes:
+    """The manifest a box.start commits to: the backend and image as the box names them, and the environment part
+    (canonical bytes, spliced in as they are: a warm start never re-encodes them) or why there is none."""
+    if not env:
+        return canonical({"backend": backend, "format": FORMAT, "image_digest": image_digest,
+                          "unavailable": why_none or "not recorded"})
+    part = env if isinstance(env, bytes) else canonical(env)
+    return b'{"backend":%s,"environment":%s,"format":%s,"image_digest":%s}' % (
+        canonical(backend), part, canonical(FORMAT), canonical(image_digest))
 
 
 # -- reading a bundle's manifest (hostile) -----------------------------------------------------------------------------
@@ -250,12 +255,19 @@ def parse(data: bytes) -> dict[str, Any]:
     if "unavailable" in m:
         _str(m["unavailable"], "unavailable")
         return m
-    interp = m.get("interpreter")
+    e = m.get("environment")
+    if not isinstance(e, dict):
+        raise ValueError("environment is not an object")
+    interp = e.get("interpreter")
     if not isinstance(interp, dict):
         raise ValueError("interpreter is not an object")
     for k in ("implementation", "version", "platform", "executable"):
         _str(interp.get(k), f"interpreter.{k}")
-    dists = m.get("distributions")
+    paths = e.get("paths")
+    if not isinstance(paths, list) or len(paths) > 1000 or not all(isinstance(x, str) and len(x) <= 1000
+                                                                  for x in paths):
+        raise ValueError("paths is not a list of strings")
+    dists = e.get("distributions")
     if not isinstance(dists, list) or len(dists) > MAX_ITEMS:
         raise ValueError(f"distributions is not a list of at most {MAX_ITEMS}")
     for i, d in enumerate(dists):
@@ -266,7 +278,7 @@ def parse(data: bytes) -> dict[str, Any]:
         for k in ("record_digest", "files_digest"):
             if d.get(k) is not None and not (isinstance(d[k], str) and _DIGEST.fullmatch(d[k])):
                 raise ValueError(f"distribution {i} {k} is not a sha256 digest")
-    deb = m.get("debian")
+    deb = e.get("debian")
     if not isinstance(deb, dict):
         raise ValueError("debian is not an object")
     if "packages" in deb:
@@ -287,6 +299,7 @@ def rows(m: dict[str, Any]) -> list[dict[str, str]]:
     """One row per item of a parsed manifest (kind python, distribution or debian), for a table."""
     if "unavailable" in m:
         return []
+    m = m["environment"]
     i = m["interpreter"]
     out = [{"kind": "python", "name": i["implementation"], "version": i["version"], "location": i["executable"],
             "digest": i["platform"]}]
@@ -301,6 +314,7 @@ def summary(m: dict[str, Any]) -> str:
     """One line: the interpreter, how many distributions and Debian packages."""
     if "unavailable" in m:
         return f"not recorded ({m['unavailable']})"
+    m = m["environment"]
     i, deb = m["interpreter"], m["debian"]
     debs = f"{len(deb['packages'])} Debian packages" if "packages" in deb else f"Debian: {deb['unavailable']}"
     return (f"{i['implementation']} {i['version']} ({i['platform']}), {len(m['distributions'])} distributions, "

@@ -41,8 +41,8 @@ def test_a_bwrap_bundle_names_the_interpreter_and_distributions_as_the_box_saw_t
     run = open_run(bundle)
     m = run.environment_manifest()
     assert m["backend"] == "bwrap" and m["image_digest"] == "none"
-    assert m["interpreter"]["version"] == platform.python_version() == seen["python"]
-    dists = {d["name"]: d for d in m["distributions"]}
+    assert m["environment"]["interpreter"]["version"] == platform.python_version() == seen["python"]
+    dists = {d["name"]: d for d in m["environment"]["distributions"]}
     for name in ("ipykernel", "pandas"):
         assert dists[name]["version"] == importlib.metadata.version(name) == seen["dists"][name][0]
         assert dists[name]["location"] == seen["dists"][name][1]  # where it lives, as the box sees it
@@ -62,7 +62,7 @@ def test_tkbox_show_environment_prints_it(ran):
     line = next(x for x in r.stdout.splitlines() if x.split()[:2] == ["distribution", "pandas"])
     assert line.split()[2] == seen["dists"]["pandas"][0]
     r = run_cli("show", str(bundle), "--environment", "--format", "json")
-    assert json.loads(r.stdout)["interpreter"]["version"] == platform.python_version()
+    assert json.loads(r.stdout)["environment"]["interpreter"]["version"] == platform.python_version()
 
 
 def _environment_item(files: dict[str, bytes], digest: str) -> tuple[str, int, dict]:
@@ -91,7 +91,7 @@ def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
     box = json.loads(files["box/manifest.json"])
     name, i, item = _environment_item(files, box["environment"])
     m = json.loads(base64.b64decode(item["b64"]))
-    next(d for d in m["distributions"] if d["name"] == "pandas")["version"] = "1.5.3"
+    next(d for d in m["environment"]["distributions"] if d["name"] == "pandas")["version"] = "1.5.3"
     forged = json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
     item["b64"] = base64.b64encode(forged).decode()
     if how == "bytes-and-digest":

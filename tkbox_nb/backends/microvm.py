@@ -137,7 +137,7 @@ class ImageBackend(Backend):
         says so."""
         from ..environment import manifest
         try:
-            env = json.loads((self.image.path / ENVIRONMENT).read_bytes())
+            env = json.loads((self.image.path / ENVIRONMENT).read_bytes())  # re-encoded canonically
         except (OSError, ValueError):
             env = None
         return manifest(env, self.name, self.image_digest(),
