@@ -82,19 +82,21 @@ def _rewrite(files: dict[str, bytes], out):
     return out
 
 
-@pytest.mark.parametrize("how", ["bytes", "bytes-and-digest"])
+@pytest.mark.parametrize("how", ["bytes", "bytes-and-digest", "not-json"])
 def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
     """A forger's best: the manifest edited (pandas said to be another version), the bundle's file list recomputed,
-    and, the second time, the content renamed to its new digest and the box manifest pointed at it."""
+    and, the second time, the content renamed to its new digest and the box manifest pointed at it; the third time,
+    bytes that are no manifest, which tkbox show --environment refuses in one line, as the signed digest is not
+    theirs."""
     bundle = ran[0]
     files = read_bundle_file(bundle)
     box = json.loads(files["box/manifest.json"])
     name, i, item = _environment_item(files, box["environment"])
     m = json.loads(base64.b64decode(item["b64"]))
     next(d for d in m["environment"]["distributions"] if d["name"] == "pandas")["version"] = "1.5.3"
-    forged = json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
+    forged = json.dumps(m, sort_keys=True, separators=(",", ":")).encode() if how != "not-json" else b"\xff{"
     item["b64"] = base64.b64encode(forged).decode()
-    if how == "bytes-and-digest":
+    if how != "bytes":
         item["digest"] = box["environment"] = "sha256:" + hashlib.sha256(forged).hexdigest()
         files["box/manifest.json"] = json.dumps(box).encode()
     lines = files[name].split(b"\n")
@@ -105,3 +107,7 @@ def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
     assert report.first_failure.name in ("content", "box manifest"), report.summary()
     r = run_cli("verify", str(tmp_path / "forged.tkb"))
     assert r.returncode == 1 and r.stdout.startswith("INVALID")
+    if how == "not-json":
+        r = run_cli("show", str(tmp_path / "forged.tkb"), "--environment")
+        # Run.content gives only the bytes the signed digest names: the forged bytes are never read as a manifest
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not in the bundle" in r.stderr, r.stderr
