@@ -111,3 +111,23 @@ def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
         r = run_cli("show", str(tmp_path / "forged.tkb"), "--environment")
         # Run.content gives only the bytes the signed digest names: the forged bytes are never read as a manifest
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not in the bundle" in r.stderr, r.stderr
+
+
+def test_box_status_shows_the_environment_the_box_runs(signer, tmp_path, monkeypatch, capsys):
+    """%box_status in the IPython extension: an env line with the interpreter and the manifest's digest."""
+    from IPython.core.interactiveshell import InteractiveShell
+    monkeypatch.setenv("TKBOX_BUNDLE_DIR", str(tmp_path / "bundles"))
+    ip = InteractiveShell.instance()
+    try:
+        ip.run_cell("%load_ext tkbox_nb")
+        assert ip.run_cell("%%box\n1 + 1").success
+        capsys.readouterr()
+        ip.run_cell("%box_status")
+        out = capsys.readouterr().out
+        ip.run_cell("%unload_ext tkbox_nb")
+    finally:
+        InteractiveShell.clear_instance()
+    line = next(x for x in out.splitlines() if x.startswith("env "))
+    run = open_run(sorted((tmp_path / "bundles").glob("*.tkb"))[0])
+    assert f"cpython {platform.python_version()} (" in line and "distributions" in line
+    assert run.box["environment"][:19] in line  # the digest the box.start committed to
