@@ -78,6 +78,17 @@ def test_a_directory_the_box_does_not_see_is_left_out(tmp_path):
     assert [d["name"] for d in got["distributions"]] == ["alpha"] and got["paths"] == ["/a"]
 
 
+def test_a_name_that_is_not_utf8_is_recorded_as_text(tmp_path):
+    """os.listdir keeps such a name as surrogates, which no UTF-8 manifest can hold: it is shown with U+FFFD."""
+    site = tmp_path / "s\udcffite"
+    d = dist(site, "odd", "1.0").rename(site / "odd\udcff-1.0.dist-info")
+    got = env.parse(env.manifest(env.host_python({str(tmp_path): "/b"}, None, tmp_path / "none", dirs=[site]),
+                                 "bwrap", "none"))
+    [item] = got["environment"]["distributions"]
+    assert item["dist_info"] == "odd\ufffd-1.0.dist-info" and item["location"] == "/b/s\ufffdite"
+    assert d.is_dir()
+
+
 def test_dpkg_status_lists_only_installed_packages():
     status = ("Package: libc6\nStatus: install ok installed\nArchitecture: amd64\nVersion: 2.36-9\n\n"
               "Package: gone\nStatus: deinstall ok config-files\nVersion: 1\n\n"

@@ -44,6 +44,12 @@ def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _text(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by os.listdir as surrogates) become U+FFFD, so the
+    manifest is always UTF-8 and every reader can print it."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def canonical(manifest: dict[str, Any]) -> bytes:
     """The bytes a box.start commits to: sorted keys, no spaces, UTF-8."""
     return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -86,8 +92,9 @@ def distribution(dist_dir: Path, location: str) -> dict[str, Any]:
             head = _headers(f.read(64 << 10).decode("utf-8", "replace"))
     except OSError:
         head = {}
-    item: dict[str, Any] = {"name": head.get("Name", dist_dir.name.split("-")[0]),
-                            "version": head.get("Version", ""), "location": location, "dist_info": dist_dir.name}
+    item: dict[str, Any] = {"name": head.get("Name", _text(dist_dir.name).split("-")[0]),
+                            "version": head.get("Version", ""), "location": _text(location),
+                            "dist_info": _text(dist_dir.name)}
     try:
         with open(dist_dir / "RECORD", "rb") as f:
             record = f.read(MAX_RECORD_BYTES + 1)
@@ -193,8 +200,8 @@ def host_python(view: dict[str, str], cache_dir: Path | None = None,
             pass
     exe = os.path.join(sys.prefix, "bin", "python3")
     env = canonical({"interpreter": {"implementation": sys.implementation.name, "version": platform.python_version(),
-                           "platform": sysconfig.get_platform(), "executable": box_path(exe, view) or exe},
-           "paths": [box_path(str(d), view) for d in dirs],
+                           "platform": sysconfig.get_platform(), "executable": _text(box_path(exe, view) or exe)},
+           "paths": [_text(box_path(str(d), view) or "") for d in dirs],
            "distributions": scan([(d, box_path(str(d), view) or "") for d in dirs]),
            "debian": {"packages": dpkg_packages(dpkg_status.read_text("utf-8", "replace"))} if extra
            else {"unavailable": "no dpkg status on the host"}})
