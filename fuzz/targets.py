@@ -1218,3 +1218,30 @@ def go_message(data: bytes) -> None:
         return
     assert len(entropy) == vm.GO_ENTROPY and 10 ** 18 < ns < 2 ** 63
     assert vm.encode_go(entropy, ns) == data
+
+
+def _environment_seeds() -> list[bytes]:
+    from tkbox_nb import environment as env
+    part = {"interpreter": {"implementation": "cpython", "version": "3.11.7", "platform": "linux-x86_64",
+                            "executable": "/usr/bin/python3"}, "paths": ["/usr/lib/python3/dist-packages"],
+            "distributions": [{"name": "pandas", "version": "1.5.3", "location": "/usr/lib/python3/dist-packages",
+                               "dist_info": "pandas-1.5.3.dist-info", "files": 2, "hashed": 1,
+                               **env.record_digests(b"pandas/__init__.py,sha256=AAAA,1\nRECORD,,\n")},
+                              {"name": "old", "version": "1", "location": "/x", "dist_info": "old-1.egg-info",
+                               "record_digest": None}],
+            "debian": {"packages": [{"name": "libc6", "version": "2.36-9", "architecture": "amd64"}]}}
+    return [env.manifest(part, "bwrap", "none"), env.manifest(None, "qemu", "tkbox-image:ab", "an old image")]
+
+
+@target("environment-manifest", _environment_seeds)
+def environment_manifest(data: bytes) -> None:
+    """environment.parse on any bytes (a bundle's disclosed manifest): a manifest or ValueError; what it accepts,
+    rows() and summary() read without raising, every row's fields strings."""
+    from tkbox_nb import environment as env
+    try:
+        m = env.parse(data)
+    except ValueError:
+        return
+    assert isinstance(env.summary(m), str)
+    for row in env.rows(m):
+        assert set(row) == set(env.COLUMNS) and all(isinstance(v, str) for v in row.values())

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("records", ["tkbox_nb.signer", "tkbox_nb.recorder", "tkbox_nb.refusal_caps", "tkbox_nb.central_signer",
                  "tkbox_nb.bundle", "tkbox_nb.verify", "tkbox_nb.run", "tkbox_nb.scratch", "tkbox_nb.signer_lanes",
                  "tkbox_nb.tree_digest", "tkbox_nb.run_recovery", "tkbox_nb.mount_digest", "tkbox_nb.mounts",
-                 "tkbox_nb.verify_recount"]),
+                 "tkbox_nb.verify_recount", "tkbox_nb.environment"]),
     ("backends", ["tkbox_nb.backends"]),
     ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",

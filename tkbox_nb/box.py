@@ -24,9 +24,11 @@ from .connection import HostConnection, StreamClosed
 from .doors.egress import EgressDoor
 from .doors.exec import CommandResult, ExecDoor
 from .doors.patch import Patch, PatchDoor
+from .doors.secrets import bindings_for
 from .errors import BoxEnded, DoorRefused, TkboxError
 from .policy import Policy
-from .recorder import Crossing, RunRecorder
+from .environment import box_environment
+from .recorder import Crossing, RunRecorder, sha256_digest
 from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
@@ -42,25 +44,6 @@ class CellResult:
 
 
 CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
-
-
-def _bindings(policy: Policy, given: dict[str, Any]) -> list:
-    """The box's secret bindings: the policy's [secrets.NAME] (values read now, on the host) and those a notebook
-    gave (`%box_secret`, value already read). A given binding of the same name wins."""
-    from .doors.secrets import Binding, check_binding, read_value
-    out = {}
-    for name, spec in policy.data.get("secrets", {}).items():
-        if name in given:
-            continue
-        if spec["source"] == "prompt":
-            raise TkboxError(f"secrets.{name}: source = \"prompt\" needs a notebook's %box_secret {name} ...")
-        out[name] = Binding(name, list(spec["hosts"]), spec["header"], spec["format"], spec["source"],
-                            spec["misuse"], read_value(name, spec["source"]))
-    for name, g in given.items():
-        out[name] = Binding(name, list(g.hosts), g.header, g.format, g.source, "flag", g.value)
-    for b in out.values():  # the value and the header it makes are legal HTTP before anything is bound or sent
-        check_binding(b)
-    return list(out.values())
 
 
 def egress_env(port: int = 3128) -> dict[str, str]:
@@ -104,7 +87,7 @@ class Box:
         self.exec_door = ExecDoor(self)
         self.patch_door: PatchDoor | None = None
         self.last_patch: Patch | None = None
-        self.bindings = _bindings(self.policy, secrets or {})
+        self.bindings = bindings_for(self.policy, secrets or {})
         self.replay_of = replay_of
         # model calls served from a bundle's recordings (a path, verified now, or Recordings): replay mode
         if model_replay is not None and not hasattr(model_replay, "take"):
@@ -146,9 +129,12 @@ class Box:
             boot = dict(boot, workspace_digest=tree_digest(self.workspace))
         self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
         boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original))
+        env = box_environment(self.backend, self.signer.home)
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
-            "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
+            "image_digest": self.backend.image_digest(), "environment": sha256_digest(env), **boot},
+            replay_of=self.replay_of)
+        self.recorder.start_content = {"environment": env}  # box.start commits to it; the bundle discloses it
         if self.bundle_path is not None:
             self.recorder.bundle_hint = self.bundle_path
         # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on

@@ -32,6 +32,8 @@ def _cmd_verify(a) -> int:
 def _cmd_show(a) -> int:
     from .run import open_run
     run = open_run(a.bundle)
+    if a.environment:
+        return _show_environment(run, a.format)
     df = run.to_dataframe()
     if a.door:
         df = df[df["door"] == a.door]
@@ -48,6 +50,29 @@ def _cmd_show(a) -> int:
                       f"({run.box.get('isolation', '?')})") + f"  {len(df)} crossing(s)")
         with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):
             print(df.drop(columns=["content"]).to_string(index=False))
+    return 0
+
+
+def _show_environment(run, fmt: str) -> int:
+    """`tkbox show --environment`: the manifest the box.start committed to (unverified: `tkbox verify` checks it)."""
+    from .environment import summary
+    m = run.environment_manifest()
+    if m is None:
+        print(visible(f"run {run.run_id}: no environment recorded (made before tkbox recorded environments)"))
+        return 0
+    if fmt == "json":
+        print(json.dumps(m, indent=1, sort_keys=True))
+        return 0
+    df = run.environment
+    for col in df.columns:
+        df[col] = df[col].map(visible, na_action="ignore").astype("string")
+    if fmt == "csv":
+        sys.stdout.write(df.to_csv(index=False))
+        return 0
+    import pandas as pd
+    print(visible(f"run {run.run_id}  backend {m['backend']}  image {m['image_digest']}: {summary(m)}"))
+    with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 80):
+        print(df.to_string(index=False))
     return 0
 
 
@@ -129,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("bundle")
     s.add_argument("--door", choices=["box", "exec", "egress", "secrets", "model", "patch"])
     s.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    s.add_argument("--environment", action="store_true",
+                   help="what the box ran (interpreter, distributions, Debian packages), as its box.start committed")
     s.set_defaults(fn=_cmd_show)
 
     central = "a box policy whose [signer] section names a central signer (default: the machine signer)"

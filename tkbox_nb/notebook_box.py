@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .box import Box
+from .environment import status_line
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
@@ -229,7 +230,7 @@ class NotebookBox:
         else:
             b, rec = self.box, self.box.recorder
             lines += [f"box      {b.box_id} ({b.backend.name}, isolation {b.backend.isolation})",
-                      f"run      {rec.run_id}"]
+                      f"run      {rec.run_id}", f"env      {status_line(rec.start_content.get('environment'))}"]
             doors: dict[str, dict[str, int]] = {}
             for (door, decision), n in sorted(rec.counts.items()):
                 doors.setdefault(door, {})[decision] = n

@@ -98,8 +98,7 @@ class RunRecorder(RunBounds):
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
         self._seq = 0
-        self._client = None
-        self._run = None
+        self._client = self._run = None
         self._lanes: RunLanes | None = None  # every call on the run goes through these (signer_lanes.py says why)
         self.run_id: str | None = None
         self.spool: Path | None = None
@@ -108,6 +107,7 @@ class RunRecorder(RunBounds):
         self.policies: dict[str, Policy] = {}
         self.replay_of = replay_of
         self.bundle_hint: Path | None = None
+        self.start_content: dict[str, bytes] = {}  # content box.start commits to (the environment manifest)
         self.counts: dict[tuple[str, str], int] = {}  # (door, decision) -> crossings, for status lines
         self._init_bounds()
 
@@ -117,9 +117,8 @@ class RunRecorder(RunBounds):
         self._client = self.signer.client()
         agent = {"name": self.agent, "version": __version__}
         try:
-            # a rerun names its original in the box manifest (rerun_of), never as Tracekit's replay_of: that
-            # registers a `tracekit why` replay arm (an analyzer identity, never the agent's, with an investigation
-            # id, and by design no decisions), which a rerun is not, and the machine signer refuses it
+            # a rerun names its original in the box manifest (rerun_of), never as Tracekit's replay_of: that registers
+            # a `tracekit why` replay arm (an analyzer identity, no decisions), not a rerun; the signer refuses it
             if self.replay_of:
                 self.box["rerun_of"] = self.replay_of
             self._run = self._client.run(agent=agent)
@@ -135,7 +134,8 @@ class RunRecorder(RunBounds):
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box})
+        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box},
+                            self.start_content or None)
         if not start.allowed:
             self.close("the signer refused the box start")
             raise SignerError(f"the signer refused the box start: {start.reason or start.rule_ids}")

@@ -189,6 +189,33 @@ class Run:
             df[col] = df[col].astype("string")
         return df
 
+    def environment_manifest(self) -> dict[str, Any] | None:
+        """The environment manifest the box.start committed to (environment.py), read strictly; None for a run made
+        before tkbox recorded environments. BundleError when the bundle lacks the bytes or they are not a manifest."""
+        from .environment import parse as parse_environment
+        start = next((c for c in self.crossings() if c.tool == "box.start" and c.args), None)
+        digest = (start.args if start else {}).get("environment")
+        if digest is None:
+            return None
+        blob = self.content(digest)
+        if blob is None:
+            raise BundleError(f"the environment manifest {str(digest)[:19]}... the box.start names is not in the "
+                              "bundle")
+        try:
+            return parse_environment(blob)
+        except ValueError as e:
+            raise BundleError(str(e)) from None
+
+    @property
+    def environment(self):
+        """What the box ran, one row per item (kind python, distribution, debian: name, version, location, digest);
+        empty for a run that recorded none. `environment_manifest()` has the whole manifest."""
+        import pandas as pd
+
+        from .environment import COLUMNS as ENV_COLUMNS, rows
+        m = self.environment_manifest()
+        return pd.DataFrame(rows(m) if m else [], columns=ENV_COLUMNS).astype("string")
+
     def to_notebook(self):
         """The run as a notebook: each cell's code and recorded outputs, host magics as host events (replay.py)."""
         return self._views().notebook(self)

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .errors import TkboxError
 from .run import Run, open_run
 
 PAGE_SIZE = 25
@@ -43,7 +44,17 @@ def summary(run: Run) -> dict[str, Any]:
     return {"run_id": run.run_id, "backend": run.box.get("backend", "?"), "isolation": run.box.get("isolation", "?"),
             "origin": run.origin, "key_id": run.key_id, "sealed": run.sealed, "crossings": len(df),
             "per_door": per_door, "allowed": decisions.get("allow", 0), "denied": decisions.get("deny", 0),
-            "flagged": flagged, "end_reason": run.box.get("end_reason", "")}
+            "flagged": flagged, "end_reason": run.box.get("end_reason", ""), "environment": environment_line(run)}
+
+
+def environment_line(run: Run) -> str:
+    """What the box ran, in one line (environment.summary), as the box.start committed to it."""
+    from .environment import summary as env_summary
+    try:
+        m = run.environment_manifest()
+    except TkboxError as e:
+        return f"unreadable: {e}"
+    return "not recorded (a run made before tkbox recorded environments)" if m is None else env_summary(m)
 
 
 def summary_html(s: dict[str, Any]) -> str:
@@ -51,6 +62,7 @@ def summary_html(s: dict[str, Any]) -> str:
     state = "sealed (run closed)" if s["sealed"] else "OPEN (a snapshot of a running box)"
     return (f"<div class='tkbox-summary'><b>run</b> <code>{_esc(s['run_id'])}</code> · <b>box</b> "
             f"{_esc(s['backend'])} ({_esc(s['isolation'])}) · <b>{_esc(state)}</b><br>"
+            f"<b>environment</b> {_esc(s['environment'])}<br>"
             f"<b>signed by</b> {_esc(s['origin'])} · key <code>{_esc(s['key_id'][:23])}</code><br>"
             f"<b>{s['crossings']} crossings</b>: {doors} · <span style='color:{DOOR_COLORS['allow']}'>"
             f"{s['allowed']} allowed</span> · <span style='color:{DOOR_COLORS['deny']}'>{s['denied']} denied</span>"

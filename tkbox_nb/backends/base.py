@@ -111,6 +111,12 @@ class Backend(abc.ABC):
     def image_digest(self) -> str:
         return "none"
 
+    def environment(self, cache_dir: Path) -> bytes:
+        """The manifest of what the box runs (environment.py) that its box.start commits to; `cache_dir`: where a
+        backend keeps what it computed, keyed by what it read."""
+        from ..environment import manifest
+        return manifest(None, self.name, self.image_digest(), f"the {self.name} backend does not record it")
+
 
 ISOLATION_LEVELS = {"none": 0, "namespace": 1, "vm-tcg": 2, "vm-kvm": 2, "vm": 2}
 """How strong each backend's isolation is: a policy's `box.isolation` minimum compares against these."""

@@ -211,6 +211,15 @@ class BwrapBackend(Backend):
         self._processes = process_limit()  # decided before box.start is signed, which names a limit it cannot hold
         return {"unenforced": "max_processes"} if self._processes == "unenforced" else {}
 
+    def environment(self, cache_dir: Path) -> bytes:
+        """The box runs the host's interpreter and venv, bound read-only: its manifest is the host's, as the box
+        sees each path (the binds of argv below), from the cache while the site directories are unchanged."""
+        from ..environment import host_python, manifest
+        view = {"/usr": "/usr", **dict(interpreter()[1])}  # the binds of argv below
+        if sys.prefix != sys.base_prefix:  # a venv, remade at BOX_VENV
+            view[str(Path(sys.prefix, "bin"))] = f"{BOX_VENV}/bin"
+        return manifest(host_python(view, cache_dir), self.name, self.image_digest())
+
     def argv(self, spec: BoxSpec, door_fd: int, files: dict[str, int], seccomp_fd: int | None = None,
              nproc: bool = False) -> tuple[list[str], list[str]]:
         """bubblewrap's options for `spec` and the box's command. The options go to bubblewrap through a file

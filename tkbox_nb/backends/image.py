@@ -37,6 +37,7 @@ KERNEL_PACKAGE = "linux-image-cloud-amd64"
 # debugpy: ipykernel imports it when present (seconds under TCG), and no debug request is forwarded to a box
 REMOVE = ("usr/lib/python3/dist-packages/debugpy",)
 PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{0,99}$")  # a Debian package name
+ENVIRONMENT = "environment.json"  # the image's environment manifest part (environment.py), made from its root
 TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt", "var/lib/apt/lists",
         "var/log")
 
@@ -238,6 +239,8 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
             ver = re.search(r"^Version: (\S+)", block, re.M)
             if name and ver and name.group(1) in root_inputs["packages"]:
                 versions[name.group(1)] = ver.group(1)
+    from ..environment import image_python  # from the root as built, before it becomes an ext4 image
+    (work / ENVIRONMENT).write_text(json.dumps(image_python(tree), sort_keys=True))
     used, files = _du(tree)
     progress.step(f"root: {used >> 20} MiB in {files} files; mke2fs -d (no mount)")
     make_ext4(tree, out, ROOT_LABEL, slack_mib=32)
@@ -320,11 +323,13 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
             root_digest = digest_of(root_inputs)
             root_img = roots / f"{root_digest}.img"
             root_meta = roots / f"{root_digest}.json"
+            root_env = roots / f"{root_digest}.{ENVIRONMENT}"
             if root_img.is_file() and root_meta.is_file() and not force:
                 progress.step(f"root: cached ({root_img})")
                 versions = json.loads(root_meta.read_text())
             else:
                 versions = _build_root(root_inputs, work / "root.img", progress, work)
+                os.replace(work / ENVIRONMENT, root_env)
                 os.replace(work / "root.img", root_img)
                 root_meta.write_text(json.dumps(versions, sort_keys=True))
             vmlinuz, modules, kernel_version = _fetch_kernel(kernel, work, progress)
@@ -337,6 +342,8 @@ def build_image(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE,
             (out / "initrd.img").write_bytes(make_initramfs(modules, busybox))
             shutil.copy2(vmlinuz, out / "vmlinuz")
             os.link(root_img, out / "root.img")
+            if root_env.is_file():  # a root built before environments were recorded has none: its boxes say so
+                shutil.copyfile(root_env, out / ENVIRONMENT)
             manifest = {"digest": digest, "inputs": full, "kernel_package": kernel_version, "versions": versions,
                         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..errors import TkboxError
 from .base import Backend, BoxSpec, RunningBox
-from .image import CONFIG_LABEL, Image, current_image, make_ext4
+from .image import CONFIG_LABEL, ENVIRONMENT, Image, current_image, make_ext4
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
@@ -131,6 +131,17 @@ class ImageBackend(Backend):
 
     def image_digest(self) -> str:
         return f"tkbox-image:{self.image.digest}"  # sha256 of the inputs (image.py), first 128 bits
+
+    def environment(self, cache_dir: Path) -> bytes:
+        """The image's manifest, made when it was built (image.py keeps it beside the image); an image built before
+        says so."""
+        from ..environment import manifest
+        try:
+            env = json.loads((self.image.path / ENVIRONMENT).read_bytes())  # re-encoded canonically
+        except (OSError, ValueError):
+            env = None
+        return manifest(env, self.name, self.image_digest(),
+                        "an image built before tkbox recorded environments (tkbox image build --force records it)")
 
 
 def _children(pid: int) -> list[int]:

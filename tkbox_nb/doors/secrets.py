@@ -17,8 +17,9 @@ import secrets as _random
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..errors import PolicyError
+from ..errors import PolicyError, TkboxError
 from .hostnames import host_pattern_matches
 from .scrubber import MIN_ENCODED_FORM, Scrubber, encoded_forms  # noqa: F401 (the door's scrubber, re-exported)
 
@@ -185,3 +186,21 @@ class PlaceholderWatch:
                 where = "body (plain http)"
                 found.append((b.name, where if host_matches(self.host, b.hosts) else f"{where} to {self.host}"))
         return found
+
+
+def bindings_for(policy: Any, given: dict[str, Any]) -> list:
+    """The box's secret bindings: the policy's [secrets.NAME] (values read now, on the host) and those a notebook
+    gave (`%box_secret`, value already read). A given binding of the same name wins."""
+    out = {}
+    for name, spec in policy.data.get("secrets", {}).items():
+        if name in given:
+            continue
+        if spec["source"] == "prompt":
+            raise TkboxError(f"secrets.{name}: source = \"prompt\" needs a notebook's %box_secret {name} ...")
+        out[name] = Binding(name, list(spec["hosts"]), spec["header"], spec["format"], spec["source"],
+                            spec["misuse"], read_value(name, spec["source"]))
+    for name, g in given.items():
+        out[name] = Binding(name, list(g.hosts), g.header, g.format, g.source, "flag", g.value)
+    for b in out.values():  # the value and the header it makes are legal HTTP before anything is bound or sent
+        check_binding(b)
+    return list(out.values())
