@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .audit_conventions import IGNORE, SKIP, marks
+from .audit_conventions import describe as describe_marks
+from .audit_tolerance import Tolerance, image_lookup
 from .errors import TkboxError
 from .replay import RERUN_SKIPS, _outputs, late_outputs, user_expressions
 from .run import Crossing, Run, open_run
@@ -65,6 +68,7 @@ class Difference:
     seq_a: int | None = None  # the crossing's decision record in each run (None: the run has no such crossing)
     seq_b: int | None = None
     diff: str = ""  # a short unified diff, for large texts
+    detail: list[str] = field(default_factory=list)  # how they differ, where measured (an image's pixels)
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Audit:
     differences: list[Difference] = field(default_factory=list)
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
     not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    marks: dict[str, tuple[int, int]] = field(default_factory=dict)  # nbval marks: cells per mark in A/B
 
     @property
     def status(self) -> str:
@@ -92,13 +98,17 @@ class Audit:
     def covered(self) -> str:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
         left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
+        nbval = describe_marks(self.marks)
         return f"compared (crossings in A/B): {doors}; the starting policy and workspace" + \
-            (f"; not compared: {left}" if left else "")
+            (f"; not compared: {left}" if left else "") + (f"; {nbval}" if nbval else "") + \
+            f"; tolerance: {self.tolerance.describe()}"
 
     def as_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "status": self.status, "equivalent": self.equivalent,
                 "coverage": {d: {"a": na, "b": nb} for d, (na, nb) in self.coverage.items()},
                 "not_compared": {d: {"a": na, "b": nb} for d, (na, nb) in self.not_compared.items()},
+                "tolerance": self.tolerance.as_dict(), "nbval_marks": {m: {"a": na, "b": nb} for m, (na, nb)
+                                                                       in self.marks.items()},
                 "differences": [asdict(d) for d in self.differences]}
 
     def table(self) -> str:
@@ -117,6 +127,7 @@ class Audit:
                          f"    B: {show(d.b)}")
             if d.diff:
                 lines.append("    " + d.diff.replace("\n", "\n    "))
+            lines.extend(f"    {note}" for note in d.detail)
         return "\n".join(lines)
 
     def html(self) -> str:
@@ -163,6 +174,7 @@ class Item:
     seq: int | None
     kind: str  # cell | command | egress | ...
     fields: dict[str, tuple[str, str]]
+    marks: frozenset[str] = frozenset()  # a cell's nbval marks (audit_conventions): its outputs not compared
 
 
 def _field(value: str, large: bool = False) -> tuple[str, str]:
@@ -208,10 +220,11 @@ def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[i
         outs = _output_items(_outputs(run, r.get("outputs"), late.get(c.seq, [])), extra)
         # compared one text line to a line (so a large one gets a line diff), shown on one line or by digest
         value, shown = json.dumps(outs, indent=0), json.dumps(outs)
+        code = _text(run, a.get("code"))
         return Item(c.seq, "cell", {
-            "cell code": _field(f"{c.decision}: " + _text(run, a.get("code"))),
+            "cell code": _field(f"{c.decision}: " + code),
             "cell outputs": (value, shown if len(shown) <= LARGE else _field(shown, large=True)[1]),
-            "cell user_expressions": _field(_expressions(run, c, extra), large=True)})
+            "cell user_expressions": _field(_expressions(run, c, extra), large=True)}, marks(code, a.get("tags")))
     if a.get("kind") != "command":
         return None
     argv = a.get("argv") if isinstance(a.get("argv"), list) else []
@@ -359,8 +372,11 @@ def _short_diff(a: str, b: str) -> str:
     return "\n".join(cut + ([f"... ({len(lines) - DIFF_LINES} more diff lines)"] if len(lines) > DIFF_LINES else []))
 
 
-def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Difference]:
-    """The differences of two runs' facts, section by section, item by item in order. Pure."""
+def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]], tolerance: Tolerance | None = None) \
+        -> list[Difference]:
+    """The differences of two runs' facts, section by section, item by item in order, within the tolerance (which
+    notes how images differed); a cell with an nbval mark in either run has only its code compared. Pure but for
+    the images the tolerance decodes."""
     diffs = []
     for section in fa:
         xa, xb = fa[section], fb[section]
@@ -377,14 +393,27 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Differ
                 continue
             for label, (va, shown_a) in ia.fields.items():
                 vb, shown_b = ib.fields[label]
-                if va != vb:
+                if (ia.marks | ib.marks) and label != "cell code":
+                    continue
+                if va != vb and not (tolerance and tolerance.equal(label, va, vb, sa, sb)):
                     diff = _short_diff(va, vb) if (shown_a != va or shown_b != vb) else ""
-                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff))
+                    notes = tolerance.notes.get((sa, sb, label), []) if tolerance else []
+                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff, notes))
     return diffs
 
 
-def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None) -> Audit:
+def _images(run: Run) -> dict[str, bytes]:
+    """Every PNG and JPEG among the run's cells' outputs (late ones too), by digest: what --image-tolerance decodes."""
+    late = late_outputs(run)
+    return image_lookup(_outputs(run, (c.result or {}).get("outputs"), late.get(c.seq, []))
+                        for c in run.crossings() if c.door == "exec" and (c.args or {}).get("kind") == "cell")
+
+
+def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None, *,
+          rtol: float | None = None, atol: float | None = None, image_tolerance: float | None = None) -> Audit:
+    """Compare two runs (audit_tolerance says what rtol, atol and image_tolerance loosen; the defaults: exact)."""
     from .atomic_file import read_capped
+    tolerance = Tolerance(rtol or 0.0, atol or 0.0, image_tolerance)  # checked before any bundle is read
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
@@ -397,5 +426,8 @@ def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path |
     a, b = ra.path, rb.path
     fa, fb = facts(ra, extra), facts(rb, extra)
     ca, cb = coverage(fa), coverage(fb)
-    return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb),
-                 {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})
+    if tolerance.image is not None:
+        tolerance.images = (_images(ra), _images(rb))
+    marked = {m: tuple(sum(m in i.marks for i in f["exec"]) for f in (fa, fb)) for m in (IGNORE, SKIP)}
+    return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb, tolerance),
+                 {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED}, tolerance, marked)
