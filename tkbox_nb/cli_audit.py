@@ -7,6 +7,10 @@ Kept apart from cli_replay.py, which parses the command's older options (the bun
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
+
+from .errors import TkboxError
 
 
 
@@ -19,6 +23,12 @@ def add_audit_options(au, prefix: str = "") -> None:
                     "when no channel of any pixel differs by more than this (0..255; default: by digest)")
 
 
+def add_sign_options(au) -> None:
+    au.add_argument("--sign", action="store_true", help="write the audit as a signed run of its own (-o), signed by "
+                    "this machine's signer: `tkbox verify` and `tracekit verify` check it, `tkbox show` prints it")
+    au.add_argument("-o", "--output", help="with --sign: the verdict's .tkb")
+
+
 def run_audit(a, read, write_report, not_an_input) -> int:
     """`read(path)`: a bundle as a verified run (or unverified with --no-verify); `write_report(path, text)`;
     `not_an_input(path, *bundles)`: refuses to write over a bundle read (all from cli_replay.py)."""
@@ -26,8 +36,23 @@ def run_audit(a, read, write_report, not_an_input) -> int:
     from .audit_tolerance import Tolerance
     Tolerance(a.rtol or 0.0, a.atol or 0.0, a.image_tolerance)  # a bad tolerance is said before any bundle is read
     not_an_input(a.html, a.a, a.b)
-    report = audit(read(a.a), read(a.b), a.sanitizer, rtol=a.rtol, atol=a.atol, image_tolerance=a.image_tolerance)
+    if bool(a.sign) != bool(a.output):
+        raise TkboxError("--sign and -o go together: tkbox audit A B --sign -o verdict.tkb")
+    if a.sign:
+        not_an_input(a.output, a.a, a.b)
+        if Path(a.output).name in ("", ".", "..") or not Path(a.output).resolve().parent.is_dir():
+            raise TkboxError(f"cannot write {a.output}: not a file name in a directory that exists")
+    ra, rb = read(a.a), read(a.b)
+    report = audit(ra, rb, a.sanitizer, rtol=a.rtol, atol=a.atol, image_tolerance=a.image_tolerance)
     if a.html:
         write_report(a.html, report.html())
     print(json.dumps(report.as_dict(), indent=1) if a.json else report.table())
+    if a.sign:
+        from .atomic_file import read_capped
+        from .audit import MAX_SANITIZER_BYTES
+        from .audit_verdict import sign
+        text = read_capped(Path(a.sanitizer), MAX_SANITIZER_BYTES).decode("utf-8") if a.sanitizer else ""
+        out = sign(report, ra, rb, a.output, a.trust, text)
+        print(f"wrote {out}: the audit as a signed run (tkbox verify {a.output} --inputs {a.a} {a.b})",
+              file=sys.stderr)
     return report.exit_code

@@ -181,6 +181,7 @@ def add_commands(sub) -> None:
     au.add_argument("--sanitizer", help="a file of REGEX<TAB>REPLACEMENT lines, applied to outputs before comparing")
     au.add_argument("--trust", help="trust config for verifying both bundles first (default: this machine's pin)")
     au.add_argument("--no-verify", action="store_true", help="compare without verifying the bundles first")
-    from .cli_audit import add_audit_options
+    from .cli_audit import add_audit_options, add_sign_options
     add_audit_options(au)
+    add_sign_options(au)
     au.set_defaults(fn=_cmd_audit)

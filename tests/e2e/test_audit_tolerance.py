@@ -109,3 +109,20 @@ def test_the_cli_takes_the_tolerances_and_refuses_bad_ones_and_undecodable_image
     (tmp_path / "not.tkb").write_text("not a bundle")
     r = run_cli("audit", str(tmp_path / "not.tkb"), str(runs["small"]), "--rtol", "1e-9")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_signed_verdict_of_a_real_pair_records_its_tolerance_and_reaudits_the_same(runs, tmp_path, signer):
+    import subprocess
+
+    from conftest import VENV_BIN
+    v = tmp_path / "verdict.tkb"
+    r = run_cli("audit", str(runs["original"]), str(runs["replot"]), "--image-tolerance", "0", "--rtol", "1e-9",
+                "--sign", "-o", str(v))
+    assert r.returncode == 0, r.stdout + r.stderr
+    t = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(v), "--trust", str(signer.trust_path)],
+                       capture_output=True, text=True)
+    assert t.returncode == 0, t.stdout + t.stderr
+    ok = run_cli("verify", str(v), "--inputs", str(runs["original"]), str(runs["replot"]), "--reaudit")
+    assert ok.returncode == 0 and "gives the same verdict" in ok.stdout, ok.stdout + ok.stderr
+    assert "signed audit verdict: EQUIVALENT, 0 difference(s); tolerance: numbers within rtol 1e-09, atol 0; " \
+           "images by decoded pixels" in run_cli("show", str(v)).stdout
