@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import difflib
 import hashlib
-import html
 import json
 import re
 import shlex
@@ -69,6 +68,8 @@ class Difference:
     seq_b: int | None = None
     diff: str = ""  # a short unified diff, for large texts
     detail: list[str] = field(default_factory=list)  # how they differ, where measured (an image's pixels)
+    value_a: str = field(default="", repr=False)  # the compared values whole, for the readable report
+    value_b: str = field(default="", repr=False)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Audit:
     not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
     tolerance: Tolerance = field(default_factory=Tolerance)
     marks: dict[str, tuple[int, int]] = field(default_factory=dict)  # nbval marks: cells per mark in A/B
+    explained: list[str] = field(default_factory=list)  # what else differed between the runs (audit_report.explain)
 
     @property
     def status(self) -> str:
@@ -109,37 +111,21 @@ class Audit:
                 "not_compared": {d: {"a": na, "b": nb} for d, (na, nb) in self.not_compared.items()},
                 "tolerance": self.tolerance.as_dict(), "nbval_marks": {m: {"a": na, "b": nb} for m, (na, nb)
                                                                        in self.marks.items()},
-                "differences": [asdict(d) for d in self.differences]}
+                "explained": self.explained, "differences": [self._shown(d) for d in self.differences]}
+
+    @staticmethod
+    def _shown(d: Difference) -> dict:
+        from .audit_report import readable
+        out = {k: v for k, v in asdict(d).items() if k not in ("value_a", "value_b")}
+        return dict(out, readable=readable(d))
 
     def table(self) -> str:
-        if self.status == "incomparable":
-            return (f"INCOMPARABLE: {self.a} and {self.b} have no cell, command, egress, secret, host magic, model "
-                    f"call or patch file to compare (only the box's own start and stop): not called equivalent\n"
-                    f"  {self.covered()}")
-        if self.equivalent:
-            return f"EQUIVALENT: {self.a} and {self.b}\n  {self.covered()}"
-        lines = [f"DIFFERENT: {len(self.differences)} difference(s) between {self.a} and {self.b}",
-                 f"  {self.covered()}"]
-        for d in self.differences:
-            show = (lambda t: json.dumps(t[:200])) if d.kind in ("command stdout", "command stderr") else \
-                (lambda t: t[:200])  # output as a quoted string: a newline or trailing space is seen
-            lines.append(f"  {d.what} (seq {_seq(d.seq_a)} in A, {_seq(d.seq_b)} in B)\n    A: {show(d.a)}\n"
-                         f"    B: {show(d.b)}")
-            if d.diff:
-                lines.append("    " + d.diff.replace("\n", "\n    "))
-            lines.extend(f"    {note}" for note in d.detail)
-        return "\n".join(lines)
+        from .audit_report import table
+        return table(self)
 
     def html(self) -> str:
-        rows = "".join(f"<tr><td>{html.escape(d.what)}</td><td>{_seq(d.seq_a)}</td><td>{_seq(d.seq_b)}</td>"
-                       f"<td><pre>{html.escape(d.a)}</pre></td><td><pre>{html.escape(d.b)}</pre></td>"
-                       f"<td><pre>{html.escape(d.diff)}</pre></td></tr>" for d in self.differences)
-        verdict = self.status if not self.differences else f"{len(self.differences)} difference(s)"
-        return (f"<!doctype html><meta charset='utf-8'><title>tkbox audit</title><style>body{{font-family:sans-serif}}"
-                f"td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}table{{border-collapse:collapse}}"
-                f"</style><h1>tkbox audit: {html.escape(verdict)}</h1><p>A: {html.escape(self.a)}<br>"
-                f"B: {html.escape(self.b)}</p><p>{html.escape(self.covered())}</p><table><tr><th>what</th>"
-                f"<th>seq A</th><th>seq B</th><th>A</th><th>B</th><th>diff</th></tr>{rows}</table>")
+        from .audit_report import page
+        return page(self)
 
 
 def _seq(seq: int | None) -> str:
@@ -398,7 +384,7 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]], tolerance: Tol
                 if va != vb and not (tolerance and tolerance.equal(label, va, vb, sa, sb)):
                     diff = _short_diff(va, vb) if (shown_a != va or shown_b != vb) else ""
                     notes = tolerance.notes.get((sa, sb, label), []) if tolerance else []
-                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff, notes))
+                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff, notes, va, vb))
     return diffs
 
 
@@ -429,5 +415,9 @@ def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path |
     if tolerance.image is not None:
         tolerance.images = (_images(ra), _images(rb))
     marked = {m: tuple(sum(m in i.marks for i in f["exec"]) for f in (fa, fb)) for m in (IGNORE, SKIP)}
-    return Audit(str(a), str(b), compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb, tolerance),
-                 {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED}, tolerance, marked)
+    diffs = compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb, tolerance)
+    from .audit_report import explain
+    from .audit_tolerance import image_notes
+    image_notes(diffs, lambda: tolerance.images or (_images(ra), _images(rb)))  # images by their pixels
+    return Audit(str(a), str(b), diffs, {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED},
+                 tolerance, marked, explain(ra, rb) if diffs else [])

@@ -215,7 +215,8 @@ def decode_image(raw: bytes, what: str):
     except TkboxError:
         raise
     except Exception as e:  # Pillow raises many kinds for a bad image: each is the same answer
-        raise TkboxError(f"{what} does not decode as an image ({type(e).__name__}: {str(e)[:120]})") from None
+        why = re.sub(r"\s*<[^>]*>", "", str(e))[:120]  # not the object's address Pillow names
+        raise TkboxError(f"{what} does not decode as an image ({type(e).__name__}: {why})") from None
 
 
 def pixel_difference(pa, pb) -> tuple[int, int]:
@@ -248,3 +249,49 @@ def image_lookup(outputs_of_cells: Iterator[list]) -> dict[str, bytes]:
                         continue
                     found[hashlib.sha256(raw).hexdigest()] = raw
     return found
+
+
+def image_notes(differences: list, lookups) -> None:
+    """Each differing cell outputs' PNG or JPEG pairs described by their pixels (size, pixels that differ, largest
+    channel difference) in the difference's detail, where no tolerance measured them already; `lookups()` gives
+    (run A's, run B's) images by digest, asked for only when some image differs. Nothing when Pillow is absent;
+    an image that does not decode is said so, in its line."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        return
+    looked = None
+    for d in differences:
+        if d.kind != "cell outputs" or d.detail:
+            continue
+        try:
+            pairs = list(_image_pairs(json.loads(d.value_a), json.loads(d.value_b), ""))
+        except ValueError:
+            continue
+        for mime, va, vb in pairs[:20]:
+            looked = looked or lookups()
+            try:
+                pa, pb = (Tolerance._decode(look, v, mime, run) for look, v, run in zip(looked, (va, vb), "AB"))
+            except TkboxError as e:
+                d.detail.append(str(e))
+                continue
+            if pa is None or pb is None:
+                continue
+            if pa.size != pb.size:
+                d.detail.append(f"{mime}: {pa.size[0]}x{pa.size[1]} px in A, {pb.size[0]}x{pb.size[1]} px in B")
+                continue
+            worst, changed = pixel_difference(pa, pb)
+            d.detail.append(f"{mime}: {changed} of {pa.size[0] * pa.size[1]} pixels differ (largest channel "
+                            f"difference {worst} of 255)" if worst else f"{mime}: the same pixels, other bytes "
+                            f"(metadata or encoding: --image-tolerance 0 calls them equal)")
+
+
+def _image_pairs(a: Any, b: Any, mime: str) -> Iterator[tuple[str, str, str]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a.keys() & b.keys():
+            yield from _image_pairs(a[k], b[k], str(k))
+    elif isinstance(a, list) and isinstance(b, list):
+        for x, y in zip(a, b):
+            yield from _image_pairs(x, y, mime)
+    elif mime in IMAGES and isinstance(a, str) and isinstance(b, str) and a != b:
+        yield mime, a, b

@@ -126,3 +126,42 @@ def test_a_signed_verdict_of_a_real_pair_records_its_tolerance_and_reaudits_the_
     assert ok.returncode == 0 and "gives the same verdict" in ok.stdout, ok.stdout + ok.stderr
     assert "signed audit verdict: EQUIVALENT, 0 difference(s); tolerance: numbers within rtol 1e-09, atol 0; " \
            "images by decoded pixels" in run_cli("show", str(v)).stdout
+
+
+def test_a_changed_workspace_or_policy_is_explained_first_when_the_code_is_the_same(signer, tmp_path):
+    """The same cell reads a file of its starting workspace; the second run starts from another workspace under
+    another policy: the report puts both first, each as one line, before the output's line diff."""
+    made = []
+    for name, text, policy in (("a", "one", POLICY), ("b", "two", "[box]\ncpu_time_s = 1800\n" + POLICY)):
+        ws = tmp_path / f"ws-{name}"
+        ws.mkdir()
+        (ws / "data.txt").write_text(text)
+        with Box(policy=policy, backend="bwrap", workspace=ws, bundle_path=tmp_path / f"{name}.tkb") as box:
+            assert box.execute("print(open('/workspace/data.txt').read())").status == "ok"
+        made.append(tmp_path / f"{name}.tkb")
+    report = audit(*made)
+    table = report.table().splitlines()
+    first = table.index("  the code is the same; what else differed:")
+    assert table[first + 1].startswith("    starting policy: ") and table[first + 2].startswith(
+        "    starting workspace: tree2:sha256:"), table
+    assert first < min(i for i, line in enumerate(table) if line.startswith("  cell outputs #1"))
+    assert "-one" in report.table() and "+two" in report.table()
+    html = report.html()
+    assert "<h2>What else differed</h2>" in html and "starting workspace" in html
+
+
+def test_the_report_shows_table_cells_pixels_and_line_diffs_not_raw_json(runs, tmp_path):
+    frame = audit(runs["original"], runs["frame"]).table()
+    assert "table cells that changed:\n      row 1, column score: A '1.5', B '2.5'" in frame
+    assert "<td>" not in frame and "allow:" not in frame
+    plot = audit(runs["original"], runs["plot"]).table()
+    assert "pixels differ (largest channel difference" in plot
+    replot = audit(runs["original"], runs["replot"]).table()
+    assert "the same pixels, other bytes" in replot
+    large = audit(runs["original"], runs["large"]).table()
+    assert "-loss 0.30000000000000004 steps 3" in large and "+loss 0.30100000000000005 steps 3" in large
+    junk = audit(runs["original"], runs["junk"]).table()  # exact: an image that does not decode is said, not fatal
+    assert "does not decode as an image" in junk and "object at 0x" not in junk
+    html = tmp_path / "r.html"
+    assert run_cli("audit", str(runs["original"]), str(runs["frame"]), "--html", str(html)).returncode == 1
+    assert "row 1, column score: A &#x27;1.5&#x27;, B &#x27;2.5&#x27;" in html.read_text()
