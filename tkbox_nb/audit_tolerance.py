@@ -33,7 +33,9 @@ from .errors import TkboxError
 
 # a decimal number standing alone (not in a word, a digest or a dotted version): sign, digits, fraction, exponent
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+)(?![\w.])")
-SPACES = re.compile(r"[ \t]+")
+SPACES = re.compile(r"[ \t][ \t]+|\t")  # a run of spaces (only those that are not already one space)
+CUT = re.compile(r"\s(?=\S)")  # where a value may be cut: after a white space, before a character that is not
+CUT_END = re.compile(r"\S(?=\s)")  # ... and its end: after a character that is not white space, before one
 MAX_NUMBER = 400  # a longer "number" is compared as text
 MAX_NUMBERS = 1_000_000  # numbers compared within the tolerance in one value: the rest of it compares exactly
 CHUNK = 1 << 16  # characters compared at a time, finding where two values start and stop differing
@@ -83,13 +85,19 @@ def _common(a: str, b: str, backward: bool) -> int:
 
 
 def _middle(a: str, b: str) -> tuple[str, str]:
-    """a and b less the whole lines they begin and end with alike: what is left to tokenize. The cuts are at line
-    ends, where a number can neither start nor stop differently, so the answer is that of the whole texts."""
-    start = a.rfind("\n", 0, _common(a, b, False)) + 1
-    tail = _common(a[start:], b[start:], True)
-    cut = a.find("\n", len(a) - tail)
-    cut = 0 if cut < 0 else len(a) - cut
-    return a[start:len(a) - cut], b[start:len(b) - cut]
+    """a and b less what they begin and end with alike: what is left to tokenize. Each cut is between a white space
+    and a character that is not, inside the common part (so neither a number nor a run of spaces spans it, and what
+    a number's lookaround sees at the cut is white space or the end either way): the answer is the whole texts'."""
+    common = _common(a, b, False)
+    window = max(0, common - CHUNK)
+    start = max((m.end() for m in CUT.finditer(a, window, common)), default=0)
+    if start == 0 and window:
+        start = a.rfind("\n", 0, window) + 1  # a line end, when the last CHUNK has no white space
+    a, b = a[start:], b[start:]
+    tail = _common(a, b, True)
+    m = CUT_END.search(a, len(a) - tail, len(a) - tail + CHUNK)  # the first such place of the common end
+    cut = 0 if m is None else len(a) - m.end()
+    return a[:len(a) - cut], b[:len(b) - cut]
 
 
 def _is_float(token: str) -> bool:
