@@ -58,3 +58,25 @@ def test_a_batch_refuses_a_bad_tolerance_before_any_rerun(tmp_path):
     from tkbox_nb.batch import run_batch
     with pytest.raises(TkboxError, match="--rtol -1.0: a tolerance is a finite number"):
         run_batch([str(tmp_path / "a.tkb")], tmp_path / "out", tolerance={"rtol": -1.0})
+
+
+def test_cutting_the_common_start_and_end_never_changes_the_answer(monkeypatch):
+    """numbers_equal compares only the middle of two values (audit_tolerance._middle): on many small random pairs,
+    with the cut window made tiny so it cuts everywhere it may, its answer is the uncut comparison's."""
+    import random
+
+    import tkbox_nb.audit_tolerance as tol
+    rng = random.Random(7)
+    pieces = ["1", "2", ".", " ", "  ", "\n", "e", "-", "a", "1.5", "0.30000000000000004", "\t", "1.5000001"]
+    pairs = []
+    for _ in range(4000):
+        x = [rng.choice(pieces) for _ in range(rng.randint(0, 24))]
+        y = list(x)
+        for _ in range(rng.randint(1, 3)):
+            if y:
+                y[rng.randrange(len(y))] = rng.choice(pieces)
+        pairs.append(("".join(x), "".join(y)))
+    monkeypatch.setattr(tol, "CHUNK", 3)
+    cut = [tol.numbers_equal(x, y, r, 0) for x, y in pairs for r in (0, 1e-3)]
+    monkeypatch.setattr(tol, "_middle", lambda x, y: (x, y))
+    assert cut == [tol.numbers_equal(x, y, r, 0) for x, y in pairs for r in (0, 1e-3)]
