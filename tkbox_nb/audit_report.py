@@ -11,8 +11,8 @@ And where a cell's code is equal but its results differ, what else differed betw
 line, from what the bundles carry: the backend, the isolation, the image digest, the starting policy and the
 starting workspace (`explain`).
 
-Everything rendered came from a box: each value is cut to MAX_RENDER characters before it is diffed or parsed, a diff
-to DIFF_LINES lines, a table to MAX_CELLS cells; the HTML report escapes all of it.
+Everything rendered came from a box: each value is cut to MAX_RENDER characters (and MAX_LINES lines) before it is
+diffed or parsed, a diff to DIFF_LINES lines, a table to MAX_CELLS cells; the HTML report escapes all of it.
 """
 
 from __future__ import annotations
@@ -25,16 +25,21 @@ from typing import Any
 
 MAX_RENDER = 200_000
 DIFF_LINES = 40
+MAX_LINES = 2000
 MAX_CELLS = 20_000
 MAX_CHANGED = 20
 CONTEXT = ("backend", "isolation", "image_digest", "tkbox_version")
 
 
 def _diff(a: str, b: str, name: str = "") -> list[str]:
-    lines = list(difflib.unified_diff(a[:MAX_RENDER].splitlines(), b[:MAX_RENDER].splitlines(),
-                                      f"A {name}".strip(), f"B {name}".strip(), n=1, lineterm=""))
+    """A unified diff of the first MAX_LINES lines of each (difflib is quadratic in lines at worst), cut short."""
+    la, lb = a[:MAX_RENDER].splitlines(), b[:MAX_RENDER].splitlines()
+    more = len(la) > MAX_LINES or len(lb) > MAX_LINES
+    lines = list(difflib.unified_diff(la[:MAX_LINES], lb[:MAX_LINES], f"A {name}".strip(), f"B {name}".strip(), n=1,
+                                      lineterm=""))
     cut = [line[:200] for line in lines[:DIFF_LINES]]
-    return cut + ([f"... ({len(lines) - DIFF_LINES} more diff lines)"] if len(lines) > DIFF_LINES else [])
+    return cut + ([f"... ({len(lines) - DIFF_LINES} more diff lines)"] if len(lines) > DIFF_LINES else []) + \
+        ([f"(the first {MAX_LINES} lines of each diffed)"] if more else [])
 
 
 class _Tables(HTMLParser):
