@@ -43,10 +43,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",
              "tkbox_nb.box_outputs", "tkbox_nb.box_widgets",
              "tkbox_nb.notebook_box"]),
-    ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
+    ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch", "tkbox_nb.audit_tolerance",
+               "tkbox_nb.audit_conventions", "tkbox_nb.audit_verdict", "tkbox_nb.audit_report"]),
     ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.magics_cell",
                                  "tkbox_nb.widgets"]),
     ("CLI and the package", ["tkbox_nb.cli", "tkbox_nb.cli_box", "tkbox_nb.cli_patch", "tkbox_nb.cli_replay",
+                             "tkbox_nb.cli_audit",
                              "tkbox_nb.demo", "tkbox_nb"]),
 ]
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import difflib
 import hashlib
-import html
 import json
 import re
 import shlex
@@ -34,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .audit_conventions import IGNORE, SKIP, marks
+from .audit_conventions import describe as describe_marks
+from .audit_tolerance import Tolerance, image_lookup
 from .errors import TkboxError
 from .replay import RERUN_SKIPS, _outputs, late_outputs, user_expressions
 from .run import Crossing, Run, open_run
@@ -66,6 +68,9 @@ class Difference:
     seq_a: int | None = None  # the crossing's decision record in each run (None: the run has no such crossing)
     seq_b: int | None = None
     diff: str = ""  # a short unified diff, for large texts
+    detail: list[str] = field(default_factory=list)  # how they differ, where measured (an image's pixels)
+    value_a: str = field(default="", repr=False)  # the compared values whole, for the readable report
+    value_b: str = field(default="", repr=False)
 
 
 @dataclass
@@ -75,6 +80,9 @@ class Audit:
     differences: list[Difference] = field(default_factory=list)
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)
     not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    marks: dict[str, tuple[int, int]] = field(default_factory=dict)  # nbval marks: cells per mark in A/B
+    explained: list[str] = field(default_factory=list)  # what else differed between the runs (audit_report.explain)
 
     @property
     def status(self) -> str:
@@ -93,43 +101,32 @@ class Audit:
     def covered(self) -> str:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
         left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
+        nbval = describe_marks(self.marks)
         return f"compared (crossings in A/B): {doors}; the starting policy, workspace and mounts" + \
-            (f"; not compared: {left}" if left else "")
+            (f"; not compared: {left}" if left else "") + (f"; {nbval}" if nbval else "") + \
+            f"; tolerance: {self.tolerance.describe()}"
 
     def as_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "status": self.status, "equivalent": self.equivalent,
                 "coverage": {d: {"a": na, "b": nb} for d, (na, nb) in self.coverage.items()},
                 "not_compared": {d: {"a": na, "b": nb} for d, (na, nb) in self.not_compared.items()},
-                "differences": [asdict(d) for d in self.differences]}
+                "tolerance": self.tolerance.as_dict(), "nbval_marks": {m: {"a": na, "b": nb} for m, (na, nb)
+                                                                       in self.marks.items()},
+                "explained": self.explained, "differences": [self._shown(d) for d in self.differences]}
+
+    @staticmethod
+    def _shown(d: Difference) -> dict:
+        from .audit_report import readable
+        out = {k: v for k, v in asdict(d).items() if k not in ("value_a", "value_b")}
+        return dict(out, readable=readable(d))
 
     def table(self) -> str:
-        if self.status == "incomparable":
-            return (f"INCOMPARABLE: {self.a} and {self.b} have no cell, command, egress, secret, host magic, model "
-                    f"call or patch file to compare (only the box's own start and stop): not called equivalent\n"
-                    f"  {self.covered()}")
-        if self.equivalent:
-            return f"EQUIVALENT: {self.a} and {self.b}\n  {self.covered()}"
-        lines = [f"DIFFERENT: {len(self.differences)} difference(s) between {self.a} and {self.b}",
-                 f"  {self.covered()}"]
-        for d in self.differences:
-            show = (lambda t: json.dumps(t[:200])) if d.kind in ("command stdout", "command stderr") else \
-                (lambda t: t[:200])  # output as a quoted string: a newline or trailing space is seen
-            lines.append(f"  {d.what} (seq {_seq(d.seq_a)} in A, {_seq(d.seq_b)} in B)\n    A: {show(d.a)}\n"
-                         f"    B: {show(d.b)}")
-            if d.diff:
-                lines.append("    " + d.diff.replace("\n", "\n    "))
-        return "\n".join(lines)
+        from .audit_report import table
+        return table(self)
 
     def html(self) -> str:
-        rows = "".join(f"<tr><td>{html.escape(d.what)}</td><td>{_seq(d.seq_a)}</td><td>{_seq(d.seq_b)}</td>"
-                       f"<td><pre>{html.escape(d.a)}</pre></td><td><pre>{html.escape(d.b)}</pre></td>"
-                       f"<td><pre>{html.escape(d.diff)}</pre></td></tr>" for d in self.differences)
-        verdict = self.status if not self.differences else f"{len(self.differences)} difference(s)"
-        return (f"<!doctype html><meta charset='utf-8'><title>tkbox audit</title><style>body{{font-family:sans-serif}}"
-                f"td,th{{border:1px solid #ccc;padding:4px;vertical-align:top}}table{{border-collapse:collapse}}"
-                f"</style><h1>tkbox audit: {html.escape(verdict)}</h1><p>A: {html.escape(self.a)}<br>"
-                f"B: {html.escape(self.b)}</p><p>{html.escape(self.covered())}</p><table><tr><th>what</th>"
-                f"<th>seq A</th><th>seq B</th><th>A</th><th>B</th><th>diff</th></tr>{rows}</table>")
+        from .audit_report import page
+        return page(self)
 
 
 def _seq(seq: int | None) -> str:
@@ -164,6 +161,7 @@ class Item:
     seq: int | None
     kind: str  # cell | command | egress | ...
     fields: dict[str, tuple[str, str]]
+    marks: frozenset[str] = frozenset()  # a cell's nbval marks (audit_conventions): its outputs not compared
 
 
 def _field(value: str, large: bool = False) -> tuple[str, str]:
@@ -195,21 +193,6 @@ def _mounts(run: Run, start: Crossing | None) -> dict[str, tuple[str, str]]:
         if isinstance(changed, dict) and changed else "none")}
 
 
-def _mount_files(ra: Run, rb: Run) -> str:
-    """The files that differ between two runs' mounts of one name (their disclosed lists), for the audit."""
-    from .mount_digest import differing, parse_list
-    out = []
-    for name in sorted({n for r in (ra, rb) for n in r._b.files if n.startswith("box/mounts/")}):
-        try:
-            la, lb = (parse_list(r._b.files.get(name, b"")) for r in (ra, rb))
-        except (ValueError, UnicodeError, RecursionError):
-            continue
-        files = differing(la, lb)
-        if files:
-            out.append(f"{name[len('box/mounts/'):-len('.jsonl')]}: files that differ: {', '.join(files)}")
-    return "\n".join(out)
-
-
 def _text(run: Run, digest: Any) -> str:
     return (run.content(digest) or b"").decode("utf-8", "replace") if isinstance(digest, str) else ""
 
@@ -238,10 +221,11 @@ def _exec_item(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[i
         outs = _output_items(_outputs(run, r.get("outputs"), late.get(c.seq, [])), extra)
         # compared one text line to a line (so a large one gets a line diff), shown on one line or by digest
         value, shown = json.dumps(outs, indent=0), json.dumps(outs)
+        code = _text(run, a.get("code"))
         return Item(c.seq, "cell", {
-            "cell code": _field(f"{c.decision}: " + _text(run, a.get("code"))),
+            "cell code": _field(f"{c.decision}: " + code),
             "cell outputs": (value, shown if len(shown) <= LARGE else _field(shown, large=True)[1]),
-            "cell user_expressions": _field(_expressions(run, c, extra), large=True)})
+            "cell user_expressions": _field(_expressions(run, c, extra), large=True)}, marks(code, a.get("tags")))
     if a.get("kind") != "command":
         return None
     argv = a.get("argv") if isinstance(a.get("argv"), list) else []
@@ -392,8 +376,11 @@ def _short_diff(a: str, b: str) -> str:
     return "\n".join(cut + ([f"... ({len(lines) - DIFF_LINES} more diff lines)"] if len(lines) > DIFF_LINES else []))
 
 
-def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Difference]:
-    """The differences of two runs' facts, section by section, item by item in order. Pure."""
+def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]], tolerance: Tolerance | None = None) \
+        -> list[Difference]:
+    """The differences of two runs' facts, section by section, item by item in order, within the tolerance (which
+    notes how images differed); a cell with an nbval mark in either run has only its code compared. Pure but for
+    the images the tolerance decodes."""
     diffs = []
     for section in fa:
         xa, xb = fa[section], fb[section]
@@ -410,14 +397,27 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]]) -> list[Differ
                 continue
             for label, (va, shown_a) in ia.fields.items():
                 vb, shown_b = ib.fields[label]
-                if va != vb:
+                if (ia.marks | ib.marks) and label != "cell code":
+                    continue
+                if va != vb and not (tolerance and tolerance.equal(label, va, vb, sa, sb)):
                     diff = _short_diff(va, vb) if (shown_a != va or shown_b != vb) else ""
-                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff))
+                    notes = tolerance.notes.get((sa, sb, label), []) if tolerance else []
+                    diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff, notes, va, vb))
     return diffs
 
 
-def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None) -> Audit:
+def _images(run: Run) -> dict[str, bytes]:
+    """Every PNG and JPEG among the run's cells' outputs (late ones too), by digest: what --image-tolerance decodes."""
+    late = late_outputs(run)
+    return image_lookup(_outputs(run, (c.result or {}).get("outputs"), late.get(c.seq, []))
+                        for c in run.crossings() if c.door == "exec" and (c.args or {}).get("kind") == "cell")
+
+
+def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None, *,
+          rtol: float | None = None, atol: float | None = None, image_tolerance: float | None = None) -> Audit:
+    """Compare two runs (audit_tolerance says what rtol, atol and image_tolerance loosen; the defaults: exact)."""
     from .atomic_file import read_capped
+    tolerance = Tolerance(rtol or 0.0, atol or 0.0, image_tolerance)  # checked before any bundle is read
     extra: list[tuple[str, str]] = []
     if sanitizer_file:
         try:
@@ -430,8 +430,15 @@ def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path |
     a, b = ra.path, rb.path
     fa, fb = facts(ra, extra), facts(rb, extra)
     ca, cb = coverage(fa), coverage(fb)
-    diffs = compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb)
+    if tolerance.image is not None:
+        tolerance.images = (_images(ra), _images(rb))
+    marked = {m: tuple(sum(m in i.marks for i in f["exec"]) for f in (fa, fb)) for m in (IGNORE, SKIP)}
+    diffs = compare({k: fa[k] for k in fa if k not in NOT_COMPARED}, fb, tolerance)
+    from .audit_report import explain, mount_files
     for d in diffs:
         if d.kind == "mounts":  # which files: from the two runs' disclosed lists, each opened by its signed digest
-            d.diff = _mount_files(ra, rb)
-    return Audit(str(a), str(b), diffs, {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED})
+            d.diff = mount_files(ra, rb)
+    from .audit_tolerance import image_notes
+    image_notes(diffs, lambda: tolerance.images or (_images(ra), _images(rb)))  # images by their pixels
+    return Audit(str(a), str(b), diffs, {d: (ca[d], cb[d]) for d in DOORS}, {d: (ca[d], cb[d]) for d in NOT_COMPARED},
+                 tolerance, marked, explain(ra, rb) if diffs else [])

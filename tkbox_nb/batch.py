@@ -72,9 +72,11 @@ def _clip(text: str) -> str:
 
 
 def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, trust: bytes | None = None,
-              backend: str = "auto", verify: bool = True) -> tuple[dict, bytes | None]:
+              backend: str = "auto", verify: bool = True,
+              tolerance: dict | None = None) -> tuple[dict, bytes | None]:
     """The task: verify the bundle `data` (named `name` in messages), rerun it in a fresh box, audit the rerun
-    against it. Returns (a BatchResult as a dict, the new bundle's bytes or None). Never raises for a bad bundle."""
+    against it (within `tolerance`: audit's rtol, atol, image_tolerance). Returns (a BatchResult as a dict, the new
+    bundle's bytes or None). Never raises for a bad bundle."""
     from .policy import Policy
     from .audit import audit
     from .errors import BundleError
@@ -102,7 +104,7 @@ def rerun_one(name: str, data: bytes, policy: tuple[str, str] | None = None, tru
                 raise TkboxError(f"does not verify ({report.summary()})")
         pol = Policy.from_toml(policy[0], policy[1]) if policy else None
         out = rerun(run, scratch / "rerun.tkb", policy=pol, backend=backend).path
-        report = audit(run, out)
+        report = audit(run, out, **(tolerance or {}))
         result.differences = len(report.differences)
         result.details = [{"what": d.what, "a": _clip(d.a), "b": _clip(d.b)}
                           for d in report.differences[:MAX_DIFFERENCES]]
@@ -186,10 +188,14 @@ def _connect(scheduler: str | None, workers: int | None, n_tasks: int):
 def run_batch(bundles: list[str], out_dir: str | Path, scheduler: str | None = None, workers: int | None = None,
               policy: str | Path | None = None, trust: str | Path | None = None, backend: str = "auto",
               verify: bool = True, progress: Callable[[BatchResult, int, int], None] | None = None,
-              client=None) -> list[BatchResult]:
+              client=None, tolerance: dict | None = None) -> list[BatchResult]:
     """Rerun and audit each bundle on Dask; returns one result per distinct bundle, in the order given.
-    `client`: an existing distributed Client to use (the tests and the benchmark pass one)."""
+    `client`: an existing distributed Client to use (the tests and the benchmark pass one); `tolerance`: audit's
+    keywords rtol, atol, image_tolerance (checked here, once)."""
     from distributed import as_completed
+    if tolerance:
+        from .audit_tolerance import Tolerance
+        Tolerance(tolerance.get("rtol") or 0.0, tolerance.get("atol") or 0.0, tolerance.get("image_tolerance"))
     out_dir = Path(out_dir)
     seen: dict[Path, str] = {}
     for b in bundles:
@@ -225,7 +231,8 @@ def run_batch(bundles: list[str], out_dir: str | Path, scheduler: str | None = N
             futures = {}
             for name, data in payloads.items():
                 key = f"tkbox-rerun-{nonce}-{hashlib.sha256(str(Path(name).resolve()).encode()).hexdigest()[:16]}"
-                f = client.submit(rerun_one, name, data, pol, trust_bytes, backend, verify, key=key, pure=False)
+                f = client.submit(rerun_one, name, data, pol, trust_bytes, backend, verify, tolerance, key=key,
+                                  pure=False)
                 futures[f] = name
             payloads.clear()
             for f in as_completed(list(futures), loop=client.loop):

@@ -26,6 +26,14 @@ def _cmd_verify(a) -> int:
         print(visible_lines(report.summary()))
         if report.trust_source != "given":
             print(f"(trust: {report.trust_source}, {report.trust_path})", file=sys.stderr)
+    if a.inputs and report.valid:  # a signed audit verdict checked against the two bundles it names
+        from .audit_verdict import check_inputs
+        from .run import open_run
+        problems = check_inputs(open_run(a.bundle), a.inputs[0], a.inputs[1], a.reaudit, a.trust)
+        for line in problems or ["inputs: the verdict names these two bundles" +
+                                 (" and auditing them again gives the same verdict" if a.reaudit else "")]:
+            print(line)
+        return 1 if problems else 0
     return report.exit_code
 
 
@@ -48,6 +56,10 @@ def _cmd_show(a) -> int:
         import pandas as pd
         print(visible(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
                       f"({run.box.get('isolation', '?')})") + f"  {len(df)} crossing(s)")
+        from .audit_verdict import read as read_verdict, summary as verdict_summary
+        verdict = read_verdict(run)
+        if verdict:
+            print(visible_lines(verdict_summary(*verdict)))
         with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 60):
             print(df.drop(columns=["content"]).to_string(index=False))
     return 0
@@ -148,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle")
     v.add_argument("--trust", help="trust config (default: this machine's pinned trust)")
     v.add_argument("--json", action="store_true", help="every check, as JSON")
+    v.add_argument("--inputs", nargs=2, metavar=("A", "B"), help="a signed audit verdict: check it names these "
+                   "two bundles (by digest)")
+    v.add_argument("--reaudit", action="store_true", help="with --inputs: audit them again, expecting the same verdict")
     v.set_defaults(fn=_cmd_verify)
 
     s = sub.add_parser("show", help="the crossings of a .tkb")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -89,7 +88,7 @@ def _env_values(names: list[str] | None) -> dict[str, str]:
 def _cmd_rerun(a) -> int:
     if a.many:
         return _cmd_rerun_many(a)
-    for opt in ("scheduler", "workers", "out_dir", "html"):
+    for opt in ("scheduler", "workers", "out_dir", "html", "rtol", "atol", "image_tolerance"):
         if getattr(a, opt) is not None:
             raise UsageError(f"--{opt.replace('_', '-')} goes with --many")
     if a.json:
@@ -132,7 +131,8 @@ def _cmd_rerun_many(a) -> int:
         if a.json else (lambda r, done, total: print(visible(batch.progress_line(r, done, total)), flush=True))
     results = batch.run_batch(a.bundle, a.out_dir or "reruns", scheduler=a.scheduler, workers=a.workers,
                               policy=a.policy, trust=a.trust, backend=a.backend, verify=not a.no_verify,
-                              progress=say)
+                              progress=say, tolerance={"rtol": a.rtol, "atol": a.atol,
+                                                       "image_tolerance": a.image_tolerance})
     if a.html:
         _write_report(a.html, batch.html_report(results))
     print(batch.as_json(results) if a.json else "\n" + visible_lines(batch.table(results)))
@@ -140,15 +140,10 @@ def _cmd_rerun_many(a) -> int:
 
 
 def _cmd_audit(a) -> int:
-    from .audit import audit
+    from .cli_audit import run_audit  # tolerances, the signed verdict: cli_audit.py
     # what is compared must be what was signed: a bundle edited since is not audited
     why = "auditing it would compare unproven content"
-    _not_an_input(a.html, a.a, a.b)
-    report = audit(_run(a.a, a.trust, a.no_verify, why), _run(a.b, a.trust, a.no_verify, why), a.sanitizer)
-    if a.html:
-        _write_report(a.html, report.html())
-    print(json.dumps(report.as_dict(), indent=1) if a.json else visible_lines(report.table()))
-    return report.exit_code
+    return run_audit(a, lambda path: _run(path, a.trust, a.no_verify, why), _write_report, _not_an_input)
 
 
 def add_commands(sub) -> None:
@@ -181,6 +176,8 @@ def add_commands(sub) -> None:
     rr.add_argument("--backend", default="auto")
     rr.add_argument("--trust")
     rr.add_argument("--no-verify", action="store_true")
+    from .cli_audit import add_audit_options
+    add_audit_options(rr, "with --many, each audit: ")
     rr.set_defaults(fn=_cmd_rerun)
     au = sub.add_parser("audit", help="compare two runs door by door: cells, commands, egress, secrets, magics, "
                         "model calls, the patch; exit 0 equivalent, 1 different, 3 nothing to compare")
@@ -191,4 +188,7 @@ def add_commands(sub) -> None:
     au.add_argument("--sanitizer", help="a file of REGEX<TAB>REPLACEMENT lines, applied to outputs before comparing")
     au.add_argument("--trust", help="trust config for verifying both bundles first (default: this machine's pin)")
     au.add_argument("--no-verify", action="store_true", help="compare without verifying the bundles first")
+    from .cli_audit import add_audit_options, add_sign_options
+    add_audit_options(au)
+    add_sign_options(au)
     au.set_defaults(fn=_cmd_audit)
