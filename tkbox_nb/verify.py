@@ -25,7 +25,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
-              "unenforced")  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
+              "unenforced", "memory_limit", "gpus")  # limits not held (comma-separated); memory_mib's holder; GPUs
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
 WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
 

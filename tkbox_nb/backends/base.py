@@ -67,6 +67,10 @@ class RunningBox(abc.ABC):
         """Why the box ended, in a few words (exit status, signal, a limit)."""
         return self.describe_exit(self.proc.poll())
 
+    def memory_kills(self) -> int:
+        """How many of the box's processes the host killed for its memory limit (a bwrap box's memory cgroup)."""
+        return 0
+
     def describe_exit(self, rc: int | None) -> str:
         if rc is None:
             return "running"
