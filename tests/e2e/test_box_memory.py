@@ -51,7 +51,7 @@ def test_a_box_whose_own_agent_passes_the_limit_ends_saying_so(signer, tmp_path)
             agent_argv=["python3", "-c", "x = bytearray(1 << 30)"])
     with pytest.raises(BoxEnded, match="killed by the memory limit"):
         b.start()
-    assert "killed by the memory limit" in open_run(tmp_path / "d.tkb").box["end_reason"]
+    assert "memory limit" in open_run(tmp_path / "d.tkb").box["end_reason"]
 
 
 def _cgroup_of(b: Box):

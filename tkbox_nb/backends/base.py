@@ -29,6 +29,8 @@ class BoxSpec:
     env: dict[str, str] = field(default_factory=dict)
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
     ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
+    devices: list[str] = field(default_factory=list)   # host device nodes given to the box ([box] gpus: gpus.py)
+    ro_binds: list[str] = field(default_factory=list)  # host files the box sees read-only at the same path
 
 
 class RunningBox(abc.ABC):
@@ -82,6 +84,13 @@ class RunningBox(abc.ABC):
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop the box now and release everything it held (processes, cgroups, temporary files)."""
+
+
+def end_note(running: RunningBox | None, reason: str) -> str:
+    """The run's end reason, saying when the box's memory limit killed any of its processes (whatever ended it)."""
+    kills = running.memory_kills() if running is not None else 0
+    return f"{reason}; the memory limit killed {kills} process(es) of the box" if kills and "memory limit" not in \
+        reason else reason
 
 
 class Backend(abc.ABC):

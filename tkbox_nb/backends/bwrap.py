@@ -169,7 +169,8 @@ class BwrapBackend(Backend):
             if (Path("/etc") / name).is_dir() and (etc_dir / name).is_dir():
                 a += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
         tmp_bytes, shm_bytes = tmpfs_sizes(spec.memory_mib)  # host RAM the box's rlimits do not count
-        a += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
+        a += ["--proc", "/proc", "--dev", "/dev", *[x for d in spec.devices for x in ("--dev-bind", d, d)],
+              "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
               "--remount-ro", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
         # after /tmp's tmpfs, so an interpreter that lives under /tmp (a CI checkout's venv) is not hidden by it
         for prefix in sorted({sys.base_prefix, sys.prefix}):
@@ -177,6 +178,7 @@ class BwrapBackend(Backend):
                 a += ["--ro-bind", prefix, prefix]
         a += ["--ro-bind", str(GUEST_DIR), "/opt/tkbox/tkbox_guest",
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
+        a += [x for p in spec.ro_binds for x in ("--ro-bind", p, p)]  # a GPU driver's files (gpus.py)
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
         a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
