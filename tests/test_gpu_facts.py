@@ -15,6 +15,9 @@ from tkbox_nb.backends import gpus as host
 from tkbox_nb.backends.gpu_facts import (GpuRefused, parse_cuda_version, parse_information, parse_ldconfig,
                                          parse_query, plan, select)
 from tkbox_nb.errors import PolicyError
+from tkbox_nb.run import box_summary, gpu_names
+
+from conftest import run_cli
 
 U0, U1 = "GPU-0a1b2c3d-0000-1111-2222-333344445555", "GPU-ffffffff-aaaa-bbbb-cccc-ddddeeeeffff"
 CSV = ("index, uuid, name, driver_version, memory.total [MiB], compute_cap, pci.bus_id\n"
@@ -134,3 +137,20 @@ def test_gpus_on_a_host_without_a_driver_is_refused_before_any_box_starts(signer
     r = subprocess.run([sys.executable, "-m", "tkbox_nb.cli", "run", "--backend", "bwrap", "--policy",
                         str(tmp_path / "p.toml"), "--", "true"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no NVIDIA GPU or driver" in r.stderr, r.stderr
+
+
+def test_the_run_view_names_the_gpus_and_reads_a_hostile_gpus_field_as_unreadable():
+    p = plan(parse_query(CSV), "13.0", {}, NODES, parse_ldconfig(LDCONFIG), set(), None, host.BOX_ROOTS)
+    a = {"backend": "bwrap", "isolation": "namespace", "memory_limit": "memory-cgroup", **p.facts}
+    assert box_summary(a) == (f"box bwrap (namespace), memory: memory-cgroup, 2 GPUs: NVIDIA H200 {U0}, "
+                              f"NVIDIA H200 {U1}")
+    for bad in ("[", "{}", '[{"name": 1, "uuid": "x"}]', "[1]", "x" * 70000, 7, '[{"name": "a"}]'):
+        assert gpu_names(bad) == "GPUs unreadable", bad
+    assert box_summary({"backend": "qemu", "isolation": "vm"}) == "box qemu (vm)"
+
+
+def test_doctor_says_whether_this_host_can_give_a_box_gpus(tmp_path):
+    r = run_cli("doctor", "--no-boot", env={"TKBOX_HOME": str(tmp_path / "home")})
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("gpu ")]
+    assert (" ok  driver " in line) == host.has_driver() and ("box.gpus is refused" in line) != host.has_driver()
+    assert any(ln.startswith("memory ") and "held by" in ln for ln in r.stdout.splitlines())
