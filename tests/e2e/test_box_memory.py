@@ -12,6 +12,7 @@ import pytest
 from tkbox_nb import Box, BoxEnded, Policy, open_run
 from tkbox_nb.backends import memory_limit
 from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.verify import verify_bundle
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(memory_limit.mechanism() != memory_limit.CGROUP,
@@ -44,6 +45,8 @@ def test_a_box_that_maps_a_large_untouched_address_space_is_not_stopped(signer, 
     assert r.exit_code == 0 and int(r.stdout) == 16 * 256 << 20, r.stderr[-300:]
     start = open_run(tmp_path / "a.tkb").crossings()[0]
     assert start.door == "box" and start.args["memory_limit"] == "memory-cgroup"
+    report = verify_bundle(tmp_path / "a.tkb")  # the manifest's memory_limit is the signed one
+    assert report.valid, [c for c in report.checks if not c.ok]
 
 
 def test_a_box_whose_own_agent_passes_the_limit_ends_saying_so(signer, tmp_path):
