@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tkbox_nb import Box, Policy
 from tkbox_nb.backends import gpus as host
@@ -154,3 +156,17 @@ def test_doctor_says_whether_this_host_can_give_a_box_gpus(tmp_path):
     [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("gpu ")]
     assert (" ok  driver " in line) == host.has_driver() and ("box.gpus is refused" in line) != host.has_driver()
     assert any(ln.startswith("memory ") and "held by" in ln for ln in r.stdout.splitlines())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(CSV.splitlines() + [",", " ", "\t", "0", "[MiB]", U0, "\x1b", "é", "N/A"]), max_size=12)
+       .map(lambda parts: ("\n" if len(parts) % 2 else ", ").join(parts)) | st.text(max_size=400))
+def test_any_text_is_parsed_into_gpus_of_the_documented_shape_or_refused(text):
+    for parser in (parse_query, parse_cuda_version, parse_information, parse_ldconfig):
+        try:
+            got = parser(text)
+        except GpuRefused as e:
+            assert str(e).startswith("box.gpus") and "\n" not in str(e)
+            continue
+        if parser is parse_query:
+            assert got and all(g.uuid.startswith("GPU-") and g.name.isprintable() and "," not in g.name for g in got)
