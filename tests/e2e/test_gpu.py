@@ -14,6 +14,7 @@ import pytest
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends import gpus as host
+from tkbox_nb.backends import memory_limit
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.backends.gpu_facts import GpuRefused
 
@@ -35,6 +36,9 @@ def _policy(extra: str = "") -> Policy:
 def test_a_box_given_one_gpu_computes_on_it_and_its_start_names_it(signer, tmp_path):
     if LIB is None:
         pytest.skip(f"neither torch nor CuPy is importable by the box's interpreter ({sys.executable})")
+    if memory_limit.mechanism() != memory_limit.CGROUP:
+        pytest.skip("no memory cgroup can be made here: under RLIMIT_AS = memory_mib CUDA cannot reserve its "
+                    "address space (docs/backends.md)")
     first = host.host_gpus()[0][0]
     with Box(policy=_policy("gpus = 1\n"), backend="bwrap", bundle_path=tmp_path / "g.tkb") as b:
         r = b.run(["python3", "-c", TORCH if LIB == "torch" else CUPY], timeout=300)
