@@ -175,7 +175,8 @@ def test_each_known_violation_still_exists_and_still_breaks_the_rule():
 
 # Inside backends (docs/layers.md): each tier may import only lower tiers, and no module imports another of its own
 # tier, so no concrete backend knows another; `registry` alone knows them all. The package's `__init__` is above all.
-BACKEND_TIERS: list[list[str]] = [["base", "seccomp"], ["initramfs"], ["image", "kernel_image"], ["microvm"],
+BACKEND_TIERS: list[list[str]] = [["base", "seccomp", "memory_limit", "gpu_facts"], ["initramfs", "gpus"],
+                                  ["image", "kernel_image"], ["microvm"],
                                   ["warm_start"], ["bwrap", "qemu", "firecracker"], ["registry"]]
 
 

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from . import protocol as p
 from .backends import BoxSpec, get_backend
+from .backends.base import end_note
+from .backends.gpus import gpu_plan
 from .box_kernel import BoxKernel, Cell
 from .box_messages import user_expressions_request
 from .connection import HostConnection, StreamClosed
@@ -122,9 +124,11 @@ class Box:
             self.spawned.set()
 
     def _start(self) -> "Box":
+        gpus = gpu_plan(self.policy.get("box", "gpus"), self.policy.get("box", "gpu_caps"), self.backend.name)
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
-        boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
+        boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
+                **gpus.facts}  # the GPUs the box gets, signed in box.start
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
             boot = dict(boot, workspace_digest=tree_digest(self.workspace))
         self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
@@ -153,8 +157,8 @@ class Box:
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
-                env=self._box_env(), ca_bundle=self.ca.trust_bundle() if self.ca else None,
-                mounts=mounts_.binds(self.mounts)))
+                env={**self._box_env(), **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
+                mounts=mounts_.binds(self.mounts), devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
             for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
                 c = self.recorder.decide("secrets", "bind", {
@@ -220,7 +224,8 @@ class Box:
                 try:
                     self._end_processes(reason)
                 finally:
-                    self.recorder.close(self.ended or reason, mounts_.stop_facts(getattr(self, "mounts", [])))
+                    self.recorder.close(end_note(self.running, self.ended or reason),
+                                        mounts_.stop_facts(getattr(self, "mounts", [])))
                 if self.recorder.broken:
                     raise BoxEnded(f"no bundle yet: the run could not be closed ({self.recorder.broken}); its records "
                                    f"up to the loss stay in the signer's store, run {self.recorder.run_id}: once the "

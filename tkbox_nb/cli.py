@@ -54,8 +54,10 @@ def _cmd_show(a) -> int:
         sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
     else:
         import pandas as pd
+        from .run import gpu_names
+        gpus = f"  {gpu_names(run.box['gpus'])}" if "gpus" in run.box else ""
         print(visible(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
-                      f"({run.box.get('isolation', '?')})") + f"  {len(df)} crossing(s)")
+                      f"({run.box.get('isolation', '?')}){gpus}") + f"  {len(df)} crossing(s)")
         from .audit_verdict import read as read_verdict, summary as verdict_summary
         verdict = read_verdict(run)
         if verdict:

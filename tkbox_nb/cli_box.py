@@ -70,6 +70,10 @@ def _cmd_doctor(a) -> int:
     print(f"{'auto':12s} {'ok' if picked else 'no':3s} picks {label} for box.isolation = {minimum!r}")
     for line in why:
         print(f"{'':16s} {line}")
+    from .backends.gpus import doctor_line
+    from .backends.memory_limit import mechanism
+    print(f"{'gpu':12s} {doctor_line()}")
+    print(f"{'memory':12s} ok  box.memory_mib held by {mechanism()} on bwrap (docs/backends.md)")
     signer = MachineSigner()
     print(f"{'signer':12s} {'ok' if signer.answering() else 'off':3s} {signer.dir} "
           f"({'answering' if signer.answering() else 'starts on first use'})")

@@ -163,7 +163,7 @@ class Run:
             return f"{a.get('count')} more refused, counted, not each signed ({rules})"[:120]
         if c.door == "box":
             if a.get("kind") == "start":
-                return f"box {a.get('backend')} ({a.get('isolation')})"
+                return box_summary(a)
             return f"stop: {a.get('reason', '')}"[:120]
         return ", ".join(f"{k}={v}" for k, v in a.items() if k not in ("door", "kind", "policy", "verdict"))[:120]
 
@@ -229,6 +229,27 @@ class Run:
         """`tkbox verify` of the very bytes this run was read from."""
         from .verify import verify_bundle
         return verify_bundle(self.path, trust, data=self._data)
+
+
+def gpu_names(gpus: Any) -> str:
+    """The signed `gpus` of a box.start (JSON text, gpu_facts.py) as "N GPU(s): name UUID, ..."; what a bundle holds
+    is hostile input, so any other shape reads as "GPUs unreadable", never an error."""
+    import json
+    try:
+        got = json.loads(gpus) if isinstance(gpus, str) and len(gpus) <= 65536 else None
+        names = [f"{g['name']} {g['uuid']}" for g in got if isinstance(g["name"], str) and isinstance(g["uuid"], str)]
+    except Exception:  # noqa: BLE001 -- any shape but the one signed by this version
+        return "GPUs unreadable"
+    if not (isinstance(got, list) and got and len(names) == len(got)):
+        return "GPUs unreadable"
+    return f"{len(names)} GPU{'s' * (len(names) != 1)}: {', '.join(names)}"
+
+
+def box_summary(a: dict) -> str:
+    """A box.start in a line: backend, isolation, what held memory_mib, and its GPUs."""
+    extra = [f"memory: {a['memory_limit']}"] if isinstance(a.get("memory_limit"), str) else []
+    extra += [gpu_names(a["gpus"])] if "gpus" in a else []
+    return f"box {a.get('backend')} ({a.get('isolation')})" + (f", {', '.join(extra)}" if extra else "")
 
 
 def open_run(path: str | Path | Run) -> Run:

@@ -28,6 +28,7 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "workspace_digest",  # the starting workspace (tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
               "unenforced",  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
+              "memory_limit", "gpus",  # what held memory_mib (memory_limit.py); the GPUs a box was given (gpus.py)
               "environment")  # the digest of the environment manifest box.start commits to (environment.py)
 BOX_OBJECTS = ("mounts",)  # box.start facts that are objects: each dataset mount's target, digest, files, bytes
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)

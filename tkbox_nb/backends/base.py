@@ -30,6 +30,8 @@ class BoxSpec:
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
     ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host source, box target), read-only (mounts.py)
+    devices: list[str] = field(default_factory=list)   # host device nodes given to the box ([box] gpus: gpus.py)
+    ro_binds: list[str] = field(default_factory=list)  # host files the box sees read-only at the same path
 
 
 class RunningBox(abc.ABC):
@@ -78,6 +80,10 @@ class RunningBox(abc.ABC):
         """Why the box ended, in a few words (exit status, signal, a limit)."""
         return self.describe_exit(self.proc.poll())
 
+    def memory_kills(self) -> int:
+        """How many of the box's processes the host killed for its memory limit (a bwrap box's memory cgroup)."""
+        return 0
+
     def describe_exit(self, rc: int | None) -> str:
         if rc is None:
             return "running"
@@ -89,6 +95,13 @@ class RunningBox(abc.ABC):
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop the box now and release everything it held (processes, cgroups, temporary files)."""
+
+
+def end_note(running: RunningBox | None, reason: str) -> str:
+    """The run's end reason, saying when the box's memory limit killed any of its processes (whatever ended it)."""
+    kills = running.memory_kills() if running is not None else 0
+    return f"{reason}; the memory limit killed {kills} process(es) of the box" if kills and "memory limit" not in \
+        reason else reason
 
 
 class Backend(abc.ABC):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .. import scratch
 from ..mounts import bwrap_args as mount_args
-from . import seccomp
+from . import memory_limit, seccomp
 from .base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
@@ -115,8 +115,10 @@ def process_limit() -> str:
 
 
 class BwrapRunning(RunningBox):
-    def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path):
+    def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path,
+                 memory_cgroup: Path | None = None):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
+        self.memory_cgroup, self._oom_kills = memory_cgroup, 0
         self._killed_for: str | None = None
         self._keep_tail(proc.stderr, "tkbox-box-stderr")  # bwrap's and the agent's own stderr
 
@@ -139,9 +141,20 @@ class BwrapRunning(RunningBox):
                 time.sleep(0.02)
             with contextlib.suppress(OSError):
                 self.cgroup.rmdir()
+        self._oom_kills = self.memory_kills()  # read before its cgroup goes: exit_reason names the limit after
+        memory_limit.remove(self.memory_cgroup)
+        self.memory_cgroup = None
         with contextlib.suppress(OSError):
             self.door.close()
         shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def memory_kills(self) -> int:
+        return memory_limit.oom_kills(self.memory_cgroup) if self.memory_cgroup is not None else self._oom_kills
+
+    def describe_exit(self, rc: int | None) -> str:
+        if rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and self.memory_kills():  # bwrap passes on its child's
+            return "killed by the memory limit (memory_mib, the box's memory cgroup)"
+        return super().describe_exit(rc)
 
 
 @functools.cache
@@ -209,7 +222,8 @@ class BwrapBackend(Backend):
 
     def prepare(self, memory_mib: int, cpus: int) -> dict:
         self._processes = process_limit()  # decided before box.start is signed, which names a limit it cannot hold
-        return {"unenforced": "max_processes"} if self._processes == "unenforced" else {}
+        facts = {"memory_limit": memory_limit.mechanism()}  # what holds memory_mib (memory_limit.py)
+        return {**facts, "unenforced": "max_processes"} if self._processes == "unenforced" else facts
 
     def environment(self, cache_dir: Path) -> bytes:
         """The box runs the host's interpreter and venv, bound read-only: its manifest is the host's, as the box
@@ -250,7 +264,8 @@ class BwrapBackend(Backend):
         for path, fd in sorted(files.items()):
             a += ["--perms", "0755", "--dir", os.path.dirname(path), "--perms", "0644", "--file", str(fd), path]
         tmp_bytes, shm_bytes = tmpfs_sizes(spec.memory_mib)  # host RAM the box's rlimits do not count
-        a += ["--proc", "/proc", "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
+        a += ["--proc", "/proc", "--dev", "/dev", *[x for d in spec.devices for x in ("--dev-bind", d, d)],
+              "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
               "--remount-ro", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
         python, py_binds, py_env = interpreter()
         for host, box in py_binds:
@@ -260,6 +275,7 @@ class BwrapBackend(Backend):
                   "--symlink", python, f"{BOX_VENV}/bin/python"]
         a += ["--ro-bind", str(GUEST_DIR), "/opt/tkbox/tkbox_guest",
               "--size", str(spec.workspace_mib << 20), "--tmpfs", "/workspace"]
+        a += [x for p in spec.ro_binds for x in ("--ro-bind", p, p)]  # a GPU driver's files (gpus.py)
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
         a += mount_args(spec.mounts)  # the dataset mounts, read-only (mounts.py)
@@ -304,12 +320,23 @@ class BwrapBackend(Backend):
             box_end.close()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        limits = (spec.memory_mib << 20, spec.cpu_time_s)
-
-        def in_child():  # after fork, before exec: join the cgroup, set the limits (inherited by the whole box)
+        try:
+            memory_cg = memory_limit.create(spec.box_id, spec.memory_mib)
+        except BaseException:
+            host_end.close()
+            box_end.close()
             if cgroup is not None:
-                with open(cgroup / "cgroup.procs", "w") as f:
-                    f.write(str(os.getpid()))
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        limits = (memory_limit.limits(spec.memory_mib, memory_cg is not None)["rlimit_as"], spec.cpu_time_s)
+
+        def in_child():  # after fork, before exec: join the cgroups, set the limits (inherited by the whole box)
+            for cg in (cgroup, memory_cg):
+                if cg is not None:
+                    with open(cg / "cgroup.procs", "w") as f:
+                        f.write(str(os.getpid()))
             resource.setrlimit(resource.RLIMIT_AS, (limits[0], limits[0]))
             resource.setrlimit(resource.RLIMIT_CPU, (limits[1], limits[1] + 1))  # SIGXCPU, then SIGKILL
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -341,10 +368,11 @@ class BwrapBackend(Backend):
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.rmdir()
+            memory_limit.remove(memory_cg)
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         finally:
             box_end.close()
             for f in fds:
                 os.close(f)
-        return BwrapRunning(proc, host_end, cgroup, workdir)
+        return BwrapRunning(proc, host_end, cgroup, workdir, memory_cg)
