@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "tkbox_nb.patch_diff"]),
     ("records", ["tkbox_nb.signer", "tkbox_nb.recorder", "tkbox_nb.central_signer", "tkbox_nb.bundle",
                  "tkbox_nb.verify", "tkbox_nb.run", "tkbox_nb.scratch", "tkbox_nb.signer_lanes",
-                 "tkbox_nb.tree_digest", "tkbox_nb.run_recovery"]),
+                 "tkbox_nb.tree_digest", "tkbox_nb.run_recovery", "tkbox_nb.store_view"]),
     ("backends", ["tkbox_nb.backends"]),
     ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",
