@@ -134,3 +134,21 @@ def test_two_boxes_stopping_at_once_each_get_their_own_bundle(signer, tmp_path):
     assert {r.run_id for r in runs} == {b.recorder.run_id for b in boxes}
     for i in range(2):
         assert verify_bundle(tmp_path / f"{i}.tkb", signer.trust_path).valid
+
+
+def test_the_log_is_read_back_whole_lines_only_past_a_torn_line_longer_than_a_chunk(tmp_path):
+    """The writer may be mid-append: a torn last line, even one longer than the view's read chunk, is never a record,
+    and every complete line comes back whole with its offset, last first."""
+    from tkbox_nb.store_view import CHUNK, StoreView
+    lines = [b'{"n":%d,"pad":"%s"}' % (i, b"x" * (i * 7919 % (CHUNK + 5000))) for i in range(40)]
+    data = b"".join(line + b"\n" for line in lines) + b'{"torn":"' + b"y" * (CHUNK * 2 + 17)
+    log = tmp_path / "records.jsonl"
+    log.write_bytes(data)
+    fd = os.open(log, os.O_RDONLY)
+    try:
+        back = list(StoreView._lines_back(None, fd, len(data)))
+        assert StoreView._complete_end(fd, len(data)) == len(data) - len(b'{"torn":"') - (CHUNK * 2 + 17)
+    finally:
+        os.close(fd)
+    assert [line for _, line in back] == lines[::-1]
+    assert all(data[off:off + len(line)] == line for off, line in back)

@@ -341,20 +341,13 @@ def export_file_run(store: str | Path, index_path: str | Path, client, run_id: s
     view = StoreView(store, tenant, run_id, index_path)
     deadline = time.monotonic() + wait_final_s
     nudged = False
-    while True:
-        try:
-            records = view.run_records()
-        except SignerError:
-            if time.monotonic() > deadline:
-                raise SignerError(f"the signer has no run {run_id}") from None
-            time.sleep(POLL_S)
-            continue
-        last = records[-1]["event"]
-        if last["type"] == "run.final" or not final:
-            break
+    records = view.run_records()  # the recorder registered the run before: none in the store is no run
+    while final and records[-1]["event"]["type"] != "run.final":
         if time.monotonic() > deadline:
             raise SignerError(f"run {run_id} has no final record after {wait_final_s:g}s")
         time.sleep(POLL_S)
+        records = view.more_records()
+    last = records[-1]["event"]
     while True:
         note = view.checkpoint_latest()
         if note and note[0] > last["seq"]:

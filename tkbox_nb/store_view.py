@@ -130,7 +130,9 @@ class StoreView:
             at = start
             lines = buf.split(b"\n")
             if first:
-                lines.pop()
+                lines.pop()  # after the last newline: empty, or the writer's torn line
+                if not lines:  # no newline yet: all of it is that torn line
+                    continue
                 first = False
             tail = lines.pop(0) if at > 0 and lines else b""
             pos = at + (len(tail) + 1 if at > 0 else 0)
@@ -166,18 +168,54 @@ class StoreView:
         run.reverse()
         if not run or [r["event"]["run_seq"] for r in run] != list(range(len(run))):
             where = "" if size is None else f" below tree size {size}"
-            raise SignerError(f"the signer's store has no complete run {self.run_id}{where}")
+            raise SignerError(f"the signer has no run {self.run_id}{where}" if not run else
+                              f"the signer's store holds run {self.run_id} incomplete{where}")
         if len(tail_leaves) != want_leaves:
             raise SignerError(f"the signer's store ends before tree size {size}")
         return run, tail_leaves[::-1]
 
     def run_records(self) -> list[dict]:
-        """The run's records the log holds now, checkpointed or not (to learn which record a checkpoint must cover)."""
+        """The run's records the log holds now, checkpointed or not (to learn which record a checkpoint must cover).
+        `more_records` then reads only what the log gains."""
         fd, file_end = self._log()
         try:
-            return self._scan(fd, file_end, None)[0]
+            self._followed = self._complete_end(fd, file_end)
+            self._run_now = self._scan(fd, self._followed, None)[0]
+            return self._run_now
         finally:
             os.close(fd)
+
+    def more_records(self) -> list[dict]:
+        """The run's records, those written since the last call read too (from where that call stopped)."""
+        fd, file_end = self._log()
+        try:
+            end = self._complete_end(fd, file_end)
+            if end > self._followed:
+                data = os.pread(fd, end - self._followed, self._followed)
+                mark = self.run_id.encode()
+                for line in data.split(b"\n")[:-1]:
+                    if mark in line:
+                        r = self._parse(line)
+                        if r["event"]["run_id"] == self.run_id and r["event"].get("tenant") == self.tenant:
+                            if r["event"]["run_seq"] != len(self._run_now):
+                                raise SignerError(f"the signer's store holds run {self.run_id} out of order")
+                            self._run_now.append(r)
+                self._followed = end
+            return self._run_now
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _complete_end(fd: int, file_end: int) -> int:
+        """Where the log's last complete line ends (a torn last line is the writer mid-append)."""
+        at = file_end
+        while at > 0:
+            start = max(0, at - CHUNK)
+            cut = os.pread(fd, at - start, start).rfind(b"\n")
+            if cut >= 0:
+                return start + cut + 1
+            at = start
+        return 0
 
     def load(self, size: int) -> None:
         """Read what an export up to tree size `size` needs: the run's records below it, the key records, the tree."""
