@@ -35,6 +35,7 @@ START_TIMEOUT_S = 30.0
 DECIDE_TIMEOUT_S = 5.0
 IDLE_S = 30 * 86400  # a notebook's box may sit idle for days; the box closes its run itself
 GRACE_S = 0.0  # the recorder settles every crossing before close_run: nothing of a box comes late
+ENSURED_S = 2.0
 POLL_S = 0.01  # how often an export reads the checkpoint note while it waits for one
 
 # The box pack: compiled by the signer into its policy v2. Tools are the doors; any other tool is denied.
@@ -120,6 +121,7 @@ class MachineSigner:
         self.log_path = self.dir / "signer.log"
         self.trust_path = self.home / "trust.json"
         self.runs_dir = self.home / "runs"
+        self._ensured = -ENSURED_S  # when ensure() last found it answering (monotonic)
 
     # -- set-up --------------------------------------------------------------------------------------------------
     def _write_config(self) -> bool:
@@ -168,17 +170,24 @@ class MachineSigner:
         return pid if any(argv[i:i + len(want)] == want for i in range(len(argv))) else None
 
     def ensure(self, timeout: float = START_TIMEOUT_S) -> "MachineSigner":
-        """Start the signer unless it already answers. Safe to call from several processes at once."""
+        """Start the signer unless it already answers. Safe to call from several processes at once. A second call
+        within ENSURED_S of one that found it answering, while its process lives, asks it nothing (a box start and its
+        recorder both ensure); a signer that died since is started again, and one stalled since fails the next call
+        to it, closed, as it would a moment later anyway."""
+        if time.monotonic() - self._ensured < ENSURED_S and self.pid():
+            return self
         if self._write_config() and self.answering():  # a signer of an older pack or config: replace it
             self.stop()
         if self.answering():
             self._ensure_trust()
+            self._ensured = time.monotonic()
             return self
         with open(self.dir / "start.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not self.answering():
                 self._start(timeout)
         self._ensure_trust()
+        self._ensured = time.monotonic()
         return self
 
     def _start(self, timeout: float) -> None:
@@ -207,6 +216,7 @@ class MachineSigner:
         raise SignerError(f"the signer did not answer within {timeout:g}s (log: {self.log_path})")
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._ensured = -ENSURED_S
         pid = self.pid()
         if not pid:
             return
@@ -352,7 +362,7 @@ def export_file_run(store: str | Path, index_path: str | Path, client, run_id: s
         note = view.checkpoint_latest()
         if note and note[0] > last["seq"]:
             break
-        if not nudged:  # a run.final nudges the checkpointer itself; a run still open needs asking
+        if not nudged and not final:  # a run.final nudges the checkpointer itself; a run still open needs asking
             nudged = True
             _nudge(client)
         if time.monotonic() > deadline:
