@@ -14,6 +14,7 @@ its sweep: every record is a real signed record of the same log (bench only; doc
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -86,6 +87,24 @@ def _box_figures(home: Path, n: int) -> tuple[list[float], list[float]]:
     return first, whole
 
 
+def _export_figures(home: Path, n: int) -> list[float]:
+    """Seconds to export one closed run whose checkpoint has come: the part of a job that read the signer's history."""
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.recorder import RunRecorder
+    signer = MachineSigner(home)
+    rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
+    c = rec.decide("exec", "command", {"argv": ["true"]})
+    rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"", "stderr": b""})
+    rec.close("bench")
+    signer.export(rec.run_id, home / "first.zip")  # waits for run.final and its note
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        signer.export(rec.run_id, home / f"again{i}.zip")
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def _parallel(home: Path, jobs: int, rounds: int) -> float:
     t = time.perf_counter()
     for _ in range(rounds):
@@ -111,6 +130,7 @@ def main(n: int | None = None, parallel: int | None = None) -> None:
         bare = []
         for _ in range(jobs):
             for runs, home in homes.items():
+                time.sleep(random.random())  # untimed: each job meets its signer's 1 s tick at a random phase
                 cli[runs].append(_timed([TKBOX, "run", "--backend", "bwrap", "--", "true"], _env(home)))
             bare.append(_timed(BARE, os.environ.copy()))
         med = {k: statistics.median(v) for k, v in cli.items()}
@@ -119,8 +139,11 @@ def main(n: int | None = None, parallel: int | None = None) -> None:
               f"{med[BIG] * 1000:6.0f} ms ({BIG:,}); bare bwrap true {b * 1000:5.1f} ms; "
               f"target <= 250 ms: {'met' if med[SMALL] <= 0.25 else 'NOT met'}")
         ratio = med[BIG] / med[SMALL]
-        print(f"  {BIG:,} vs {SMALL:,} prior runs: {ratio:.2f}x; target within 1.1x: "
-              f"{'met' if ratio <= 1.1 else 'NOT met'}")
+        exports = {runs: statistics.median(_export_figures(home, jobs)) for runs, home in homes.items()}
+        eratio = exports[BIG] / exports[SMALL]
+        print(f"  {BIG:,} vs {SMALL:,} prior runs: whole job {ratio:.2f}x (the signer's tick, 0 to 1 s, is in both); "
+              f"the export alone {exports[SMALL] * 1000:.0f} vs {exports[BIG] * 1000:.0f} ms, {eratio:.2f}x; "
+              f"target within 1.1x: {'met' if max(ratio, eratio) <= 1.1 else 'NOT met'}")
         first, whole = _box_figures(homes[SMALL], jobs)
         print(f"  Box(): first command's result {statistics.median(first) * 1000:.0f} ms (target <= 100), "
               f"enter + run + exit {statistics.median(whole) * 1000:.0f} ms (target <= 250), medians of {jobs}")
