@@ -34,7 +34,7 @@ KEY_TYPES = ("signer.epoch", "key.retire")
 KEY_MARKS = tuple(f'"type":"{t}"'.encode() for t in KEY_TYPES)  # how the signer writes a record's type (compact JSON)
 CHUNK = 1 << 16
 TILE_H, TILE_W = 8, 256  # tlog-tiles: 8 tree levels per tile, 256 hashes in a full tile
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 
 
 def _raw(h: str) -> bytes:
@@ -280,7 +280,7 @@ class StoreView:
     # -- the record tree -----------------------------------------------------------------------------------------
     def _tree(self, size: int, tail_leaves: list[bytes]):
         """The record tree of `size` leaves: full tiles from the store, the unfinished edge rebuilt. The edge of level
-        L>0 is the reduced hashes of the full tiles of level L-1 it is made of, kept in the index as they are found."""
+        L>0 is the reduced hashes of the full tiles of level L-1 it is made of (fewer than 256), kept in the index."""
         from tracekit.merkle.tiles import _reduce  # noqa: PLC2701 - the RFC 6962 subtree hash tiles use
 
         tiles = _ReadOnlyTiles(os.path.join(self.root, "tiles", "records"), self.owner)
@@ -289,14 +289,19 @@ class StoreView:
         while size >> (TILE_H * len(edge)):
             level = len(edge)
             c = size >> (TILE_H * level)
-            done = up.setdefault(str(level), [])
-            for i in range(len(done), c):  # the reduced hash of each full tile below, once
+            lo = c - c % TILE_W  # the edge of this level: the hashes of tiles lo..c-1 of the level below
+            kept = up.get(str(level)) or {"base": lo, "hashes": []}
+            if not lo <= kept["base"] + len(kept["hashes"]) or kept["base"] > lo:
+                kept = {"base": lo, "hashes": []}  # a block behind, or a tree older than the index: start afresh
+            kept = {"base": lo, "hashes": kept["hashes"][lo - kept["base"]:]}  # only this block: the index stays small
+            for i in range(lo + len(kept["hashes"]), c):  # the reduced hash of each full tile below, once
                 data = tiles.get(level - 1, i, TILE_W)
                 if data is None or len(data) != 32 * TILE_W:
                     raise SignerError(f"the store's tile {level - 1}/{i}.{TILE_W} is missing or damaged")
-                done.append(_reduce([data[j:j + 32] for j in range(0, len(data), 32)]).hex())
+                kept["hashes"].append(_reduce([data[j:j + 32] for j in range(0, len(data), 32)]).hex())
                 self._index_grew = True
-            edge.append([bytes.fromhex(h) for h in done[c - c % TILE_W:c]])
+            up[str(level)] = kept
+            edge.append([bytes.fromhex(h) for h in kept["hashes"][:c - lo]])
         self._save_index()
         return self._Tree(tiles, size, edge)
 
