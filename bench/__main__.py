@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import (bench_audit, bench_batch, bench_box, bench_egress, bench_environment, bench_gpu, bench_kernel,
-               bench_load, bench_mounts, bench_patch, bench_signer)
+from . import (bench_audit, bench_batch, bench_box, bench_egress, bench_environment, bench_gpu, bench_jobs,
+               bench_kernel, bench_load, bench_mounts, bench_patch, bench_signer)
 
 TARGETS = {"signer": bench_signer.main, "box": bench_box.main, "kernel": bench_kernel.main,
            "egress": bench_egress.main, "patch": bench_patch.main,
            "load": bench_load.main, "batch": bench_batch.main, "mounts": bench_mounts.main,
-           "environment": bench_environment.main, "audit": bench_audit.main, "gpu": bench_gpu.main}
+           "environment": bench_environment.main, "audit": bench_audit.main, "gpu": bench_gpu.main,
+           "jobs": bench_jobs.main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,14 +20,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("targets", nargs="*", default=[])
     p.add_argument("--n", type=int, default=None, help="operations per measurement (default: each target's own)")
     p.add_argument("--backend", choices=["bwrap", "qemu"], default=None, help="the box backend (box target only)")
+    p.add_argument("--parallel", type=int, default=None, help="jobs at once, for jobs/s (jobs target only)")
     a = p.parse_args(argv)
+    if a.parallel is not None and (a.parallel < 1 or any(t != "jobs" for t in a.targets or TARGETS)):
+        p.error("--parallel N (N >= 1) applies to the jobs target only: python -m bench jobs --parallel 4")
     if a.backend and any(t != "box" for t in a.targets or TARGETS):
         p.error("--backend applies to the box target only: python -m bench box --backend qemu")
     unknown = [t for t in a.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     for name in a.targets or TARGETS:
-        TARGETS[name](a.n, backend=a.backend) if a.backend else TARGETS[name](a.n)
+        if a.backend:
+            TARGETS[name](a.n, backend=a.backend)
+        elif a.parallel:
+            TARGETS[name](a.n, parallel=a.parallel)
+        else:
+            TARGETS[name](a.n)
     return 0
 
 

@@ -34,7 +34,9 @@ TENANT = "default"
 START_TIMEOUT_S = 30.0
 DECIDE_TIMEOUT_S = 5.0
 IDLE_S = 30 * 86400  # a notebook's box may sit idle for days; the box closes its run itself
-GRACE_S = 0.5
+GRACE_S = 0.0  # the recorder settles every crossing before close_run: nothing of a box comes late
+ENSURED_S = 2.0
+POLL_S = 0.01  # how often an export reads the checkpoint note while it waits for one
 
 # The box pack: compiled by the signer into its policy v2. Tools are the doors; any other tool is denied.
 BOX_PACK = """\
@@ -119,6 +121,7 @@ class MachineSigner:
         self.log_path = self.dir / "signer.log"
         self.trust_path = self.home / "trust.json"
         self.runs_dir = self.home / "runs"
+        self._ensured = -ENSURED_S  # when ensure() last found it answering (monotonic)
 
     # -- set-up --------------------------------------------------------------------------------------------------
     def _write_config(self) -> bool:
@@ -167,17 +170,24 @@ class MachineSigner:
         return pid if any(argv[i:i + len(want)] == want for i in range(len(argv))) else None
 
     def ensure(self, timeout: float = START_TIMEOUT_S) -> "MachineSigner":
-        """Start the signer unless it already answers. Safe to call from several processes at once."""
+        """Start the signer unless it already answers. Safe to call from several processes at once. A second call
+        within ENSURED_S of one that found it answering, while its process lives, asks it nothing (a box start and its
+        recorder both ensure); a signer that died since is started again, and one stalled since fails the next call
+        to it, closed, as it would a moment later anyway."""
+        if time.monotonic() - self._ensured < ENSURED_S and self.pid():
+            return self
         if self._write_config() and self.answering():  # a signer of an older pack or config: replace it
             self.stop()
         if self.answering():
             self._ensure_trust()
+            self._ensured = time.monotonic()
             return self
         with open(self.dir / "start.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not self.answering():
                 self._start(timeout)
         self._ensure_trust()
+        self._ensured = time.monotonic()
         return self
 
     def _start(self, timeout: float) -> None:
@@ -206,6 +216,7 @@ class MachineSigner:
         raise SignerError(f"the signer did not answer within {timeout:g}s (log: {self.log_path})")
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._ensured = -ENSURED_S
         pid = self.pid()
         if not pid:
             return
@@ -258,13 +269,8 @@ class MachineSigner:
     def export(self, run_id: str, out_path: str | Path, wait_final_s: float = 15.0, final: bool = True) -> dict:
         """Tracekit's v2 export of `run_id`, once its run.final record is covered by a checkpoint. With
         `final=False`, the run so far (still open), once its last record is covered."""
-        from tracekit.signer.service import reader as open_reader
-        from tracekit.signer.service import signer_config
-
-        cfg = signer_config(str(self.config_path))
-        cfg["data_dir"] = str(self.data_dir)
-        return export_run(lambda: open_reader(cfg), self.client, run_id, out_path, str(self.data_dir / "policies"),
-                          TENANT, wait_final_s, final)
+        return export_file_run(self.data_dir / "store", self.dir / "export-index.json", self.client, run_id,
+                               out_path, str(self.data_dir / "policies"), TENANT, wait_final_s, final)
 
     def salts(self, events: list[dict]) -> dict[int, bytes]:
         """The salt of each record's commitments (run_seq -> salt), derived here from the signer's salt key."""
@@ -321,6 +327,53 @@ def export_run(open_reader, client, run_id: str, out_path: str | Path, policy_di
         elif time.monotonic() > deadline:
             raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
         time.sleep(0.05)
+
+
+def _nudge(client) -> None:
+    c = client()
+    try:
+        c.checkpoint_nudge({})
+    except Exception:  # the signer checkpoints on its own cadence anyway; the deadline decides
+        pass
+    finally:
+        c.close()
+
+
+def export_file_run(store: str | Path, index_path: str | Path, client, run_id: str, out_path: str | Path,
+                    policy_dir: str, tenant: str, wait_final_s: float = 15.0, final: bool = True) -> dict:
+    """Tracekit's v2 export of `run_id` from the file store at `store`, once a checkpoint covers its run.final record
+    (or with `final=False` its last record), at a cost flat in the store's history (store_view.py says how). The wait
+    reads the checkpoint note (one small file) every POLL_S; the run's records are found once."""
+    from tracekit.bundle_v2 import export
+
+    from .store_view import StoreView
+
+    view = StoreView(store, tenant, run_id, index_path)
+    deadline = time.monotonic() + wait_final_s
+    nudged = False
+    records = view.run_records()  # the recorder registered the run before: none in the store is no run
+    while final and records[-1]["event"]["type"] != "run.final":
+        if time.monotonic() > deadline:
+            raise SignerError(f"run {run_id} has no final record after {wait_final_s:g}s")
+        time.sleep(POLL_S)
+        records = view.more_records()
+    last = records[-1]["event"]
+    while True:
+        note = view.checkpoint_latest()
+        if note and note[0] > last["seq"]:
+            break
+        if not nudged and not final:  # a run.final nudges the checkpointer itself; a run still open needs asking
+            nudged = True
+            _nudge(client)
+        if time.monotonic() > deadline:
+            raise SignerError(f"run {run_id} has no checkpointed final record after {wait_final_s:g}s")
+        time.sleep(POLL_S)
+    try:
+        view.load(note[0])
+        export(view, tenant, run_id, note[1], str(out_path), policy_dir=policy_dir)
+    except ValueError as e:  # the view does not match the signed note: never a bundle
+        raise SignerError(f"cannot export run {run_id}: {e}") from None
+    return {"records": len(view.records), "final": view.records[-1]["event"]["type"] == "run.final"}
 
 
 def salt_for(salt_key: bytes, label: str) -> bytes:

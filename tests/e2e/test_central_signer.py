@@ -447,7 +447,7 @@ def test_the_central_signer_lost_mid_run_ends_both_boxes_fail_closed_and_recover
         env = {**os.environ, "PYTHONPATH": str(REPO), "TKBOX_HOME": str(home)}
         rec = subprocess.run(["ip", "netns", "exec", ns, str(VENV_BIN / "tkbox"), "signer", "recover", "--policy",
                               str(policy)], env=env, capture_output=True, text=True, timeout=120)
-        assert rec.returncode == 0 and "1 orphaned run(s) closed" in rec.stdout, rec.stdout + rec.stderr
+        assert rec.returncode == 0 and "1 orphaned run(s) bundled" in rec.stdout, rec.stdout + rec.stderr
         bundle = out / "box.tkb"
         assert f"recovered {bundle}" in rec.stdout
         report = verify_bundle(bundle, trust)
