@@ -97,7 +97,7 @@ def check_results(results: list[BatchResult], originals: list[Path], out_dir: Pa
     bad = results[ALTERED]
     # the rerun started from no workspace, said first, and the cell that read it is the one that differs
     assert [d["what"] for d in bad.details] == ["workspace", "cell outputs #3"] and bad.differences == 2
-    assert bad.details[0]["a"].startswith("sha256:") and bad.details[0]["b"].startswith("none")
+    assert bad.details[0]["a"].startswith("tree2:sha256:") and bad.details[0]["b"].startswith("none")
     assert "version 1" in bad.details[1]["a"] and "none" in bad.details[1]["b"]
     written = sorted(out_dir.iterdir())
     assert written == sorted(rerun_path(p, out_dir) for p in originals)  # one file per bundle, no temporary left
