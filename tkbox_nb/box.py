@@ -30,6 +30,7 @@ from .recorder import Crossing, RunRecorder
 from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
+from .workspace_seed import check_size, copy_seed
 
 
 
@@ -142,8 +143,10 @@ class Box:
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
+        exclude = self.policy.get("workspace", "exclude")
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
-            boot = dict(boot, workspace_digest=tree_digest(self.workspace))
+            check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib"))  # one line, before any copy
+            boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
             "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)
@@ -156,7 +159,7 @@ class Box:
             seed = None
             if self.workspace is not None:  # a copy, never the host directory itself
                 seed = self.recorder.spool / "seed"
-                shutil.copytree(self.workspace, seed, symlinks=True)
+                copy_seed(self.workspace, seed, exclude)  # less [workspace] exclude, as the digest
             self.running = self.backend.start(BoxSpec(
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
                 cpus=self.policy.get("box", "cpus"),

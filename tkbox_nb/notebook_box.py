@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .box import Box
+from .early_box import EarlyBox
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
@@ -78,6 +79,25 @@ class NotebookBox:
         self._early: EarlyBox | None = None
         self.early = False  # boxes start early (the Tracekit Box kernel): again after %box_restart
         self._release: threading.Event | None = None  # set once the box taken from an EarlyBox has stopped
+        self.folder: Path | None = None  # the Tracekit Box kernel's: the notebook's folder (for_kernel)
+
+    @classmethod
+    def for_kernel(cls) -> "NotebookBox":
+        """The Tracekit Box kernel's: its box starts with the kernel's working directory as its workspace, which
+        every frontend makes the notebook's folder (TKBOX_WORKSPACE or [workspace] path overrides; `none`: empty)."""
+        nb = cls()
+        nb.folder = Path(os.getcwd())
+        return nb
+
+    def box_workspace(self) -> Path | None:
+        """The folder a box started now is given a copy of: the one named at construction, else (the kernel's) from
+        TKBOX_WORKSPACE, [workspace] path or the notebook's folder, in that order; `none` names no folder."""
+        if self.workspace is not None or self.folder is None:
+            return Path(self.workspace) if self.workspace is not None else None
+        named = os.environ.get("TKBOX_WORKSPACE") or self.policy.get("workspace", "path")
+        if named == "none":
+            return None
+        return self.folder / os.path.expanduser(named) if named else self.folder
 
     # -- the box -------------------------------------------------------------------------------------------------
     @property
@@ -95,7 +115,11 @@ class NotebookBox:
             self._start_background()
 
     def _start_background(self) -> None:
-        box = self._new_box(None)
+        try:
+            box = self._new_box(None)
+        except Exception as e:  # no backend for the policy's isolation, a signer it cannot name: said on the cell
+            self._early = EarlyBox.failed(e, self._wants())
+            return
         box.kernel_early = True
         self._early = EarlyBox(box, self._wants())
 
@@ -125,7 +149,7 @@ class NotebookBox:
         """Wait, at most `timeout` seconds, until the early box's processes are spawned (or its start failed): the
         kernel imports its own app after that, so that on a small machine the two do not share the CPU until the
         box can start its kernel. A box that takes longer (a signer started cold, a VM) is not waited for."""
-        if self._early is not None:
+        if self._early is not None and self._early.box is not None:
             self._early.box.spawned.wait(timeout)
 
     def starting(self) -> bool:
@@ -163,7 +187,7 @@ class NotebookBox:
         return box
 
     def _new_box(self, bundle: Path | None) -> Box:
-        return Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
+        return Box(policy=self.policy, backend=self.backend, workspace=self.box_workspace(), bundle_path=bundle,
                    home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
 
     def stop(self, reason: str = "box stopped") -> Path | None:
@@ -234,56 +258,6 @@ class NotebookBox:
         if self.bundles:
             lines.append(f"bundles  {', '.join(str(p) for p in self.bundles)}")
         return "\n".join(lines)
-
-
-class EarlyBox:
-    """A box being started in the background, with its kernel (at the kernel's start, after %box_restart, or for a
-    cell that needs one): held until a cell takes it or it is discarded. `wants`: what it was started with."""
-
-    def __init__(self, box: Box, wants: tuple):
-        self.box, self.wants = box, wants
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.released = threading.Event()
-        threading.Thread(target=self._start, daemon=True, name="tkbox-early-box").start()
-
-    def _start(self) -> None:
-        try:
-            self.box.start()
-            self.box.kernel()
-        except BaseException as e:  # said on the first cell, which then fails closed
-            self.error = e
-        finally:
-            self.done.set()
-        # the box's processes die with the thread that started them (bwrap --die-with-parent, PR_SET_PDEATHSIG
-        # follows the forking thread): this one lives until the box is stopped
-        self.released.wait()
-
-    def take(self, wants: tuple) -> Box | None:
-        """The started box, or None when the notebook now asks for another one (it is then stopped unused). A box
-        that failed to start raises its reason here, on the cell that needed it."""
-        self.done.wait()
-        if wants != self.wants:  # before its error: a start that failed under a policy since replaced is not news
-            self._stop("not used: the notebook's policy or secrets changed before its first cell")
-            return None
-        if self.error is not None:
-            self._stop("its start failed")
-            raise self.error if isinstance(self.error, TkboxError) else TkboxError(
-                f"the box did not start: {type(self.error).__name__}: {self.error}")
-        return self.box
-
-    def discard(self, reason: str) -> None:
-        """Stop it unused (after its start has ended): its run is closed and bundled, never left open."""
-        self.done.wait()
-        self._stop(f"not used: {reason}")
-
-    def _stop(self, reason: str) -> None:
-        try:
-            self.box.stop(reason)
-        except TkboxError:
-            pass
-        finally:
-            self.released.set()
 
 
 class _ArgParser(argparse.ArgumentParser):

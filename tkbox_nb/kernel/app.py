@@ -87,7 +87,7 @@ class TkboxKernel:
         self.wake.bind(self.wake_url)
         self._wake_local = threading.local()
         self.from_box: queue.Queue = queue.Queue()
-        self.nb = nb or NotebookBox()
+        self.nb = nb or NotebookBox.for_kernel()
         self.stdin = Stdin(self)  # the host's prompt (%box_secret) and the box's, kept apart
         self.magics = HostMagics(self.nb, self.stdin.read_secret)
         self.cells = Cells(self)  # execute requests, one at a time, in order
