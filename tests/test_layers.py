@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["tkbox_nb.backends"]),
     ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",
-             "tkbox_nb.box_outputs",
+             "tkbox_nb.box_outputs", "tkbox_nb.box_refusals",
              "tkbox_nb.notebook_box", "tkbox_nb.early_box"]),
     ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
     ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.magics_cell",

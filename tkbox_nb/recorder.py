@@ -85,6 +85,7 @@ class RunRecorder:
         self.agent = agent
         self.broken: str | None = None
         self.on_broken: Any = None  # called with the reason when the run stops taking records (a Box ends itself)
+        self.on_refused: Any = None  # called with (door, kind, crossing) for each signed refusal (box_refusals.py)
         self.closed = False
         # closing: a crossing that fails after close_run was asked for is "the run is closed", not a lost signer;
         # stopping: the box's stop is the last decision, after those in flight on other lanes, and before no other
@@ -246,11 +247,14 @@ class RunRecorder:
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], "the box is stopping"
             return crossing
         try:
-            return self._decide_signed(crossing, door, args, digests, content, verdict)
+            crossing = self._decide_signed(crossing, door, args, digests, content, verdict)
         finally:
             with self._settled:
                 self._in_flight -= 1
                 self._settled.notify_all()
+        if self.on_refused is not None and crossing.decision_id is not None and not crossing.allowed:
+            self.on_refused(door, kind, crossing)  # said where it happened (box_refusals.py); never raises
+        return crossing
 
     def _decide_signed(self, crossing: Crossing, door: str, args: dict[str, Any], digests: dict[str, str],
                        content: dict[str, bytes], verdict: Any) -> Crossing:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..box_messages import user_expressions_request
+from ..box_refusals import watch
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import split_host_magics
 from .box_wait import wait_for_box
@@ -155,6 +156,8 @@ class Cells:
                     return
                 k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = k.nb.ensure_box()
+            if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (box_refusals.py)
+                watch(box.recorder, k.show_refusal)
             k.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:
