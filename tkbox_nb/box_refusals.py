@@ -6,7 +6,8 @@ and the reason (`pypi.org:443 is not in [egress] allow`) was in the 403's body, 
 signed refusal of the doors a cell's code reaches (egress, secrets, model, patch, a command) is handed by the run's
 recorder (`on_refused`) to `watch`, which makes one line naming what was refused, why, the rule and the signed record
 (its number in the run, as the bundle shows it), from the signed statement, every character of the box's making
-escaped (visible.py): the box cannot write the host's notice, and the kernel shows it with the host's mark (relay.host_notice).
+escaped (visible.py): the box cannot write the host's notice, and the kernel shows it with the host's mark
+(relay.host_notice).
 
 A flood is not shown as a flood: `Shown` lets the first `MAX_SHOWN` of a cell through and then one line saying the
 rest are only counted (the run holds them all).
