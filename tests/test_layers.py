@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
     ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",
              "tkbox_nb.box_outputs", "tkbox_nb.box_refusals",
-             "tkbox_nb.notebook_box", "tkbox_nb.early_box"]),
+             "tkbox_nb.notebook_box", "tkbox_nb.early_box", "tkbox_nb.notebook_files"]),
     ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch"]),
     ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.magics_cell",
                                  "tkbox_nb.widgets"]),

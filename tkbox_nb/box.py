@@ -282,14 +282,15 @@ class Box:
 
     collect_patch_at_stop = True
 
-    def patch(self, apply: str | None = None) -> Patch:
+    def patch(self, apply: str | None = None, **which: Any) -> Patch:
         """The workspace changes so far, each file decided and signed; applied per `[patch] apply` (or `apply`:
-        never, review, auto). Files already decided in this box with the same content are not decided again."""
+        never, review, auto). Files already decided in this box with the same content are not decided again, unless
+        `again`; `only` (paths): those files alone, decided again (%box_pull)."""
         self._check_alive()
         if apply is not None and apply not in ("never", "review", "auto"):
             raise TkboxError("apply must be never, review or auto")
         with self._lock:
-            self.last_patch = self.patch_door.collect(apply)
+            self.last_patch = self.patch_door.collect(apply, **which)
         return self.last_patch
 
     def _violation(self, reason: str) -> None:

@@ -27,7 +27,8 @@ from .early_box import EarlyBox
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
-HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
+HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch",
+               "box_pull", "box_push")
 
 
 @dataclass
@@ -385,15 +386,23 @@ class HostMagics:
 
     def _box_patch(self, line: str, body: str | None) -> str:
         """The box's workspace changes so far, each file decided and signed; `never`, `review` or `auto` overrides
-        the policy's [patch] apply for this patch."""
+        the policy's [patch] apply for this patch; `apply` writes the allowed ones, those listed before too."""
         mode = line.strip() or None
-        if mode not in (None, "never", "review", "auto"):
-            raise TkboxError("%box_patch: the mode must be never, review or auto")
+        if mode not in (None, "never", "review", "auto", "apply"):
+            raise TkboxError("%box_patch: the mode must be never, review, auto or apply")
         if not self.nb.live:
             raise TkboxError("%box_patch: no box is running")
-        patch = self.nb.box.patch(mode)
+        patch = self.nb.box.patch("auto", again=True) if mode == "apply" else self.nb.box.patch(mode)
         diff = patch.diff.decode("utf-8", "replace")
         return patch.summary() + ("\n\n" + diff if diff else "")
+
+    def _box_pull(self, line: str, body: str | None) -> str:
+        from .notebook_files import pull
+        return pull(self.nb, line)
+
+    def _box_push(self, line: str, body: str | None) -> str:
+        from .notebook_files import push
+        return push(self.nb, line)
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")

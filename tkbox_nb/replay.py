@@ -27,7 +27,7 @@ from .visible import visible
 
 # host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
 # audit leaves them out of its comparison, and says how many it left out
-RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret")
+RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret", "box_push")  # a push reads a host file
 KERNELSPEC = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
 
 

@@ -97,3 +97,88 @@ def test_a_vm_policy_without_an_image_answers_kernel_info_and_fails_the_first_ce
         assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
     finally:
         c.stop()
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_box_pull_brings_a_written_file_into_the_folder_now_and_refuses_bad_names_links_and_host_edits(kernel_env,
+                                                                                                     tmp_path):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "a.txt").write_text("v1\n")
+    (tmp_path / "outside.txt").write_text("untouched\n")
+    c = Client(folder)
+    try:
+        reply, _ = c.run("import os\nos.makedirs('res', exist_ok=True)\nopen('res/out.txt', 'w').write('42\\n')\n"
+                         "open('a.txt', 'w').write('box\\n')\nos.symlink('/etc/passwd', 'link')\n"
+                         "os.symlink('../../outside.txt', 'up')")
+        assert reply["status"] == "ok", reply
+        reply, outs = c.run("%box_pull res/out.txt")
+        assert reply["status"] == "ok", reply
+        assert ("stream", {"name": "stdout", "text": "res/out.txt: pulled (3 bytes), signed\n"}) in outs
+        assert (folder / "res" / "out.txt").read_text() == "42\n"
+
+        before = _tree(tmp_path)
+        reply, outs = c.run("%box_pull ../../etc/passwd")
+        assert reply["status"] == "error" and "\n" not in reply["evalue"], reply
+        assert "'../../etc/passwd': a '..' component in the path" in reply["evalue"]
+        assert "nothing moved" in reply["evalue"]
+        reply, outs = c.run("%box_pull link up")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert "link: refused by patch.type: a symlink is never applied (only regular files)" in text, text
+        assert "up: refused by patch.type" in text and "only regular files come back" in text
+        (folder / "a.txt").write_text("user\n")  # the user edits the file on the host meanwhile
+        before = _tree(tmp_path)
+        reply, outs = c.run("%box_pull a.txt")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert text == "a.txt: not written: the host file changed since the box started\n", text
+        assert _tree(tmp_path) == before  # nothing half-written, nothing outside the folder touched
+        assert (folder / "a.txt").read_text() == "user\n" and not (folder / "link").exists()
+    finally:
+        c.stop()
+
+
+def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(kernel_env, tmp_path):
+    import os
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    c = Client(folder)
+    try:
+        reply, _ = c.run("print(1)")
+        (folder / "new.csv").write_text("x\n1\n")
+        os.mkfifo(folder / "pipe")  # after the box started: a FIFO in the folder would stop its start, in one line
+        reply, outs = c.run("%box_push pipe new.csv")
+        assert reply["status"] == "error", reply
+        assert reply["evalue"] == "%box_push: 'pipe' is not a regular file (only files are pushed); nothing pushed"
+        reply, outs = c.run("%box_push new.csv")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout",
+                                                       "text": "new.csv: pushed (4 bytes), signed\n"}) in outs
+        reply, outs = c.run("print(open('new.csv').read().split())")
+        assert ("stream", {"name": "stdout", "text": "['x', '1']\n"}) in outs
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    pushed = [x for x in run.crossings() if x.door == "exec" and (x.args or {}).get("argv", [None])[0] == "python3"]
+    assert len(pushed) == 1 and pushed[0].decision == "allow" and pushed[0].args["argv"][3] == "new.csv"
+
+
+def test_box_patch_lists_each_file_s_decision_and_box_patch_apply_writes_the_allowed_ones(kernel_env, tmp_path):
+    """Before, a file listed by `%box_patch` (review) was not decided again, so no later patch could apply it."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    c = Client(folder)
+    try:
+        c.run("open('r.txt', 'w').write('r\\n'); open('.env', 'w').write('K=1\\n')")
+        reply, outs = c.run("%box_patch")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert "r.txt  not applied: apply = review" in text and ".env  refused by patch.deny_default" in text, text
+        assert not (folder / "r.txt").exists()
+        reply, outs = c.run("%box_patch apply")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert "r.txt  applied" in text, text
+        assert (folder / "r.txt").read_text() == "r\n" and not (folder / ".env").exists()
+    finally:
+        c.stop()
