@@ -27,8 +27,10 @@ from .early_box import EarlyBox
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
-HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch",
-               "box_pull", "box_push")
+HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
+# the Tracekit Box kernel's also move files (notebook_files.py); the IPython extension's %box_pull and %box_push, its
+# own (magics.py), move plain values instead
+KERNEL_MAGICS = HOST_MAGICS + ("box_pull", "box_push")
 
 
 @dataclass
@@ -168,9 +170,10 @@ class NotebookBox:
         if self.box is not None:
             self.stop("the box ended")
         bundle = None
-        if self.bundle_dir is not None:
-            self.bundle_dir.mkdir(parents=True, exist_ok=True)
-            bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
+        bundle_dir = self.bundle_dir or self._runs_dir()
+        if bundle_dir is not None:
+            bundle_dir.mkdir(parents=True, exist_ok=True)
+            bundle = bundle_dir / f"{self._stem()}-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         early, self._early = self._early, None
         box = early.take(self._wants()) if early else None
         if box is not None:
@@ -186,6 +189,22 @@ class NotebookBox:
         for facts, content in pending:
             self._record(facts, content)
         return box
+
+    def notebook(self) -> str | None:
+        """The notebook's path as its frontend tells the kernel (JPY_SESSION_NAME: JupyterLab, Notebook 7, VS Code)."""
+        name = os.environ.get("JPY_SESSION_NAME", "")
+        return name[:1000] if self.folder is not None and name and "\x00" not in name else None
+
+    def _stem(self) -> str:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(self.notebook() or "box").stem)[:80].lstrip(".")
+        return stem or "box"
+
+    def _runs_dir(self) -> Path | None:
+        """The kernel's bundles go beside the notebook ([workspace] runs_dir, under its folder; left out of the
+        workspace by the default excludes); elsewhere, to the signer's home."""
+        if self.folder is None:
+            return None
+        return self.folder / os.path.expanduser(self.policy.get("workspace", "runs_dir"))
 
     def _new_box(self, bundle: Path | None) -> Box:
         return Box(policy=self.policy, backend=self.backend, workspace=self.box_workspace(), bundle_path=bundle,
@@ -248,7 +267,8 @@ class NotebookBox:
         else:
             b, rec = self.box, self.box.recorder
             lines += [f"box      {b.box_id} ({b.backend.name}, isolation {b.backend.isolation})",
-                      f"run      {rec.run_id}"]
+                      f"run      {rec.run_id}, its bundle at the end: {b.bundle_path or 'the signer home'}",
+                      f"folder   {b.workspace or 'none (an empty workspace)'}"]
             doors: dict[str, dict[str, int]] = {}
             for (door, decision), n in sorted(rec.counts.items()):
                 doors.setdefault(door, {})[decision] = n
@@ -283,7 +303,7 @@ def split_host_magics(code: str) -> tuple[list[tuple[str, str, str | None]], str
             i += 1
             continue
         name = line[1:].split(None, 1)[0] if line.startswith("%") and not line.startswith("%%") else ""
-        if name not in HOST_MAGICS:
+        if name not in KERNEL_MAGICS:
             break
         magics.append((name, line[1 + len(name):].strip(), None))
         i += 1

@@ -182,3 +182,25 @@ def test_box_patch_lists_each_file_s_decision_and_box_patch_apply_writes_the_all
         assert (folder / "r.txt").read_text() == "r\n" and not (folder / ".env").exists()
     finally:
         c.stop()
+
+
+def test_a_kernel_s_bundles_go_beside_the_notebook_named_after_it_and_box_status_names_the_bundle(kernel_env,
+                                                                                                 tmp_path, monkeypatch):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    monkeypatch.delenv("TKBOX_BUNDLE_DIR")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(folder / "my analysis.ipynb"))
+    c = Client(folder)
+    try:
+        # the box gets the cell less its host magics (before, the whole cell: `%box_status` failed in the box)
+        reply, outs = c.run("%box_status\nprint(sorted(__import__('os').listdir('.')))")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert reply["status"] == "ok" and text.endswith("\n[]\n") and "UsageError" not in text, text
+        reply, outs = c.run("%box_status")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert f"its bundle at the end: {folder}/.tkbox/runs/my_analysis-" in text, text
+        assert f"folder   {folder}\n" in text
+    finally:
+        c.stop()
+    found = list((folder / ".tkbox" / "runs").glob("my_analysis-*.tkb"))
+    assert len(found) == 1 and open_run(found[0]).crossings()

@@ -164,7 +164,8 @@ class Cells:
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
         # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
-        sent = k.parents.into_box(dict(msg, content=dict(content, user_expressions=expressions)))  # as decided
+        # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed
+        sent = k.parents.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
         try:
             k._ensure_kernel(box)
             k.kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
