@@ -1002,8 +1002,8 @@ def test_an_honest_rerun_of_a_notebook_with_a_widget_box_bundle_and_box_view_is_
     r = run_cli("audit", str(original), str(tmp_path / "again.tkb"))
     assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
     assert "exec cells 2/2" in r.stdout and "host magics 0/0" in r.stdout, r.stdout
-    assert "not compared: host magics a rerun skips (%box_bundle, %box_restart, %box_view, %box_secret, %box_push) 2/0, " \
-        "comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
+    assert "not compared: host magics a rerun skips (%box_bundle, %box_restart, %box_view, %box_secret, " \
+        "%box_push) 2/0, comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
     report = json.loads(run_cli("audit", str(original), str(tmp_path / "again.tkb"), "--json").stdout)
     assert report["not_compared"]["comm messages (widgets, from a frontend)"] == {"a": 2, "b": 0}
 
