@@ -145,8 +145,9 @@ class Box:
         boot = self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus"))
         exclude = self.policy.get("workspace", "exclude")
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
-            check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib"))  # one line, before any copy
-            boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
+            # too large: one line, before any copy; empty: stated as none, the workspace the box sees either way
+            if check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib")) is not None:
+                boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
             "image_digest": self.backend.image_digest(), **boot}, replay_of=self.replay_of)

@@ -40,11 +40,13 @@ def _walk(root: Path, exclude: list[str]):
                 stack.append(rel)
 
 
-def check_size(root: Path, exclude: list[str], max_mib: int) -> int:
-    """The bytes of the workspace's regular files (excludes left out); over `max_mib`, one line naming the largest
-    top-level entries and what to change."""
-    total, top = 0, {}
+def check_size(root: Path, exclude: list[str], max_mib: int) -> int | None:
+    """The bytes of the workspace's regular files (excludes left out), None when it has no entry at all (the box
+    starts with an empty workspace, as with none); over `max_mib`, one line naming the largest top-level entries and
+    what to change."""
+    total, top, entries = 0, {}, 0
     for rel, st in _walk(root, exclude):
+        entries += 1
         if stat.S_ISREG(st.st_mode):
             total += st.st_size
             top[rel.split("/", 1)[0]] = top.get(rel.split("/", 1)[0], 0) + st.st_size
@@ -55,7 +57,7 @@ def check_size(root: Path, exclude: list[str], max_mib: int) -> int:
             f"the workspace {root} is {total / MIB:.0f} MiB, over [workspace] max_mib = {max_mib} (largest: {names}): "
             "leave them out with [workspace] exclude, raise max_mib, give data as a dataset mount ([mounts.NAME]), "
             "or start the kernel in another folder (TKBOX_WORKSPACE=DIR, or none)")
-    return total
+    return total if entries else None
 
 
 def copy_seed(root: Path, dst: Path, exclude: list[str]) -> None:
