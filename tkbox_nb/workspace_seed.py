@@ -34,7 +34,10 @@ def _walk(root: Path, exclude: list[str]):
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if excluded(exclude, rel):
                 continue
-            st = os.lstat(root / rel)
+            try:
+                st = os.lstat(root / rel)
+            except OSError as e:  # gone since the listing, say
+                raise TkboxError(f"cannot read the workspace {root}: {e.strerror or e} ({rel[:200]})") from None
             yield rel, st
             if stat.S_ISDIR(st.st_mode):
                 stack.append(rel)
