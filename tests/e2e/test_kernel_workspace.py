@@ -174,6 +174,7 @@ def test_box_patch_lists_each_file_s_decision_and_box_patch_apply_writes_the_all
         c.run("open('r.txt', 'w').write('r\\n'); open('.env', 'w').write('K=1\\n')")
         reply, outs = c.run("%box_patch")
         text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert [t for t, _ in outs] == ["stream"], outs  # each file said once, by the magic, not again as a notice
         assert "r.txt  not applied: apply = review" in text and ".env  refused by patch.deny_default" in text, text
         assert not (folder / "r.txt").exists()
         reply, outs = c.run("%box_patch apply")

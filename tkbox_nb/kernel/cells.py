@@ -156,8 +156,9 @@ class Cells:
                     return
                 k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = k.nb.ensure_box()
-            if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (box_refusals.py)
-                watch(box.recorder, k.show_refusal)
+            if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (box_refusals.py);
+                # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
+                watch(box.recorder, k.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
             k.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:
