@@ -79,3 +79,12 @@ def read_capped(path: str | Path, cap: int) -> bytes:
     if size > cap:
         raise ValueError(f"larger than {cap} bytes")
     return b"".join(chunks)
+
+
+def cut_torn_line(path: Path) -> None:
+    """Truncate a spool file to its last newline: each line is written whole before its signer call, so a line
+    without one was cut by its writer's death and no signed record discloses it."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)

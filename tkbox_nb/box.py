@@ -35,6 +35,7 @@ from .run_recovery import recover_orphans
 from .central_signer import signer_for
 from .tree_digest import tree_digest
 from . import mounts as mounts_
+from .workspace_seed import check_size, copy_seed
 
 
 @dataclass
@@ -129,8 +130,11 @@ class Box:
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
         boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
                 **gpus.facts}  # the GPUs the box gets, signed in box.start
+        exclude = self.policy.get("workspace", "exclude")
         if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
-            boot = dict(boot, workspace_digest=tree_digest(self.workspace))
+            # too large: one line, before any copy; empty: stated as none, the workspace the box sees either way
+            if check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib")) is not None:
+                boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
         self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
         boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original))
         env = box_environment(self.backend, self.signer.home)
@@ -150,7 +154,7 @@ class Box:
             seed = None
             if self.workspace is not None:  # a copy, never the host directory itself
                 seed = self.recorder.spool / "seed"
-                shutil.copytree(self.workspace, seed, symlinks=True)
+                copy_seed(self.workspace, seed, exclude)  # less [workspace] exclude, as the digest
             self.running = self.backend.start(BoxSpec(
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
                 cpus=self.policy.get("box", "cpus"),
@@ -276,14 +280,15 @@ class Box:
 
     collect_patch_at_stop = True
 
-    def patch(self, apply: str | None = None) -> Patch:
+    def patch(self, apply: str | None = None, **which: Any) -> Patch:
         """The workspace changes so far, each file decided and signed; applied per `[patch] apply` (or `apply`:
-        never, review, auto). Files already decided in this box with the same content are not decided again."""
+        never, review, auto). Files already decided in this box with the same content are not decided again, unless
+        `again`; `only` (paths): those files alone, decided again (%box_pull)."""
         self._check_alive()
         if apply is not None and apply not in ("never", "review", "auto"):
             raise TkboxError("apply must be never, review or auto")
         with self._lock:
-            self.last_patch = self.patch_door.collect(apply)
+            self.last_patch = self.patch_door.collect(apply, **which)
         return self.last_patch
 
     def _violation(self, reason: str) -> None:

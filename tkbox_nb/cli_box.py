@@ -27,6 +27,10 @@ def _cmd_run(a) -> int:
               jailer=True if a.jailer else None)
     code = 1
     with box:
+        from .box_refusals import Shown, watch
+        shown = Shown()  # each refusal on stderr as it happens, the first few (the command's own: below)
+        watch(box.recorder, lambda line: (said := shown.admit("run", line)) and print(
+            f"tkbox: {said}", file=sys.stderr, flush=True), skip=frozenset({("exec", "command")}))
         try:
             result = box.run(argv, stdin=stdin)
             sys.stdout.buffer.write(result.stdout)

@@ -24,10 +24,14 @@ from pathlib import Path
 
 from .box import Box
 from .environment import status_line
+from .early_box import EarlyBox
 from .errors import PolicyError, TkboxError
 from .policy import Policy
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
+# the Tracekit Box kernel's also move files (notebook_files.py); the IPython extension's %box_pull and %box_push, its
+# own (magics.py), move plain values instead
+KERNEL_MAGICS = HOST_MAGICS + ("box_pull", "box_push")
 
 
 @dataclass
@@ -79,6 +83,25 @@ class NotebookBox:
         self._early: EarlyBox | None = None
         self.early = False  # boxes start early (the Tracekit Box kernel): again after %box_restart
         self._release: threading.Event | None = None  # set once the box taken from an EarlyBox has stopped
+        self.folder: Path | None = None  # the Tracekit Box kernel's: the notebook's folder (for_kernel)
+
+    @classmethod
+    def for_kernel(cls) -> "NotebookBox":
+        """The Tracekit Box kernel's: its box starts with the kernel's working directory as its workspace, which
+        every frontend makes the notebook's folder (TKBOX_WORKSPACE or [workspace] path overrides; `none`: empty)."""
+        nb = cls()
+        nb.folder = Path(os.getcwd())
+        return nb
+
+    def box_workspace(self) -> Path | None:
+        """The folder a box started now is given a copy of: the one named at construction, else (the kernel's) from
+        TKBOX_WORKSPACE, [workspace] path or the notebook's folder, in that order; `none` names no folder."""
+        if self.workspace is not None or self.folder is None:
+            return Path(self.workspace) if self.workspace is not None else None
+        named = os.environ.get("TKBOX_WORKSPACE") or self.policy.get("workspace", "path")
+        if named == "none":
+            return None
+        return self.folder / os.path.expanduser(named) if named else self.folder
 
     # -- the box -------------------------------------------------------------------------------------------------
     @property
@@ -96,7 +119,11 @@ class NotebookBox:
             self._start_background()
 
     def _start_background(self) -> None:
-        box = self._new_box(None)
+        try:
+            box = self._new_box(None)
+        except Exception as e:  # no backend for the policy's isolation, a signer it cannot name: said on the cell
+            self._early = EarlyBox.failed(e, self._wants())
+            return
         box.kernel_early = True
         self._early = EarlyBox(box, self._wants())
 
@@ -126,7 +153,7 @@ class NotebookBox:
         """Wait, at most `timeout` seconds, until the early box's processes are spawned (or its start failed): the
         kernel imports its own app after that, so that on a small machine the two do not share the CPU until the
         box can start its kernel. A box that takes longer (a signer started cold, a VM) is not waited for."""
-        if self._early is not None:
+        if self._early is not None and self._early.box is not None:
             self._early.box.spawned.wait(timeout)
 
     def starting(self) -> bool:
@@ -144,9 +171,10 @@ class NotebookBox:
         if self.box is not None:
             self.stop("the box ended")
         bundle = None
-        if self.bundle_dir is not None:
-            self.bundle_dir.mkdir(parents=True, exist_ok=True)
-            bundle = self.bundle_dir / f"box-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
+        bundle_dir = self.bundle_dir or self._runs_dir()
+        if bundle_dir is not None:
+            bundle_dir.mkdir(parents=True, exist_ok=True)
+            bundle = bundle_dir / f"{self._stem()}-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
         early, self._early = self._early, None
         box = early.take(self._wants()) if early else None
         if box is not None:
@@ -165,8 +193,24 @@ class NotebookBox:
 
     mounts_original: dict[str, str] | None = None  # a rerun that goes on with changed data (replay.rerun)
 
+    def notebook(self) -> str | None:
+        """The notebook's path as its frontend tells the kernel (JPY_SESSION_NAME: JupyterLab, Notebook 7, VS Code)."""
+        name = os.environ.get("JPY_SESSION_NAME", "")
+        return name[:1000] if self.folder is not None and name and "\x00" not in name else None
+
+    def _stem(self) -> str:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(self.notebook() or "box").stem)[:80].lstrip(".")
+        return stem or "box"
+
+    def _runs_dir(self) -> Path | None:
+        """The kernel's bundles go beside the notebook ([workspace] runs_dir, under its folder; left out of the
+        workspace by the default excludes); elsewhere, to the signer's home."""
+        if self.folder is None:
+            return None
+        return self.folder / os.path.expanduser(self.policy.get("workspace", "runs_dir"))
+
     def _new_box(self, bundle: Path | None) -> Box:
-        box = Box(policy=self.policy, backend=self.backend, workspace=self.workspace, bundle_path=bundle,
+        box = Box(policy=self.policy, backend=self.backend, workspace=self.box_workspace(), bundle_path=bundle,
                   home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
         box.mounts_original = self.mounts_original
         return box
@@ -230,7 +274,9 @@ class NotebookBox:
         else:
             b, rec = self.box, self.box.recorder
             lines += [f"box      {b.box_id} ({b.backend.name}, isolation {b.backend.isolation})",
-                      f"run      {rec.run_id}", f"env      {status_line(rec.start_content.get('environment'))}"]
+                      f"run      {rec.run_id}, its bundle at the end: {b.bundle_path or 'the signer home'}",
+                      f"env      {status_line(rec.start_content.get('environment'))}",
+                      f"folder   {b.workspace or 'none (an empty workspace)'}"]
             doors: dict[str, dict[str, int]] = {}
             for (door, decision), n in sorted(rec.counts.items()):
                 doors.setdefault(door, {})[decision] = n
@@ -248,56 +294,6 @@ class NotebookBox:
         if self.bundles:
             lines.append(f"bundles  {', '.join(str(p) for p in self.bundles)}")
         return "\n".join(lines)
-
-
-class EarlyBox:
-    """A box being started in the background, with its kernel (at the kernel's start, after %box_restart, or for a
-    cell that needs one): held until a cell takes it or it is discarded. `wants`: what it was started with."""
-
-    def __init__(self, box: Box, wants: tuple):
-        self.box, self.wants = box, wants
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.released = threading.Event()
-        threading.Thread(target=self._start, daemon=True, name="tkbox-early-box").start()
-
-    def _start(self) -> None:
-        try:
-            self.box.start()
-            self.box.kernel()
-        except BaseException as e:  # said on the first cell, which then fails closed
-            self.error = e
-        finally:
-            self.done.set()
-        # the box's processes die with the thread that started them (bwrap --die-with-parent, PR_SET_PDEATHSIG
-        # follows the forking thread): this one lives until the box is stopped
-        self.released.wait()
-
-    def take(self, wants: tuple) -> Box | None:
-        """The started box, or None when the notebook now asks for another one (it is then stopped unused). A box
-        that failed to start raises its reason here, on the cell that needed it."""
-        self.done.wait()
-        if wants != self.wants:  # before its error: a start that failed under a policy since replaced is not news
-            self._stop("not used: the notebook's policy or secrets changed before its first cell")
-            return None
-        if self.error is not None:
-            self._stop("its start failed")
-            raise self.error if isinstance(self.error, TkboxError) else TkboxError(
-                f"the box did not start: {type(self.error).__name__}: {self.error}")
-        return self.box
-
-    def discard(self, reason: str) -> None:
-        """Stop it unused (after its start has ended): its run is closed and bundled, never left open."""
-        self.done.wait()
-        self._stop(f"not used: {reason}")
-
-    def _stop(self, reason: str) -> None:
-        try:
-            self.box.stop(reason)
-        except TkboxError:
-            pass
-        finally:
-            self.released.set()
 
 
 class _ArgParser(argparse.ArgumentParser):
@@ -322,7 +318,7 @@ def split_host_magics(code: str) -> tuple[list[tuple[str, str, str | None]], str
             i += 1
             continue
         name = line[1:].split(None, 1)[0] if line.startswith("%") and not line.startswith("%%") else ""
-        if name not in HOST_MAGICS:
+        if name not in KERNEL_MAGICS:
             break
         magics.append((name, line[1 + len(name):].strip(), None))
         i += 1
@@ -425,15 +421,23 @@ class HostMagics:
 
     def _box_patch(self, line: str, body: str | None) -> str:
         """The box's workspace changes so far, each file decided and signed; `never`, `review` or `auto` overrides
-        the policy's [patch] apply for this patch."""
+        the policy's [patch] apply for this patch; `apply` writes the allowed ones, those listed before too."""
         mode = line.strip() or None
-        if mode not in (None, "never", "review", "auto"):
-            raise TkboxError("%box_patch: the mode must be never, review or auto")
+        if mode not in (None, "never", "review", "auto", "apply"):
+            raise TkboxError("%box_patch: the mode must be never, review, auto or apply")
         if not self.nb.live:
             raise TkboxError("%box_patch: no box is running")
-        patch = self.nb.box.patch(mode)
+        patch = self.nb.box.patch("auto", again=True) if mode == "apply" else self.nb.box.patch(mode)
         diff = patch.diff.decode("utf-8", "replace")
         return patch.summary() + ("\n\n" + diff if diff else "")
+
+    def _box_pull(self, line: str, body: str | None) -> str:
+        from .notebook_files import pull
+        return pull(self.nb, line)
+
+    def _box_push(self, line: str, body: str | None) -> str:
+        from .notebook_files import push
+        return push(self.nb, line)
 
     def _box_restart(self, line: str, body: str | None) -> str:
         path = self.nb.stop("restarted by %box_restart")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .atomic_file import write_atomic
+from .atomic_file import cut_torn_line, write_atomic
 from .errors import SignerError
 from .policy import Policy, Verdict
 from .policy.refusals import KIND as COUNT_KIND
@@ -69,15 +69,6 @@ class Crossing:
         return self.decision == "allow" and self.decision_id is not None
 
 
-def _cut_torn_line(path: Path) -> None:
-    """Truncate a spool file to its last newline: each line is written whole before its signer call, so a line
-    without one was cut by its writer's death and no signed record discloses it."""
-    with open(path, "r+b") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 class RunRecorder(RunBounds):
     """Opens one run on the machine signer for one box and records its crossings."""
 
@@ -90,6 +81,7 @@ class RunRecorder(RunBounds):
         self.agent = agent
         self.broken: str | None = None
         self.on_broken: Any = None  # called with the reason when the run stops taking records (a Box ends itself)
+        self.on_refused: Any = None  # called with (door, kind, crossing) for each signed refusal (box_refusals.py)
         self.closed = False
         # closing: a crossing that fails after close_run was asked for is "the run is closed", not a lost signer;
         # stopping: the box's stop is the last decision, after those in flight on other lanes, and before no other
@@ -178,7 +170,7 @@ class RunRecorder(RunBounds):
         rec._client = signer.client()
         rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
         rec._lanes = _lanes(signer, handle["run_id"], handle["run_token"], rec._client)
-        _cut_torn_line(spool / "disclosures.jsonl")  # a holder killed mid-write left half a line: its record is lost
+        cut_torn_line(spool / "disclosures.jsonl")  # a holder killed mid-write left half a line: its record is lost
         rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
         seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
                 if line.strip() for e in [json.loads(line)]]
@@ -265,11 +257,14 @@ class RunRecorder(RunBounds):
             if verdict.verdict == "deny" and not self._admit(door, kind, verdict):
                 crossing.rule_ids, crossing.reason = [COUNTED_RULE], verdict.reason or "refused by the box policy"
                 return crossing
-            return self._decide_signed(crossing, door, args, digests, content, verdict)
+            crossing = self._decide_signed(crossing, door, args, digests, content, verdict)
         finally:
             with self._settled:
                 self._in_flight -= 1
                 self._settled.notify_all()
+        if self.on_refused is not None and crossing.decision_id is not None and not crossing.allowed:
+            self.on_refused(door, kind, crossing)  # said where it happened (box_refusals.py); never raises
+        return crossing
 
     def _decide_signed(self, crossing: Crossing, door: str, args: dict[str, Any], digests: dict[str, str],
                        content: dict[str, bytes], verdict: Any) -> Crossing:

@@ -27,7 +27,7 @@ from .visible import visible
 
 # host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
 # audit leaves them out of its comparison, and says how many it left out
-RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret")
+RERUN_SKIPS = ("box_bundle", "box_restart", "box_view", "box_secret", "box_push")  # a push reads a host file
 KERNELSPEC = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
 
 
@@ -299,7 +299,9 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         raise TkboxError(f"workspace {workspace} is not a directory")
     notes = []
     was = run.box.get("workspace_digest")  # compared in the version the original stated (tree_digest.py)
-    now = tree_digest(workspace, digest_version(was) or 2) if workspace is not None else None
+    policy = Policy.coerce(policy)  # its [workspace] exclude leaves out what the box will not be given
+    now = tree_digest(workspace, digest_version(was) or 2, policy.get("workspace", "exclude")) \
+        if workspace is not None else None
     if was != now:
         notes.append(f"the original started from workspace {was or 'none'}, this rerun from {now or 'none'}"
                      f"{f' ({workspace})' if workspace is not None else ''}: the audit reports it as different")

@@ -32,13 +32,21 @@ def digest_version(digest: object) -> int | None:
     return None
 
 
-def tree_digest(root: str | Path, version: int = 2) -> str:
-    """The tree under `root` in `version` 2 (the default) or 1 (to compare with a run that stated one)."""
+def tree_digest(root: str | Path, version: int = 2, exclude: list[str] | None = None) -> str:
+    """The tree under `root` in `version` 2 (the default) or 1 (to compare with a run that stated one), less the
+    paths `exclude` leaves out ([workspace] exclude: the digest is of what the box is given)."""
+    from .policy.workspace import excluded
     root = Path(root)
     h = hashlib.sha256(b"tkbox-tree-2\0" if version == 2 else b"tkbox-tree-1\0")
     try:
         entries = []
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=_raise):
+            if exclude:
+                rel_dir = os.path.relpath(dirpath, root)
+                keep = [n for n in dirnames + filenames
+                        if not excluded(exclude, n if rel_dir == "." else f"{rel_dir}/{n}")]
+                dirnames[:] = [n for n in dirnames if n in keep]
+                filenames = [n for n in filenames if n in keep]
             dirnames.sort()
             for name in dirnames + filenames:
                 entries.append(os.path.join(dirpath, name))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,9 +39,11 @@ def kernel_env(signer, tmp_path, monkeypatch):
 class Client:
     """A jupyter_client kernel with a few helpers; outputs are (msg_type, content) pairs, status messages left out."""
 
-    def __init__(self):
+    def __init__(self, cwd: str | Path | None = None):
+        """A kernel started in `cwd`, the notebook's folder (its box's workspace): by default a new empty one."""
+        self.cwd = Path(cwd) if cwd is not None else Path(tempfile.mkdtemp(prefix="tkbox-nb-folder-"))
         self.km = KernelManager(kernel_name="tkbox")
-        self.km.start_kernel()
+        self.km.start_kernel(cwd=str(self.cwd))
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
@@ -68,6 +71,8 @@ class Client:
         if self.km.has_kernel:
             self.kc.stop_channels()
             self.km.shutdown_kernel(now=False)
+        if self.cwd.name.startswith("tkbox-nb-folder-"):
+            shutil.rmtree(self.cwd, ignore_errors=True)
 
 
 @pytest.fixture
@@ -502,7 +507,9 @@ def test_nbclient_executes_a_notebook_with_this_kernel(kernel_env, tmp_path):
     nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("%box_status"), nbformat.v4.new_code_cell("n = 5\nn * 2"),
                 nbformat.v4.new_code_cell("print('done')"), nbformat.v4.new_code_cell("%box_view")]
-    NotebookClient(nb, timeout=120, kernel_name="tkbox").execute()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    NotebookClient(nb, timeout=120, kernel_name="tkbox", resources={"metadata": {"path": str(folder)}}).execute()
     assert nb.cells[1].outputs[0]["data"]["text/plain"] == "10"
     assert nb.cells[2].outputs[0]["text"] == "done\n"
     view = nb.cells[3].outputs[0]  # the static view of the run so far: this host kernel has no widgets
@@ -1032,8 +1039,8 @@ def test_an_honest_rerun_of_a_notebook_with_a_widget_box_bundle_and_box_view_is_
     r = run_cli("audit", str(original), str(tmp_path / "again.tkb"))
     assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT"), r.stdout
     assert "exec cells 2/2" in r.stdout and "host magics 0/0" in r.stdout, r.stdout
-    assert "not compared: host magics a rerun skips (%box_bundle, %box_restart, %box_view, %box_secret) 2/0, " \
-        "comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
+    assert "not compared: host magics a rerun skips (%box_bundle, %box_restart, %box_view, %box_secret, " \
+        "%box_push) 2/0, comm messages (widgets, from a frontend) 2/0" in r.stdout, r.stdout
     report = json.loads(run_cli("audit", str(original), str(tmp_path / "again.tkb"), "--json").stdout)
     assert report["not_compared"]["comm messages (widgets, from a frontend)"] == {"a": 2, "b": 0}
 

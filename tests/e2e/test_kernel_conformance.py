@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module", autouse=True)
 def tkbox_kernelspec(signer, tmp_path_factory):
     """The shipped kernelspec (kernels/tkbox) on JUPYTER_PATH; bundles of the kernels' boxes in a temp folder."""
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "TKBOX_BUNDLE_DIR")}
+    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "TKBOX_BUNDLE_DIR", "TKBOX_WORKSPACE")}
     os.environ["JUPYTER_PATH"] = str(ROOT)
+    os.environ["TKBOX_WORKSPACE"] = "none"  # the kernels start in the repository: their boxes need none of it
     os.environ["TKBOX_BUNDLE_DIR"] = str(tmp_path_factory.mktemp("bundles"))
     yield
     for k, v in saved.items():

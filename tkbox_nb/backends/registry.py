@@ -65,8 +65,10 @@ def get_backend(name: str, minimum: str = "namespace", jailer: bool = False) -> 
         if jailer and backend is not None and backend.name != "firecracker":
             raise TkboxError(f"the jailer was asked for but Firecracker cannot run here ({why[0]})")
         if backend is None:
-            raise TkboxError(f"no box with isolation >= {minimum!r} can start here ({'; '.join(why)}); bundles can "
-                             "still be read, verified, replayed and audited")
+            todo = "build the guest image (`tkbox image build`, docs/backends.md) or set [box] isolation = " \
+                "\"namespace\" in the policy; " if minimum == "vm" else ""
+            raise TkboxError(f"no box with isolation >= {minimum!r} can start here ({'; '.join(why)}): {todo}bundles "
+                             "can still be read, verified, replayed and audited")
         return backend
     known = candidates()
     if name not in known:

@@ -128,8 +128,10 @@ class PatchDoor:
                 return None
         return self._olds.get(path)
 
-    def collect(self, apply: str | None = None) -> Patch:
-        """Ask the box for its changes, decide and sign each file, apply the allowed ones if the mode says so."""
+    def collect(self, apply: str | None = None, only: frozenset[str] | None = None, again: bool = False) -> Patch:
+        """Ask the box for its changes, decide and sign each file, apply the allowed ones if the mode says so. `only`:
+        the files at those paths alone (the others are left undecided, for a later patch); `only` or `again`: each
+        decided again even if it was in an earlier patch unchanged (to apply what was reviewed)."""
         box = self.box
         policy = box.recorder.policy
         mode = apply or policy.get("patch", "apply")
@@ -155,9 +157,11 @@ class PatchDoor:
             raise TkboxError(f"the box has ended: {box.ended}") from None
         if body.get("error"):
             raise TkboxError(f"the box could not list its changes: {str(body['error'])[:200]}")
-        return self._decide_all(entries, mode)
+        if only is not None:
+            entries = [e for e in entries if e.path in only]
+        return self._decide_all(entries, mode, again or only is not None)
 
-    def _decide_all(self, entries: list[Entry], mode: str) -> Patch:
+    def _decide_all(self, entries: list[Entry], mode: str, again: bool = False) -> Patch:
         box, rec = self.box, self.box.recorder
         patch = Patch(mode=mode)
         seen: set[str] = set()
@@ -178,7 +182,7 @@ class PatchDoor:
         stated: list[tuple] = []  # (entry, digest, facts, content): no host file's bytes are kept
         for e in entries:
             digest = sha256_digest(e.content) if e.content is not None else None
-            if self.sent.get(e.path) == (e.op, digest):
+            if not again and self.sent.get(e.path) == (e.op, digest):
                 continue  # the same change as the last patch of this box: decided already
             facts: dict = {"path": e.path, "op": e.op, "type": e.type, "mode": e.mode, "size": e.size,
                            "index": index, "total_before": total, "rules": rules.RULES}

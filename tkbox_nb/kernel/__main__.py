@@ -16,9 +16,13 @@ SPAWN_WAIT_S = 0.3
 nb = None
 if os.environ.get("TKBOX_EARLY_BOX", "1") != "0" and ({"-f", "--connection-file"} & set(sys.argv[1:])
                                                        or any(a.startswith("--connection-file=") for a in sys.argv)):
-    nb = NotebookBox()
-    nb.start_early()
-    nb.wait_spawned(SPAWN_WAIT_S)
+    try:  # whatever the policy, image or signer, the kernel answers kernel_info: a box's failure is the cell's
+        nb = NotebookBox.for_kernel()
+        nb.start_early()
+        nb.wait_spawned(SPAWN_WAIT_S)
+    except Exception as e:
+        sys.stderr.write(f"[tkbox kernel] the box did not start early: {type(e).__name__}: {e}\n")
+        nb = None
 
 from .app import main  # noqa: E402  (after the box's start, on purpose)
 

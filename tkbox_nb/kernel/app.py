@@ -43,6 +43,7 @@ import zmq
 
 from .._version import __version__
 from ..box_messages import BoxMessage
+from ..box_refusals import Shown
 from ..errors import TkboxError
 from ..guest.jsession import Session
 from ..notebook_box import HostMagics, NotebookBox
@@ -87,7 +88,7 @@ class TkboxKernel:
         self.wake.bind(self.wake_url)
         self._wake_local = threading.local()
         self.from_box: queue.Queue = queue.Queue()
-        self.nb = nb or NotebookBox()
+        self.nb = nb or NotebookBox.for_kernel()
         self.stdin = Stdin(self)  # the host's prompt (%box_secret) and the box's, kept apart
         self.magics = HostMagics(self.nb, self.stdin.read_secret)
         self.cells = Cells(self)  # execute requests, one at a time, in order
@@ -105,6 +106,7 @@ class TkboxKernel:
         self.comms = CommGate(self)  # comms both ways: the box's ids are BoxKernel.comms, the host's host_comms
         self.host_comms = HostComms(self._publish_host_comm)
         self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
+        self.refusals_shown = Shown()  # refusals said in each cell: a flood is not shown as one
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -135,6 +137,14 @@ class TkboxKernel:
             return
         self.session.send(self.sockets[channel], msg_type, content, parent=parent, ident=idents,
                           metadata=metadata)
+
+    def show_refusal(self, line: str) -> None:
+        """A crossing refused while a cell runs (box_refusals.py; on a door's thread): shown in that cell as the
+        host's notice, the first few of each cell."""
+        cur, host = self.cells.current, self.parent
+        header = cur["header"] if cur is not None else host[1] if host is not None else None
+        if header is not None and (line := self.refusals_shown.admit(header.get("msg_id"), line)) is not None:
+            self.send("iopub", "display_data", host_notice([line]), header)
 
     def _publish_host_comm(self, msg_type: str, content: dict, metadata: dict, buffers: list) -> None:
         self.send("iopub", msg_type, content, self._comm_parent, metadata=metadata, buffers=buffers)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..box_messages import user_expressions_request
+from ..box_refusals import watch
 from ..errors import DoorRefused, TkboxError
 from ..notebook_box import split_host_magics
 from .box_wait import wait_for_box
@@ -155,13 +156,17 @@ class Cells:
                     return
                 k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
             box = k.nb.ensure_box()
+            if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (box_refusals.py);
+                # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
+                watch(box.recorder, k.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
             k.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:
             k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
         # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
-        sent = k.parents.into_box(dict(msg, content=dict(content, user_expressions=expressions)))  # as decided
+        # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed
+        sent = k.parents.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
         try:
             k._ensure_kernel(box)
             k.kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)

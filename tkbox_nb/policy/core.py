@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PolicyError
-from . import box, egress, host, models, mounts, patch, refusals, secrets, signer
+from . import box, egress, host, models, mounts, patch, refusals, secrets, signer, workspace
 from . import exec as exec_
 from .base import MAX_LIST, Verdict, tname
 
@@ -40,10 +40,11 @@ timeout_s = 600
 
 # the sections of plain keys: section -> {key: type}, and their defaults ([secrets] and [models] have tables)
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "box": box.SCHEMA, "exec": exec_.SCHEMA, "egress": egress.SCHEMA, "patch": patch.SCHEMA, "signer": signer.SCHEMA}
+    "box": box.SCHEMA, "exec": exec_.SCHEMA, "egress": egress.SCHEMA, "patch": patch.SCHEMA, "signer": signer.SCHEMA,
+    "workspace": workspace.SCHEMA}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": box.DEFAULTS, "exec": exec_.DEFAULTS, "egress": egress.DEFAULTS, "patch": patch.DEFAULTS,
-    "signer": signer.DEFAULTS}
+    "signer": signer.DEFAULTS, "workspace": workspace.DEFAULTS}
 _LATER: dict[str, str] = {}  # sections a later door will enforce (none now)
 
 
@@ -156,6 +157,8 @@ class Policy:
                 return f"[models.{name}] key"
         if self.data.get("signer", {}).get("url"):
             return "[signer]"
+        if self.data.get("workspace", {}).get("path") not in (None, "", "none"):
+            return "[workspace] path"
         return None
 
 
@@ -202,6 +205,7 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     egress.validate(out, name)
     patch.validate(out, name)
     exec_.validate(out, name)
+    workspace.validate(out, name)
     if "signer" in out:
         signer.validate(out["signer"], name)
     return out

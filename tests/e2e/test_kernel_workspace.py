@@ -1,0 +1,207 @@
+"""The notebook's folder is the box's workspace (docs/jupyter.md, "The notebook's folder"), and the kernel never dies
+for a box: real kernels through jupyter_client, started in a folder as every frontend starts them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tkbox_nb import open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.tree_digest import tree_digest
+
+from . import test_kernel
+from .test_kernel import Client, only_bundle
+
+kernel_env = test_kernel.kernel_env
+
+pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
+
+
+def test_a_box_cell_reads_a_file_of_the_notebook_s_folder_and_the_run_states_its_digest(kernel_env, tmp_path):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "data.csv").write_text("a,b\n1,2\n3,4\n")
+    c = Client(folder)
+    try:
+        reply, outs = c.run("import pandas as pd\nprint(pd.read_csv('data.csv').b.sum())")
+        assert reply["status"] == "ok", reply
+        assert ("stream", {"name": "stdout", "text": "6\n"}) in outs
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    assert run.box["workspace_digest"] == tree_digest(folder, exclude=[".tkbox", "*.tkb"])
+
+
+def test_the_workspace_leaves_out_what_a_user_expects_and_the_digest_leaves_it_out_too(kernel_env, tmp_path):
+    folder = tmp_path / "nb"
+    for rel in (".git/config", ".venv/bin/python", "node_modules/x/index.js", "sub/__pycache__/m.pyc",
+                ".ipynb_checkpoints/a-checkpoint.ipynb", "old.tkb", "sub/keep.py", "keep.txt"):
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text("x")
+    c = Client(folder)
+    try:
+        reply, outs = c.run("import os\nprint(sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in "
+                            "os.walk('.') for f in fs))")
+        assert reply["status"] == "ok", reply
+        assert ("stream", {"name": "stdout", "text": "['keep.txt', 'sub/keep.py']\n"}) in outs
+    finally:
+        c.stop()
+    kept = tmp_path / "kept"
+    (kept / "sub").mkdir(parents=True)
+    (kept / "keep.txt").write_text("x")
+    (kept / "sub" / "keep.py").write_text("x")
+    assert open_run(only_bundle(kernel_env)).box["workspace_digest"] == tree_digest(kept)
+
+
+def test_an_oversize_folder_refuses_the_box_in_one_line_naming_its_largest_entry_and_the_setting(kernel_env, tmp_path,
+                                                                                                monkeypatch):
+    folder = tmp_path / "nb"
+    (folder / "big").mkdir(parents=True)
+    (folder / "big" / "blob.bin").write_bytes(b"\0" * (3 << 20))
+    (folder / "small.txt").write_text("x")
+    policy = tmp_path / "p.toml"
+    policy.write_text("[workspace]\nmax_mib = 2\n")
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    c = Client(folder)
+    try:
+        reply, outs = c.run("print('never')")
+        assert reply["status"] == "error", reply
+        line = reply["evalue"]
+        assert "\n" not in line and "'big' 3 MiB" in line and "max_mib = 2" in line and "[mounts.NAME]" in line
+        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+        # TKBOX_WORKSPACE is not read by a running kernel; a policy naming an empty workspace starts the next box
+        reply, _ = c.run('%%box_policy\n[workspace]\npath = "none"\n')
+        reply, outs = c.run("import os; print(os.listdir('.'))")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "[]\n"}) in outs
+    finally:
+        c.stop()
+
+
+def test_a_vm_policy_without_an_image_answers_kernel_info_and_fails_the_first_cell_in_one_line(kernel_env, tmp_path,
+                                                                                             monkeypatch):
+    """Before, the box's backend was chosen before the kernel served anything: no backend for `isolation = "vm"`
+    raised there, the kernel died before kernel_info, and JupyterLab restarted it five times."""
+    policy = tmp_path / "vm.toml"
+    policy.write_text('[box]\nisolation = "vm"\n')
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    c = Client()  # wait_for_ready: kernel_info answered
+    try:
+        assert c.km.is_alive()
+        reply, outs = c.run("print('never')")
+        assert reply["status"] == "error", reply
+        line = reply["evalue"]
+        assert "\n" not in line and "isolation >= 'vm'" in line
+        assert "tkbox image build" in line and 'isolation = "namespace"' in line
+        reply, _ = c.run('%%box_policy\n[box]\nisolation = "namespace"\n')
+        reply, outs = c.run("print('now')")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
+    finally:
+        c.stop()
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_box_pull_brings_a_written_file_into_the_folder_now_and_refuses_bad_names_links_and_host_edits(kernel_env,
+                                                                                                     tmp_path):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "a.txt").write_text("v1\n")
+    (tmp_path / "outside.txt").write_text("untouched\n")
+    c = Client(folder)
+    try:
+        reply, _ = c.run("import os\nos.makedirs('res', exist_ok=True)\nopen('res/out.txt', 'w').write('42\\n')\n"
+                         "open('a.txt', 'w').write('box\\n')\nos.symlink('/etc/passwd', 'link')\n"
+                         "os.symlink('../../outside.txt', 'up')")
+        assert reply["status"] == "ok", reply
+        reply, outs = c.run("%box_pull res/out.txt")
+        assert reply["status"] == "ok", reply
+        assert ("stream", {"name": "stdout", "text": "res/out.txt: pulled (3 bytes), signed\n"}) in outs
+        assert (folder / "res" / "out.txt").read_text() == "42\n"
+
+        before = _tree(tmp_path)
+        reply, outs = c.run("%box_pull ../../etc/passwd")
+        assert reply["status"] == "error" and "\n" not in reply["evalue"], reply
+        assert "'../../etc/passwd': a '..' component in the path" in reply["evalue"]
+        assert "nothing moved" in reply["evalue"]
+        reply, outs = c.run("%box_pull link up")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert "link: refused by patch.type: a symlink is never applied (only regular files)" in text, text
+        assert "up: refused by patch.type" in text and "only regular files come back" in text
+        (folder / "a.txt").write_text("user\n")  # the user edits the file on the host meanwhile
+        before = _tree(tmp_path)
+        reply, outs = c.run("%box_pull a.txt")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert text == "a.txt: not written: the host file changed since the box started\n", text
+        assert _tree(tmp_path) == before  # nothing half-written, nothing outside the folder touched
+        assert (folder / "a.txt").read_text() == "user\n" and not (folder / "link").exists()
+    finally:
+        c.stop()
+
+
+def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(kernel_env, tmp_path):
+    import os
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    c = Client(folder)
+    try:
+        reply, _ = c.run("print(1)")
+        (folder / "new.csv").write_text("x\n1\n")
+        os.mkfifo(folder / "pipe")  # after the box started: a FIFO in the folder would stop its start, in one line
+        reply, outs = c.run("%box_push pipe new.csv")
+        assert reply["status"] == "error", reply
+        assert reply["evalue"] == "%box_push: 'pipe' is not a regular file (only files are pushed); nothing pushed"
+        reply, outs = c.run("%box_push new.csv")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout",
+                                                       "text": "new.csv: pushed (4 bytes), signed\n"}) in outs
+        reply, outs = c.run("print(open('new.csv').read().split())")
+        assert ("stream", {"name": "stdout", "text": "['x', '1']\n"}) in outs
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    pushed = [x for x in run.crossings() if x.door == "exec" and (x.args or {}).get("argv", [None])[0] == "python3"]
+    assert len(pushed) == 1 and pushed[0].decision == "allow" and pushed[0].args["argv"][3] == "new.csv"
+
+
+def test_box_patch_lists_each_file_s_decision_and_box_patch_apply_writes_the_allowed_ones(kernel_env, tmp_path):
+    """Before, a file listed by `%box_patch` (review) was not decided again, so no later patch could apply it."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    c = Client(folder)
+    try:
+        c.run("open('r.txt', 'w').write('r\\n'); open('.env', 'w').write('K=1\\n')")
+        reply, outs = c.run("%box_patch")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert [t for t, _ in outs] == ["stream"], outs  # each file said once, by the magic, not again as a notice
+        assert "r.txt  not applied: apply = review" in text and ".env  refused by patch.deny_default" in text, text
+        assert not (folder / "r.txt").exists()
+        reply, outs = c.run("%box_patch apply")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert "r.txt  applied" in text, text
+        assert (folder / "r.txt").read_text() == "r\n" and not (folder / ".env").exists()
+    finally:
+        c.stop()
+
+
+def test_a_kernel_s_bundles_go_beside_the_notebook_named_after_it_and_box_status_names_the_bundle(kernel_env,
+                                                                                                 tmp_path, monkeypatch):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    monkeypatch.delenv("TKBOX_BUNDLE_DIR")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(folder / "my analysis.ipynb"))
+    c = Client(folder)
+    try:
+        # the box gets the cell less its host magics (before, the whole cell: `%box_status` failed in the box)
+        reply, outs = c.run("%box_status\nprint(sorted(__import__('os').listdir('.')))")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert reply["status"] == "ok" and text.endswith("\n[]\n") and "UsageError" not in text, text
+        reply, outs = c.run("%box_status")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert f"its bundle at the end: {folder}/.tkbox/runs/my_analysis-" in text, text
+        assert f"folder   {folder}\n" in text
+    finally:
+        c.stop()
+    found = list((folder / ".tkbox" / "runs").glob("my_analysis-*.tkb"))
+    assert len(found) == 1 and open_run(found[0]).crossings()
