@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .. import scratch
@@ -127,20 +126,8 @@ class BwrapRunning(RunningBox):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.proc.wait(timeout=5)
-        if self.cgroup is not None:  # every process of the box, even ones that left bwrap's process group
-            for _ in range(50):
-                try:
-                    pids = [int(x) for x in (self.cgroup / "cgroup.procs").read_text().split()]
-                except OSError:
-                    break
-                if not pids:
-                    break
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.02)
-            with contextlib.suppress(OSError):
-                self.cgroup.rmdir()
+        # every process of the box, even ones that left bwrap's process group: killed by its pids cgroup's list
+        memory_limit.remove(self.cgroup)
         self._oom_kills = self.memory_kills()  # read before its cgroup goes: exit_reason names the limit after
         memory_limit.remove(self.memory_cgroup)
         self.memory_cgroup = None

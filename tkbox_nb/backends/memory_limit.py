@@ -116,7 +116,8 @@ def oom_kills(cg: Path | None) -> int:
 
 
 def remove(cg: Path | None) -> None:
-    """Kill what is left in the box's cgroup and remove it (also after a kill of bwrap, whose children may live)."""
+    """Kill what is left in a box's cgroup (its memory cgroup, or its pids cgroup) and remove it (also after a kill
+    of bwrap, whose children may live)."""
     if cg is None:
         return
     for _ in range(100):
