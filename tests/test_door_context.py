@@ -38,7 +38,7 @@ def used_of_the_box(path: Path) -> set[str]:
 
 def test_the_interface_is_what_the_doors_were_given():
     assert MEMBERS == {"box_id", "policy", "bindings", "ca", "workspace", "recorder", "conn", "ended",
-                       "fail_closed", "exchange"}
+                       "fail_closed", "exchange", "memory_kills"}
 
 
 @pytest.mark.parametrize("door", DOORS)

@@ -303,6 +303,9 @@ class Box:
         if self.running is not None:
             self.running.kill()
 
+    def memory_kills(self) -> int:
+        return self.running.memory_kills() if self.running is not None else 0
+
     def _log_tail(self) -> str:
         tail = getattr(self.running, "log_tail", lambda: "")()
         return tail.strip().splitlines()[-1][:300] if tail.strip() else "no output"

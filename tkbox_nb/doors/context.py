@@ -38,6 +38,10 @@ class DoorContext(Protocol):
         """End the box now; `reason` becomes the run's last word. What a door does on a protocol violation or a
         lost signer: a door never carries on for a box it cannot trust or sign for."""
 
+    def memory_kills(self) -> int:
+        """How many of the box's processes the host has killed for its memory limit (the host's count, never the
+        box's word): a command's result says `killed_by` only when this grew while it ran."""
+
     def exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
                  stdin: bytes | None = None) -> dict:
         """Open one stream to the box for `request`, send `stdin`, and collect its answer until the box closes the

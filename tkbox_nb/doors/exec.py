@@ -72,7 +72,7 @@ class ExecDoor:
         out = {p.CH_STDOUT: bytearray(), p.CH_STDERR: bytearray()}
         request = {"kind": "command", "argv": list(argv), **({"cwd": cwd} if cwd is not None else {}),
                    **({"env": dict(env)} if env else {})}
-        kills = box.running.memory_kills()
+        kills = box.memory_kills()
         body = box.exchange(request, timeout, lambda ch, data: _append(out, ch, data, limit), stdin)
         code = body.get("exit_code")
         if not isinstance(code, int) or isinstance(code, bool) or not EXIT_MIN <= code <= EXIT_MAX:
@@ -81,7 +81,7 @@ class ExecDoor:
             raise BoxEnded(f"the box has ended: {box.ended}")
         stdout, stderr = bytes(out[p.CH_STDOUT]), bytes(out[p.CH_STDERR])
         result: dict[str, Any] = {"exit_code": code}
-        if code < 0 and box.running.memory_kills() > kills:  # the host's count, never the box's word
+        if code < 0 and box.memory_kills() > kills:  # the host's count, never the box's word
             result["killed_by"] = "memory limit"
         if not box.recorder.complete(crossing, "ok" if code == 0 else "error", result,
                                      {"stdout": stdout, "stderr": stderr}):
