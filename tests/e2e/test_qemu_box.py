@@ -262,7 +262,7 @@ def test_model_calls_leave_the_vm_through_the_model_door(signer, qemu_image, tmp
         pytest.skip(available()[1])
     from .test_models import OPENAI_KEY, Upstream, models_policy
     monkeypatch.setenv("TKB_TEST_OPENAI_KEY", OPENAI_KEY)
-    monkeypatch.setenv("TKB_TEST_ANTHROPIC_KEY", "unused")
+    monkeypatch.setenv("TKB_TEST_ANTHROPIC_KEY", "unused-anthropic-key")
     with NamespaceNet(index=22) as net:
         upstream = Upstream(net)
         try:
