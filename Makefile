@@ -33,7 +33,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(PY) -m tkbox_nb.demo
+	$(PY) -m tkbox_nb.cli.demo
 
 bench: venv
 	$(PY) -m bench

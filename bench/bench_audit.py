@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.signing.signer import MachineSigner
 
 BOX = {"backend": "none", "isolation": "none", "image_digest": "none"}
 
@@ -70,9 +70,9 @@ def _time(fn) -> float:
 
 
 def main(n: int | None = None) -> None:
-    from tkbox_nb.audit import audit
-    from tkbox_nb.audit_tolerance import numbers_equal
-    from tkbox_nb.run import open_run
+    from tkbox_nb.audit.compare import audit
+    from tkbox_nb.audit.tolerance import numbers_equal
+    from tkbox_nb.bundle.read_back import open_run
     n = n or 500
     home = Path(tempfile.mkdtemp(prefix="tkb-bench-", dir="/tmp"))
     signer = MachineSigner(home).ensure()

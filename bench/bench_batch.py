@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tkbox_nb.batch import run_batch
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.audit.batch import run_batch
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.signing.signer import MachineSigner
 
 RUNS = 10
 
@@ -32,9 +32,9 @@ def _record(home: Path, out: Path, i: int) -> Path:
 
 
 def _warm() -> None:
-    import tkbox_nb.box  # noqa: F401
-    import tkbox_nb.replay  # noqa: F401
-    import tkbox_nb.verify  # noqa: F401
+    import tkbox_nb.box.box  # noqa: F401
+    import tkbox_nb.audit.replay  # noqa: F401
+    import tkbox_nb.bundle.verify  # noqa: F401
 
 
 def _batch(bundles: list[Path], out_dir: Path, workers: int) -> tuple[float, list]:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from tkbox_nb import Box, Policy
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.signer import MachineSigner
 
 from .bench_kernel import _round_trips
 

@@ -1,5 +1,5 @@
 """One large download through the egress door against the same download without it, and 100 concurrent
-connections through the door. Needs root (a network namespace for the server, tkbox_nb.testnet).
+connections through the door. Needs root (a network namespace for the server, testnet).
 
 Both downloads read the same file from the same server in the same run: directly from the host, and from inside a
 bubblewrap box through the forwarder, the door stream and the door (one signed decision, one signed end).
@@ -16,8 +16,8 @@ import urllib.request
 from pathlib import Path
 
 from tkbox_nb import Box, Policy
-from tkbox_nb.signer import MachineSigner
-from tkbox_nb.testnet import NamespaceNet, available
+from tkbox_nb.signing.signer import MachineSigner
+from tests.testnet import NamespaceNet, available
 
 SIZE_MB = 200
 ROUNDS = 9

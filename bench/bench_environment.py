@@ -1,4 +1,4 @@
-"""What recording a bubblewrap box's environment (environment.py) costs a box start.
+"""What recording a bubblewrap box's environment (bundle/environment.py) costs a box start.
 
 Three figures, each against its baseline in the same run: the manifest computed cold (an empty cache: every RECORD
 read) and warm (the cache read after stat-ing the site and dist-info directories), both in milliseconds, the warm
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tkbox_nb import Box
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.environment import box_environment, manifest
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.bundle.environment import box_environment, manifest
+from tkbox_nb.signing.signer import MachineSigner
 
 
 class _NoEnvironment(BwrapBackend):

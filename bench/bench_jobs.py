@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.signer import MachineSigner
 
 SMALL, BIG = (int(x) for x in os.environ.get("TKBOX_BENCH_PRIOR", "1000,100000").split(","))
 JOBS = 7
@@ -73,7 +73,7 @@ def _env(home: Path) -> dict:
 
 def _box_figures(home: Path, n: int) -> tuple[list[float], list[float]]:
     """(start to first result, start to bundle written) of `n` in-process boxes."""
-    from tkbox_nb.box import Box
+    from tkbox_nb.box.box import Box
     first, whole = [], []
     os.environ["TKBOX_HOME"] = str(home)
     for i in range(n + 1):
@@ -90,7 +90,7 @@ def _box_figures(home: Path, n: int) -> tuple[list[float], list[float]]:
 def _export_figures(home: Path, n: int) -> list[float]:
     """Seconds to export one closed run whose checkpoint has come: the part of a job that read the signer's history."""
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.signing.recorder import RunRecorder
     signer = MachineSigner(home)
     rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
     c = rec.decide("exec", "command", {"argv": ["true"]})

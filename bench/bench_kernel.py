@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import tkbox_nb
-from tkbox_nb.kernel.install import SPEC_DIR
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.jupyter.kernel.install import SPEC_DIR
+from tkbox_nb.signing.signer import MachineSigner
 
 
 FIRST_STARTS = 7

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tkbox_nb import Box, open_run
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.signer import MachineSigner
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.signing.signer import MachineSigner
+from tkbox_nb.bundle.verify import verify_bundle
 
 
 def _count(bundle: Path, door: str, kind: str) -> tuple[int, int]:
@@ -74,7 +74,7 @@ def _egress(home: Path, connections: int) -> str:
     """`connections` HTTP requests at once from one box through the egress door: each one signed decision and one
     signed end, none lost, the bundle verifying."""
     from bench.bench_egress import CONCURRENT
-    from tkbox_nb.testnet import NamespaceNet, available
+    from tests.testnet import NamespaceNet, available
     ok, why = available()
     if not ok:
         return f"{connections} concurrent egress connections: skipped ({why})"
@@ -103,7 +103,7 @@ def _long_run(home: Path, n: int) -> str:
         rec.complete(c, "ok", {"exit_code": 0}, {"stdout": f"{i}\n".encode()})
     record = time.perf_counter() - t
     rec.close("bench done")
-    from tkbox_nb.errors import BundleError
+    from tkbox_nb.core.errors import BundleError
     try:
         bundle = rec.write_bundle(home / "long.tkb")
     except BundleError as e:  # past what one Tracekit bundle can hold: said, never an unreadable file
@@ -113,7 +113,7 @@ def _long_run(home: Path, n: int) -> str:
     run = open_run(bundle)
     df = run.to_dataframe()
     view = time.perf_counter() - t
-    from tkbox_nb.widgets import static_html
+    from tkbox_nb.jupyter.run_view import static_html
     t = time.perf_counter()
     static_html(run)
     html = time.perf_counter() - t

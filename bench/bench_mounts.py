@@ -56,8 +56,8 @@ def _start(home: Path, policy: str) -> float:
 
 
 def main(n: int | None = None) -> None:
-    from tkbox_nb.mount_digest import digest, scan
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.bundle.mount_digest import digest, scan
+    from tkbox_nb.signing.signer import MachineSigner
     rounds = n or 5
     mib = int(os.environ.get("TKBOX_BENCH_MOUNT_MIB", "200"))
     files = int(os.environ.get("TKBOX_BENCH_MOUNT_FILES", "2000"))

@@ -39,9 +39,9 @@ def _copy(src: Path, work: Path) -> float:
 
 
 def _host_work(wire: bytes, work: Path) -> float:
-    from tkbox_nb.doors.patch_reader import PatchReader
+    from tkbox_nb.rules.patch_reader import PatchReader
     from tkbox_nb.policy import Policy
-    from tkbox_nb.workspace_writer import FileChange, apply_changes
+    from tkbox_nb.doors.workspace_writer import FileChange, apply_changes
     policy = Policy.default()
     dst = work / "applied"
     dst.mkdir()
@@ -101,7 +101,7 @@ def main(n: int | None = None) -> None:
         home = work / "home"
         door = _door(home, work)
         copy2 = _copy(src, work)
-        from tkbox_nb.signer import MachineSigner
+        from tkbox_nb.signing.signer import MachineSigner
         fsync, sign = _floors(MachineSigner(home).data_dir / "store")
         floor = FILES * 2 * (fsync / IN_FLIGHT + sign)
         print(f"  the whole door from a box (guest lists and sends, host parses, decides, signs "

@@ -4,7 +4,7 @@
 - 1 in flight: one crossing at a time (decide + complete), as a door that waits for each; the peer is Tracekit's
   client doing the same with the same argument size.
 - 16 in flight: `RunRecorder.decide_many` / `complete_many`, as the patch door does, so the signer's writer can put
-  several records under one fsync (tkbox_nb/signer_lanes.py); the peer is 16 threads, each with a Tracekit client
+  several records under one fsync (tkbox_nb/signing/lanes.py); the peer is 16 threads, each with a Tracekit client
   of its own, on one run.
 - Floors, measured here: fsync (a small append and fdatasync in the signer's store directory) and Ed25519 signing
   per record, two records a crossing: 1 / (2 (fsync + sign)) one at a time, 1 / (2 (fsync / 16 + sign)) when one
@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.signer import MachineSigner
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.signing.signer import MachineSigner
+from tkbox_nb.bundle.verify import verify_bundle
 
 IN_FLIGHT = 16
 RESULT = {"status": "ok", "exit_code": 0, "stdout": "sha256:" + "0" * 64, "stdout_size": 4}

@@ -23,7 +23,7 @@ def _load_targets(instrument: bool):
     if instrument:
         import atheris
         with atheris.instrument_imports(include=INSTRUMENT):
-            import tracekit.format.canon  # noqa: F401  (imported lazily by tkbox_nb.verify)
+            import tracekit.format.canon  # noqa: F401  (imported lazily by tkbox_nb.bundle.verify)
             import tracekit.verify.v2  # noqa: F401
             from fuzz.targets import TARGETS
     else:

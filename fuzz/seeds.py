@@ -107,7 +107,7 @@ def _u32(n: int) -> bytes:
 
 def frames() -> list[bytes]:
     """Byte streams a guest really sends: hello, a command's output and exit, an egress stream, kernel messages."""
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     hello = p.encode_json(p.OPEN, 2, {"kind": "hello", "pid": 7, "python": "3.11.7"}) + p.encode(p.CLOSE, 2)
     command = (p.encode(p.DATA, 1, b"\x01out\n") + p.encode(p.DATA, 1, b"\x02err\n")
                + p.encode(p.WINDOW, 1, _u32(1 << 18)) + p.encode_json(p.CLOSE, 1, {"exit_code": 0}))
@@ -118,7 +118,7 @@ def frames() -> list[bytes]:
 
 
 def messages() -> list[bytes]:
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     return [b"".join(p.encode_message(m) for m in KERNEL_MESSAGES[i:i + 3]) for i in range(0, len(KERNEL_MESSAGES), 3)]
 
 
@@ -128,8 +128,8 @@ def make_seed_bundle(out_dir: Path = CORPUS) -> Path:
     import os
 
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.recorder import RunRecorder
+    from tkbox_nb.signing.signer import MachineSigner
     home = Path(tempfile.mkdtemp(prefix="tkfz-", dir="/tmp"))
     old = os.environ.get("TKBOX_HOME")
     os.environ["TKBOX_HOME"] = str(home)
@@ -165,7 +165,7 @@ def make_seed_bundle(out_dir: Path = CORPUS) -> Path:
     return out_dir / "seed.tkb"
 
 
-# -- kernel images (tkbox_nb/backends/kernel_image.py): a tiny vmlinux, wrapped in a bzImage, compressed each way ------
+# -- kernel images (tkbox_nb/backends/linux_kernel.py): a tiny vmlinux, wrapped in a bzImage, compressed each way ------
 KERNEL_BASE = 0x1000000  # where Linux's x86-64 vmlinux loads (CONFIG_PHYSICAL_START)
 COMPRESSIONS = ("gzip", "xz", "lzma", "lz4", "zstd")
 

@@ -27,29 +27,29 @@ import h11
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from tkbox_nb import protocol as p
-from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux
-from tkbox_nb.box_messages import check_box_message, names_host_magic
-from tkbox_nb.box_outputs import ALLOWED as ALLOWED_MIME
-from tkbox_nb.box_outputs import BOX_PROMPT
-from tkbox_nb.box_widgets import HTML_WIDGETS, LINK_MODELS, OUTPUT_WIDGETS, model_keys, widget_kind
-from tkbox_nb.bundle import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
-from tkbox_nb.doors.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
-from tkbox_nb.doors.box_ca import BoxCA
-from tkbox_nb.doors.client_hello import ClientHelloReader, HelloError, TunnelGate
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.backends.linux_kernel import ElfInfo, KernelImageError, elf_info, extract_vmlinux
+from tkbox_nb.rules.jupyter_messages import check_box_message, names_host_magic
+from tkbox_nb.rules.output_sanitiser import ALLOWED as ALLOWED_MIME
+from tkbox_nb.rules.output_sanitiser import BOX_PROMPT
+from tkbox_nb.rules.widget_state import HTML_WIDGETS, LINK_MODELS, OUTPUT_WIDGETS, model_keys, widget_kind
+from tkbox_nb.bundle.archive import MAX_ENTRY, MAX_TOTAL, check_name, parse, read_entries
+from tkbox_nb.rules.addresses import classify, embedded_ipv4, parse_ip_literal, refused_name
+from tkbox_nb.rules.box_ca import BoxCA
+from tkbox_nb.rules.client_hello import ClientHelloReader, HelloError, TunnelGate
 from tkbox_nb.doors.egress import MAX_ADDRESSES, REASONS, stated_facts
-from tkbox_nb.doors.hostnames import MAX_NAME, HostError, check_host
+from tkbox_nb.rules.hostnames import MAX_NAME, HostError, check_host
 from tkbox_nb.doors.intercept import Refused, bound_target, end_to_end, for_the_connect_host, read_request
 from tkbox_nb.guest import vm
-from tkbox_nb.doors.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
-from tkbox_nb.doors.secrets import Binding, Scrubber, encoded_forms, host_matches, misuses_in, rewrite_request
-from tkbox_nb.errors import BundleError, PolicyError, TkboxError
+from tkbox_nb.rules.proxy_request import HOP_BY_HOP, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.rules.secrets import Binding, Scrubber, encoded_forms, host_matches, misuses_in, rewrite_request
+from tkbox_nb.core.errors import BundleError, PolicyError, TkboxError
 from tkbox_nb.guest.agent import command_request
 from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
-from tkbox_nb.audit import _facts, _sanitize, parse_sanitizers
-from tkbox_nb.replay import to_notebook
-from tkbox_nb.run import Run
-from tkbox_nb.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
+from tkbox_nb.audit.compare import _facts, _sanitize, parse_sanitizers
+from tkbox_nb.audit.replay import to_notebook
+from tkbox_nb.bundle.read_back import Run
+from tkbox_nb.bundle.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
 
 from . import seeds
 
@@ -586,7 +586,7 @@ def secrets_echo(data: bytes) -> None:
     with text around it escaped the same way, in any chunking: every byte of the echoed value is starred, and the
     stream keeps its length."""
     from fuzz.echoes import ECHOES, PAIRS, mixed
-    from tkbox_nb.doors.secrets import value_problem
+    from tkbox_nb.rules.secrets import value_problem
     inp = Input(data)
     value = _echo_text(inp, inp.byte() % 18 + 7).strip() or "x"
     if value_problem(value):
@@ -619,9 +619,9 @@ def model_fetches(data: bytes) -> None:
     call's facts: never an exception; at most MAX_FETCHES entries and the cut; each entry JSON; a `data:` URL never
     listed; under `server_tools = "refuse"` any entry refuses the call, and under `"egress"` with `allow = ["*:*"]`
     no URL naming an always-refused name or address passes."""
-    from tkbox_nb.doors.addresses import refused_name
-    from tkbox_nb.doors.hostnames import HostError
-    from tkbox_nb.doors.model_fetches import MAX_FETCHES, provider_fetches
+    from tkbox_nb.rules.addresses import refused_name
+    from tkbox_nb.rules.hostnames import HostError
+    from tkbox_nb.rules.model_fetches import MAX_FETCHES, provider_fetches
     from tkbox_nb.guest.protocol import loads_one_reading
     mode, text = (data[:1] or b"\0")[0] % 2, data[1:]
     try:
@@ -1077,8 +1077,8 @@ def patch_stream(data: bytes) -> None:
     """The patch door's reader, then Policy.decide on each entry as the door states it: entries or ProtocolError,
     content kept only up to the limit, bytes counted against the stream cap; every entry gets a verdict (never an
     exception), and a path the always-rules refuse is never allowed."""
-    from tkbox_nb.doors import patch_rules
-    from tkbox_nb.doors.patch_reader import PatchReader
+    from tkbox_nb.rules import patch_rules
+    from tkbox_nb.rules.patch_reader import PatchReader
     from tkbox_nb.policy import Policy
     inp = Input(data)
     step, body = _step(inp.byte()), inp.rest()
@@ -1222,7 +1222,7 @@ def go_message(data: bytes) -> None:
 
 
 def _environment_seeds() -> list[bytes]:
-    from tkbox_nb import environment as env
+    from tkbox_nb.bundle import environment as env
     part = {"interpreter": {"implementation": "cpython", "version": "3.11.7", "platform": "linux-x86_64",
                             "executable": "/usr/bin/python3"}, "paths": ["/usr/lib/python3/dist-packages"],
             "distributions": [{"name": "pandas", "version": "1.5.3", "location": "/usr/lib/python3/dist-packages",
@@ -1238,7 +1238,7 @@ def _environment_seeds() -> list[bytes]:
 def environment_manifest(data: bytes) -> None:
     """environment.parse on any bytes (a bundle's disclosed manifest): a manifest or ValueError; what it accepts,
     rows() and summary() read without raising, every row's fields strings."""
-    from tkbox_nb import environment as env
+    from tkbox_nb.bundle import environment as env
     try:
         m = env.parse(data)
     except ValueError:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tkbox_nb import protocol as p
-from tkbox_nb.doors.box_ca import BoxCA
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.rules.box_ca import BoxCA
 from tkbox_nb.doors.egress import EgressDoor
-from tkbox_nb.doors.proxy_request import ProxyRequest
-from tkbox_nb.doors.secrets import Binding
+from tkbox_nb.rules.proxy_request import ProxyRequest
+from tkbox_nb.rules.secrets import Binding
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import Crossing, sha256_digest
+from tkbox_nb.signing.recorder import Crossing, sha256_digest
 
 HOST = "api.tkb.test"
 VALUE = "sk-live-REALSECRETVALUE-0123456789abcdef"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.signing.signer import MachineSigner
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -82,7 +82,7 @@ def tamper_content(src: Path, out: Path) -> Path:
     import hashlib
     import json
 
-    from tkbox_nb.bundle import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
     files = read_bundle_file(src)
     lines = files["box/content-0001.jsonl"].split(b"\n")
     item = json.loads(lines[0])

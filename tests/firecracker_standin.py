@@ -126,7 +126,7 @@ class Vmm:
         return None
 
     def boot(self) -> str | None:
-        from tkbox_nb.backends.kernel_image import KernelImageError, elf_info
+        from tkbox_nb.backends.linux_kernel import KernelImageError, elf_info
         boot = self.config.get("boot")
         if boot is None:
             return "Cannot start microvm without kernel configuration."

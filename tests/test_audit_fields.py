@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tkbox_nb.audit import audit
+from tkbox_nb.audit.compare import audit
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
+from tkbox_nb.signing.recorder import RunRecorder
 
 # two contents whose SHA-256 share the first 12 hex digits (found by brute force): what the audit used to compare
 SAME12 = (b"m16745892\n", b"m27994257\n")

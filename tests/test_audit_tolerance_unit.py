@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tkbox_nb.audit_conventions import IGNORE, SKIP, marks
-from tkbox_nb.audit_tolerance import Tolerance, numbers_equal
-from tkbox_nb.errors import TkboxError
+from tkbox_nb.audit.conventions import IGNORE, SKIP, marks
+from tkbox_nb.audit.tolerance import Tolerance, numbers_equal
+from tkbox_nb.core.errors import TkboxError
 
 
 @pytest.mark.parametrize("a,b,rtol,atol,equal", [
@@ -55,7 +55,7 @@ def test_nbval_marks_are_read_as_nbval_reads_them():
 
 
 def test_a_batch_refuses_a_bad_tolerance_before_any_rerun(tmp_path):
-    from tkbox_nb.batch import run_batch
+    from tkbox_nb.audit.batch import run_batch
     with pytest.raises(TkboxError, match="--rtol -1.0: a tolerance is a finite number"):
         run_batch([str(tmp_path / "a.tkb")], tmp_path / "out", tolerance={"rtol": -1.0})
 
@@ -65,7 +65,7 @@ def test_cutting_the_common_start_and_end_never_changes_the_answer(monkeypatch):
     with the cut window made tiny so it cuts everywhere it may, its answer is the uncut comparison's."""
     import random
 
-    import tkbox_nb.audit_tolerance as tol
+    import tkbox_nb.audit.tolerance as tol
     rng = random.Random(7)
     pieces = ["1", "2", ".", " ", "  ", "\n", "e", "-", "a", "1.5", "0.30000000000000004", "\t", "1.5000001"]
     pairs = []

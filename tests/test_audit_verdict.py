@@ -1,4 +1,4 @@
-"""The audit as a signed run (audit_verdict.py): `tkbox audit A B --sign -o verdict.tkb` writes a run that both
+"""The audit as a signed run (audit/verdict.py): `tkbox audit A B --sign -o verdict.tkb` writes a run that both
 verifiers accept, `tkbox show` names the verdict and the two runs, `tkbox verify --inputs A B [--reaudit]` checks it
 against the very bundles, and a verdict whose disclosed report was altered is refused."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 from conftest import VENV_BIN, record_run, run_cli, tamper_content
 
-from tkbox_nb.audit_verdict import read
-from tkbox_nb.run import open_run
+from tkbox_nb.audit.verdict import read
+from tkbox_nb.bundle.read_back import open_run
 
 
 def test_a_signed_verdict_verifies_names_its_runs_and_checks_against_them(signer, tmp_path):
@@ -43,7 +43,7 @@ def _forge(src, out, old: bytes, new: bytes):
     """A copy of `src` with `old` replaced by `new` in its disclosures, the manifest recomputed (a forger's best)."""
     import hashlib
 
-    from tkbox_nb.bundle import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
     files = read_bundle_file(src)
     names = [n for n in files if n.startswith("box/disclosures") and old in files[n]]
     assert names

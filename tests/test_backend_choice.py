@@ -8,7 +8,7 @@ from tkbox_nb import Policy
 from tkbox_nb.backends import image, initramfs
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.backends.registry import choose_backend, get_backend
-from tkbox_nb.errors import PolicyError, TkboxError
+from tkbox_nb.core.errors import PolicyError, TkboxError
 
 from conftest import run_cli
 

@@ -1,5 +1,5 @@
-"""The pure parts of `tkbox rerun --many` (tkbox_nb/batch.py): scheduler addresses, rerun paths, exit status and the
-report, whose text comes partly from the bundles (cell code and outputs: hostile)."""
+"""The pure parts of `tkbox rerun --many` (tkbox_nb/audit/batch.py): scheduler addresses, rerun paths, exit status and
+the report, whose text comes partly from the bundles (cell code and outputs: hostile)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from tkbox_nb.atomic_file import write_atomic
-from tkbox_nb.batch import BatchResult, exit_code, html_report, rerun_path, scheduler_address, table
-from tkbox_nb.errors import TkboxError
+from tkbox_nb.core.atomic_file import write_atomic
+from tkbox_nb.audit.batch import BatchResult, exit_code, html_report, rerun_path, scheduler_address, table
+from tkbox_nb.core.errors import TkboxError
 
 
 def test_scheduler_addresses_are_read_strictly():
@@ -63,7 +63,7 @@ def test_only_the_scratch_of_dead_workers_is_swept(tmp_path):
     import subprocess
     import sys
 
-    from tkbox_nb.batch import SCRATCH_PREFIX, sweep_scratch
+    from tkbox_nb.audit.batch import SCRATCH_PREFIX, sweep_scratch
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     gone, live, other = (tmp_path / f"{SCRATCH_PREFIX}{dead.pid}-a", tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-b",

@@ -11,10 +11,10 @@ import pytest
 from cryptography import x509
 
 from fuzz.targets import box_ca_leaf, tls_accepts
-from tkbox_nb.doors.box_ca import BoxCA
-from tkbox_nb.doors.hostnames import host_pattern_matches
-from tkbox_nb.doors.secrets import Binding, rewrite_request
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.rules.box_ca import BoxCA
+from tkbox_nb.rules.hostnames import host_pattern_matches
+from tkbox_nb.rules.secrets import Binding, rewrite_request
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
 
 
@@ -103,8 +103,8 @@ def test_the_fuzz_target_holds_for_every_kind_of_bound_host(host):
 
 def test_a_notebook_secret_bound_to_a_host_that_spells_no_address_is_one_error():
     """%box_secret checks its --host values as the policy checks hosts, before asking for the value."""
-    from tkbox_nb.errors import TkboxError
-    from tkbox_nb.notebook_box import HostMagics
+    from tkbox_nb.core.errors import TkboxError
+    from tkbox_nb.box.notebook_box import HostMagics
     asked = []
     with pytest.raises(TkboxError, match=r"^%box_secret: --host '1\.2\.3\.256': .*looks like an IP address"):
         HostMagics(None, asked.append).run("box_secret", "T --host api.example.org --host 1.2.3.256")
@@ -182,8 +182,8 @@ def test_a_request_for_another_host_is_answered_400_and_signed_and_nothing_goes_
 def test_a_secret_name_that_is_no_variable_or_one_the_box_sets_is_one_error(name, why):
     """`A=B` made every later box fail (bwrap --setenv) until a restart; PATH, a proxy, the CA bundle or TKBOX_*
     would silently override the box's own environment. Refused by %box_secret and the policy alike, in one line."""
-    from tkbox_nb.errors import TkboxError
-    from tkbox_nb.notebook_box import HostMagics
+    from tkbox_nb.core.errors import TkboxError
+    from tkbox_nb.box.notebook_box import HostMagics
     asked = []
     with pytest.raises(TkboxError, match=rf"^%box_secret: .*{why}") as e:
         HostMagics(None, asked.append).run("box_secret", f"'{name}' --host api.example.org --env HOME")
@@ -195,7 +195,7 @@ def test_a_secret_name_that_is_no_variable_or_one_the_box_sets_is_one_error(name
 
 
 def test_every_variable_the_box_sets_is_refused_as_a_secret_name_but_its_dummy_api_keys():
-    from tkbox_nb.box import egress_env
+    from tkbox_nb.box.box import egress_env
     from tkbox_nb.doors.model import box_env
     from tkbox_nb.policy.secrets import name_error
     names = set(egress_env()) | set(box_env()) | {"PATH", "HOME", "LANG", "USER", "PYTHONPATH",
@@ -215,8 +215,8 @@ def test_a_loader_or_interpreter_start_variable_is_refused_as_a_secret_name_in_o
     """A binding puts its placeholder in every process of the box: as LD_PRELOAD every process failed to load it (and
     a host value would be a library path), as PYTHONSTARTUP or PYTHONHOME every Python started from it. Refused by
     %box_secret and [secrets.NAME] alike, as the names the box sets itself are."""
-    from tkbox_nb.errors import TkboxError
-    from tkbox_nb.notebook_box import HostMagics
+    from tkbox_nb.core.errors import TkboxError
+    from tkbox_nb.box.notebook_box import HostMagics
     asked = []
     why = "steers how every process in the box starts"
     with pytest.raises(TkboxError, match=rf"^%box_secret: '{name}': {name} {why}") as e:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkbox_nb.box_kernel import BoxKernel
-from tkbox_nb.box_messages import check_box_message
-from tkbox_nb.protocol import MessageReader, ProtocolError, encode_message
+from tkbox_nb.doors.cell import BoxKernel
+from tkbox_nb.rules.jupyter_messages import check_box_message
+from tkbox_nb.guest.protocol import MessageReader, ProtocolError, encode_message
 
 HEADER = {"msg_id": "m1", "msg_type": "display_data", "session": "s", "username": "u", "date": "2026-12-01T00:00:00Z",
           "version": "5.3"}
@@ -404,7 +404,7 @@ def test_user_expressions_and_shell_replies_from_the_box_are_rebuilt_from_an_all
 
 
 def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
-    from tkbox_nb.kernel.relay import Parents, rebuilt
+    from tkbox_nb.jupyter.kernel.relay import Parents, rebuilt
     parents = Parents(limit=2)
     request = {"msg_id": "req", "msg_type": "execute_request", "session": "front", "date": "2026-12-01T00:00:00Z"}
     sent = parents.into_box({"header": request, "parent_header": {"msg_id": "x"}, "content": {"code": "1"}})
@@ -441,8 +441,8 @@ def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
 
 
 def test_user_expressions_asked_are_read_strictly_with_limits():
-    from tkbox_nb.box_messages import MAX_EXPRESSION_CHARS, MAX_USER_EXPRESSIONS, user_expressions_request
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.rules.jupyter_messages import MAX_EXPRESSION_CHARS, MAX_USER_EXPRESSIONS, user_expressions_request
+    from tkbox_nb.core.errors import TkboxError
     assert user_expressions_request(None) == {} and user_expressions_request({}) == {}
     assert user_expressions_request({"a": "1+1"}) == {"a": "1+1"}
     user_expressions_request({f"k{i}": "x" for i in range(MAX_USER_EXPRESSIONS)})
@@ -454,7 +454,7 @@ def test_user_expressions_asked_are_read_strictly_with_limits():
 
 
 def test_late_outputs_are_held_per_cell_within_their_caps_and_drops_counted():
-    from tkbox_nb.box_late import LateOutputs
+    from tkbox_nb.rules.late_outputs import LateOutputs
     late = LateOutputs(cell_messages=3, cell_bytes=100, box_messages=5)
     assert not late.add("unknown", "x", 1)  # names no ended cell
     late.cell_ended("a", 7)
@@ -518,7 +518,7 @@ def test_the_widget_key_table_is_ipywidgets_own():
     (its Widget subclasses' traits with sync=True, by `_model_name`), links left out."""
     from ipywidgets.widgets.widget import Widget
 
-    from tkbox_nb.box_widgets import KEYS, LINK_MODELS, STANDARD_MODULES
+    from tkbox_nb.rules.widget_state import KEYS, LINK_MODELS, STANDARD_MODULES
 
     def subclasses(cls):
         for sub in cls.__subclasses__():

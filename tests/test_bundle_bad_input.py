@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import record_run, run_cli
 
-from tkbox_nb.bundle import read_bundle_file, write_zip
+from tkbox_nb.bundle.archive import read_bundle_file, write_zip
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_box_manifest_end_reason_that_disagrees_with_the_signed_stop_is_invalid(
 def _rerun_bundle(signer, out: Path) -> Path:
     """A run that names an original as a rerun does (RunRecorder's replay_of: rerun_of in its box.start)."""
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.signing.recorder import RunRecorder
     rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"},
                       replay_of="a" * 32).open()
     rec.close("test done")
@@ -219,8 +219,8 @@ def _rerun_bundle(signer, out: Path) -> Path:
 def test_a_rerun_s_original_is_signed_and_its_manifest_may_not_name_another(signer, good, tmp_path):
     """rerun_of is signed in box.start (since 0.2.0): a forger can neither make a run claim to rerun another nor
     change which run a rerun names."""
-    from tkbox_nb.run import open_run
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.bundle.read_back import open_run
+    from tkbox_nb.bundle.verify import verify_bundle
     rerun = _rerun_bundle(signer, tmp_path / "rerun.tkb")
     assert verify_bundle(rerun).valid
     start = next(c for c in open_run(rerun).crossings() if c.door == "box" and c.args.get("kind") == "start")
@@ -235,8 +235,8 @@ def test_a_rerun_s_original_is_signed_and_its_manifest_may_not_name_another(sign
 
 def test_a_rerun_from_before_rerun_of_was_signed_still_verifies(signer, tmp_path, monkeypatch):
     """A 0.1.0 bundle named its original in the manifest only; its signed box.start says which version made it."""
-    import tkbox_nb.recorder as recorder
-    from tkbox_nb.verify import BOX_FIELDS, verify_bundle
+    import tkbox_nb.signing.recorder as recorder
+    from tkbox_nb.bundle.verify import BOX_FIELDS, verify_bundle
     monkeypatch.setattr(recorder, "BOX_FIELDS", tuple(f for f in BOX_FIELDS if f != "rerun_of"))
     monkeypatch.setattr(recorder, "__version__", "0.1.0")
     old = _rerun_bundle(signer, tmp_path / "old.tkb")
@@ -263,7 +263,7 @@ def test_missing_bundle_and_bad_arguments_are_usage_errors(tmp_path):
 
 def test_reader_refuses_without_writing(good, tmp_path):
     """read_entries is pure: it never touches the filesystem, whatever the zip says."""
-    from tkbox_nb.bundle import read_entries
+    from tkbox_nb.bundle.archive import read_entries
     data = io.BytesIO()
     with zipfile.ZipFile(data, "w") as z:
         z.writestr("../../../../tmp/tkbox-escape", b"x")
@@ -273,8 +273,8 @@ def test_reader_refuses_without_writing(good, tmp_path):
 
 
 def test_a_bundle_no_verifier_could_read_is_never_written():
-    from tkbox_nb.bundle import MAX_ENTRY, check_limits
-    from tkbox_nb.errors import BundleError
+    from tkbox_nb.bundle.archive import MAX_ENTRY, check_limits
+    from tkbox_nb.core.errors import BundleError
     check_limits({"runs/r.jsonl": b"x" * 1000, "box/disclosures.jsonl": b"y" * 1000}, "r")
     with pytest.raises(BundleError, match=r"runs/r.jsonl would be 64 MiB, over the 64 MiB a bundle entry may hold"):
         check_limits({"runs/r.jsonl": b"x" * (MAX_ENTRY + 1)}, "r")
@@ -285,7 +285,7 @@ def test_a_long_runs_disclosures_go_in_parts_that_both_verifiers_read(signer, tm
     read in order, and a missing or doubled part is refused."""
     import subprocess
 
-    import tkbox_nb.bundle as bundle_mod
+    import tkbox_nb.bundle.archive as bundle_mod
     from conftest import VENV_BIN
     monkeypatch.setattr(bundle_mod, "DISCLOSURE_PART_BYTES", 3000)
     out = record_run(signer, tmp_path / "parts.tkb", cells=[f"print({i})\n" for i in range(12)])
@@ -396,7 +396,7 @@ def test_a_malformed_manifest_or_record_is_invalid_never_a_crash(good, tmp_path,
     forged = rewrite(files, tmp_path / "x.tkb")
     assert_refused(forged, 1, "INVALID", tmp_path)
     from tkbox_nb import open_run
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.bundle.verify import verify_bundle
     assert not verify_bundle(forged).valid and not open_run(forged).verify().valid
     shown = run_cli("show", str(forged))  # shown as unverified, never a crash
     assert "Traceback" not in shown.stderr and "internal error" not in shown.stderr, shown.stderr
@@ -406,12 +406,12 @@ def test_every_character_of_the_end_reason_shown_is_signed(signer, tmp_path):
     """The manifest's end_reason (up to 500 characters, what a reader and the run view show) is the signed box.stop
     reason whole: a forger may not rewrite its tail past the 200 characters older bundles signed."""
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.signing.recorder import RunRecorder
     rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
     reason = "the box's kernel ended: " + "x" * 300
     rec.close(reason)
     honest = rec.write_bundle(tmp_path / "r.tkb")
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.bundle.verify import verify_bundle
     assert verify_bundle(honest).valid
     files = entries(honest)
     box = json.loads(files["box/manifest.json"])
@@ -425,8 +425,8 @@ def test_a_signed_gap_is_named_in_the_verdict(signer, tmp_path, monkeypatch):
     """An event lost on a lane is a signed client_counter_gap (Tracekit warns of it): `tkbox verify` names it in its
     one-line verdict and its JSON, where Tracekit's own verifier shows it."""
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.signing.recorder import RunRecorder
+    from tkbox_nb.bundle.verify import verify_bundle
     rec = RunRecorder(signer, Policy.default(), {"backend": "none", "isolation": "none", "image_digest": "none"}).open()
     c = rec.decide("exec", "command", {"argv": ["true"]})
     rec.complete(c, "ok", {"exit_code": 0}, {"stdout": b"", "stderr": b""})
@@ -503,8 +503,8 @@ def test_what_a_command_verified_is_what_it_uses(good, tmp_path):
     from conftest import tamper_content
 
     from tkbox_nb import open_run
-    from tkbox_nb.cli_replay import _verified
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.cli.replay import _verified
+    from tkbox_nb.bundle.verify import verify_bundle
     path = tmp_path / "b.tkb"
     path.write_bytes(good.read_bytes())
     run = _verified(str(path), None)

@@ -12,7 +12,7 @@ import zipfile
 
 from conftest import VENV_BIN, run_cli
 
-from tkbox_nb.bundle import MAX_ENTRY, MAX_RATIO, read_bundle_file, read_entries, write_zip
+from tkbox_nb.bundle.archive import MAX_ENTRY, MAX_RATIO, read_bundle_file, read_entries, write_zip
 
 
 def run_and_verify(signer, tmp_path, code: str, expect_stdout: int) -> dict[str, bytes]:

@@ -7,11 +7,11 @@ import socket
 
 import pytest
 
-from tkbox_nb.central_signer import CentralSigner, signer_for
-from tkbox_nb.doors.box_ca import BoxCA
-from tkbox_nb.errors import PolicyError, SignerError
+from tkbox_nb.signing.central import CentralSigner, signer_for
+from tkbox_nb.rules.box_ca import BoxCA
+from tkbox_nb.core.errors import PolicyError, SignerError
 from tkbox_nb.policy import Policy
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.signer import MachineSigner
 
 from conftest import run_cli
 

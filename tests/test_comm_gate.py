@@ -1,11 +1,11 @@
-"""The comm gate's faults (kernel/comms.py), with a stand-in kernel: how many a run signs one by one, and the count
-of the rest, signed as one record a side at the next cell boundary or as the kernel stops the box."""
+"""The comm gate's faults (jupyter/kernel/comms.py), with a stand-in kernel: how many a run signs one by one, and the
+count of the rest, signed as one record a side at the next cell boundary or as the kernel stops the box."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tkbox_nb.kernel.comms import MAX_PENDING, MAX_SIGNED, CommGate
+from tkbox_nb.jupyter.kernel.comms import MAX_PENDING, MAX_SIGNED, CommGate
 
 
 class Recorder:

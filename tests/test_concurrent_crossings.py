@@ -1,4 +1,4 @@
-"""Crossings decided together (RunRecorder.decide_many over several signer connections, signer_lanes.py): each passes
+"""Crossings decided together (RunRecorder.decide_many over several signer connections, signing/lanes.py): each passes
 on its own signed decision only, and a signer killed mid-batch leaves every crossing that passed recorded."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from conftest import VENV_BIN
 from tracekit.sdk.client import SignerUnavailable
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder
-from tkbox_nb.run_recovery import recover_orphans
-from tkbox_nb.run import open_run
-from tkbox_nb.signer_lanes import LIMIT, DirectClient
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recorder import UNAVAILABLE_RULE, RunRecorder
+from tkbox_nb.signing.recovery import recover_orphans
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.signing.lanes import LIMIT, DirectClient
+from tkbox_nb.bundle.verify import verify_bundle
 
 BOX = {"backend": "none", "isolation": "none", "image_digest": "none"}
 

@@ -1,5 +1,5 @@
-"""The host end of the door stream (connection.py) against a scripted hostile box on a socketpair: what it queues for
-a stream nobody reads, what it keeps of a stream it closed, and a box that stops reading its door."""
+"""The host end of the door stream (stream/connection.py) against a scripted hostile box on a socketpair: what it
+queues for a stream nobody reads, what it keeps of a stream it closed, and a box that stops reading its door."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tkbox_nb import protocol as p
-from tkbox_nb.connection import MAX_QUEUED, HostConnection, StreamClosed
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.stream.connection import MAX_QUEUED, HostConnection, StreamClosed
 
 
 class Peer:

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkbox_nb.doors.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
-from tkbox_nb.doors.hostnames import HostError, check_host
-from tkbox_nb.doors.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.rules.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
+from tkbox_nb.rules.hostnames import HostError, check_host
+from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
 
 
@@ -258,7 +258,7 @@ def test_a_port_is_one_to_five_ascii_digits_checked_before_it_is_read(port):
 def test_a_fault_of_the_egress_door_answers_502_closes_the_stream_and_is_signed(where, monkeypatch):
     """Whatever the door did not foresee ends that connection answered, closed and signed, never a dead thread."""
     from tests.bound_relay import FakeBox, FakeStream
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     from tkbox_nb.doors import egress
     box = FakeBox(Policy.from_toml('[egress]\nallow = ["93.184.216.34:*"]\n'), [])
 
@@ -328,7 +328,7 @@ def _records(hello: bytes, size: int) -> bytes:
 
 
 def test_the_server_name_of_a_client_hello_is_read_however_it_comes():
-    from tkbox_nb.doors.client_hello import NOT_TLS, ClientHelloReader
+    from tkbox_nb.rules.client_hello import NOT_TLS, ClientHelloReader
     for name in ("allowed.example", None):
         hello = client_hello(name)
         for data in (hello, _records(hello, 16), _records(hello, 1000)):
@@ -351,7 +351,7 @@ def test_the_server_name_of_a_client_hello_is_read_however_it_comes():
     ((b"\x16\x03\x01\x00\x04\x01\x00\x10\x00" + b"\x16\x03\x01\x00\x01x" * 40), "more than 32 records"),
 ])
 def test_a_client_hello_the_door_cannot_read_is_refused(data, why):
-    from tkbox_nb.doors.client_hello import ClientHelloReader, HelloError
+    from tkbox_nb.rules.client_hello import ClientHelloReader, HelloError
     with pytest.raises(HelloError, match=why):
         ClientHelloReader().feed(data)
 
@@ -360,7 +360,7 @@ def test_a_tunnel_goes_up_only_once_its_client_hello_names_the_connect_host():
     """A front end serving many sites routes by the TLS server name, not by the address the door dialled: a CONNECT
     to an allowed host carrying a ClientHello for another reached that other site. Nothing goes up before the name is
     read; another name is refused; no name (an address), or no TLS at all, passes (docs/policy.md)."""
-    from tkbox_nb.doors.client_hello import HelloError, TunnelGate
+    from tkbox_nb.rules.client_hello import HelloError, TunnelGate
     hello = client_hello("not-allowed.example")
     gate = TunnelGate("allowed.example")
     with pytest.raises(HelloError, match="'not-allowed.example' is not the CONNECT host allowed.example"):
@@ -406,7 +406,7 @@ def _through_the_door(monkeypatch, sent: bytes) -> tuple[bytes, list, list]:
     import threading
 
     from tests.bound_relay import FakeBox, FakeStream
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     from tkbox_nb.doors import egress
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -479,7 +479,7 @@ def _held_tunnel(door_setup=None):
 
     from tests.bound_relay import FakeBox, FakeStream
     from tkbox_nb.doors.egress import EgressDoor
-    from tkbox_nb.recorder import Crossing
+    from tkbox_nb.signing.recorder import Crossing
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)

@@ -1,5 +1,5 @@
-"""The environment manifest (environment.py) without a box: RECORD digests, the cache keyed by the site directories'
-state, a VM image's root, a bundle's manifest read strictly, an old bundle without one."""
+"""The environment manifest (bundle/environment.py) without a box: RECORD digests, the cache keyed by the site
+directories' state, a VM image's root, a bundle's manifest read strictly, an old bundle without one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tkbox_nb import environment as env
+from tkbox_nb.bundle import environment as env
 from tkbox_nb.backends.image import ENVIRONMENT, Image
 from tkbox_nb.backends.qemu import QemuBackend
 

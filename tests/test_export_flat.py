@@ -1,4 +1,4 @@
-"""Exporting one run reads that run, not the machine signer's whole history (tkbox_nb/store_view.py), and still
+"""Exporting one run reads that run, not the machine signer's whole history (tkbox_nb/signing/store_view.py), and still
 fails closed: a bundle equal to Tracekit's own export, a checkpoint that never comes refused in one line, and two
 boxes stopping at once each with their own bundle (docs/bundle-format.md#export-cost, I86, I87)."""
 
@@ -14,11 +14,11 @@ import zipfile
 import pytest
 from conftest import VENV_BIN, record_run
 
-from tkbox_nb.errors import SignerError
+from tkbox_nb.core.errors import SignerError
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.run import open_run
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.bundle.verify import verify_bundle
 
 OTHER_RUNS = 240  # 3 records each: over two full tiles of 256 records, so the view reads tiles
 
@@ -109,7 +109,7 @@ def test_an_export_of_a_run_the_store_does_not_hold_fails_closed(private_signer,
 
 
 def test_two_boxes_stopping_at_once_each_get_their_own_bundle(signer, tmp_path):
-    from tkbox_nb.box import Box
+    from tkbox_nb.box.box import Box
     boxes = [Box(backend="bwrap", bundle_path=tmp_path / f"{i}.tkb").start() for i in range(2)]
     for b in boxes:
         assert b.run(["true"]).exit_code == 0
@@ -139,7 +139,7 @@ def test_two_boxes_stopping_at_once_each_get_their_own_bundle(signer, tmp_path):
 def test_the_log_is_read_back_whole_lines_only_past_a_torn_line_longer_than_a_chunk(tmp_path):
     """The writer may be mid-append: a torn last line, even one longer than the view's read chunk, is never a record,
     and every complete line comes back whole with its offset, last first."""
-    from tkbox_nb.store_view import CHUNK, StoreView
+    from tkbox_nb.signing.store_view import CHUNK, StoreView
     lines = [b'{"n":%d,"pad":"%s"}' % (i, b"x" * (i * 7919 % (CHUNK + 5000))) for i in range(40)]
     data = b"".join(line + b"\n" for line in lines) + b'{"torn":"' + b"y" * (CHUNK * 2 + 17)
     log = tmp_path / "records.jsonl"

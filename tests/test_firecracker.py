@@ -13,7 +13,7 @@ from tkbox_nb.backends.base import BoxSpec
 from tkbox_nb.backends.firecracker import (DOOR_PORT, MIN_VERSION, FirecrackerBackend, api_requests, boot_args,
                                            fault_message, jail_root, jailer_argv, parse_version)
 from tkbox_nb.backends.registry import get_backend
-from tkbox_nb.errors import TkboxError
+from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.guest.vm import vsock_port
 from tkbox_nb.policy import Policy, PolicyError
 

@@ -60,7 +60,7 @@ def test_fuzz_regression_inputs(path):
 
 # -- what the fuzzers found, each fixed in its parser -----------------------------------------------------------------
 def test_a_bracketed_proxy_target_that_is_not_ipv6_is_a_400_not_a_crash():
-    from tkbox_nb.doors.proxy_request import ProxyRequestError, ProxyRequestParser
+    from tkbox_nb.rules.proxy_request import ProxyRequestError, ProxyRequestParser
     for head in (b"GET http://[]/ HTTP/1.1\r\nHost: x\r\n\r\n", b"GET http://[zz/ HTTP/1.1\r\nHost: x\r\n\r\n"):
         with pytest.raises(ProxyRequestError) as e:
             ProxyRequestParser().feed(head)
@@ -72,7 +72,7 @@ def test_a_bracketed_proxy_target_that_is_not_ipv6_is_a_400_not_a_crash():
 def test_a_kernel_message_the_host_could_not_write_out_again_ends_the_box(body):
     """A lone surrogate would break the host kernel's send to the frontend (and the signer's UTF-8); NaN is not JSON,
     nor is a number that overflows to infinity (the host would write it out again as `Infinity`)."""
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     with pytest.raises(p.ProtocolError):
         p.MessageReader().feed(p.MSG_HEADER.pack(len(body)) + body)
     with pytest.raises(p.ProtocolError):
@@ -86,8 +86,8 @@ def test_a_kernel_message_the_host_could_not_write_out_again_ends_the_box(body):
 @pytest.mark.parametrize("data", [b'{"a": 1e999}', b'[1, -1E+400]', b'{"a": NaN}', b'{"a": 1, "a": 2}'])
 def test_a_bundle_file_with_a_number_json_cannot_hold_is_refused(data):
     """A bundle's JSON is read as strictly as the box's: an overflowed number would be written out as `Infinity`."""
-    from tkbox_nb.bundle import loads_json
-    from tkbox_nb.errors import BundleError
+    from tkbox_nb.bundle.archive import loads_json
+    from tkbox_nb.core.errors import BundleError
     with pytest.raises(BundleError):
         loads_json(data, "x.json")
     assert loads_json(b'{"a": 1e308}', "x.json") == {"a": 1e308}
@@ -96,7 +96,7 @@ def test_a_bundle_file_with_a_number_json_cannot_hold_is_refused(data):
 def test_verify_reports_a_disclosure_whose_arguments_are_not_an_object():
     from fuzz import seeds
     from fuzz.targets import mutated_bundle
-    from tkbox_nb.verify import EXIT_INVALID, VerifyReport, verify_bytes
+    from tkbox_nb.bundle.verify import EXIT_INVALID, VerifyReport, verify_bytes
     _, raw = mutated_bundle((REGRESSIONS / "bundle-verify--disclosed-args-not-an-object").read_bytes())
     report = verify_bytes(raw, VerifyReport(path="x", trust_path=str(seeds.SEED_TRUST), trust_source="given"))
     assert report.exit_code == EXIT_INVALID
@@ -105,15 +105,15 @@ def test_verify_reports_a_disclosure_whose_arguments_are_not_an_object():
 
 @pytest.mark.parametrize("line", ["x\t\\1", "x\t\\g<name>", "x\t\\c", "(\tX"])
 def test_a_sanitizer_file_with_a_bad_pattern_or_replacement_is_one_error(line, tmp_path):
-    from tkbox_nb.errors import TkboxError
-    from tkbox_nb.audit import parse_sanitizers
+    from tkbox_nb.core.errors import TkboxError
+    from tkbox_nb.audit.compare import parse_sanitizers
     with pytest.raises(TkboxError, match="x|\\("):
         parse_sanitizers(line + "\n")
 
 
 def test_headers_without_a_placeholder_pass_byte_for_byte():
     from fuzz.targets import BINDINGS
-    from tkbox_nb.doors.secrets import rewrite_request
+    from tkbox_nb.rules.secrets import rewrite_request
     ph = BINDINGS[0].placeholder.encode()
     rw = rewrite_request("api.example.org", b"/", [(b"X-Name", b"caf\xe9"), (b"Authorization", b"\xe9 " + ph)],
                          BINDINGS, tls=True)
@@ -122,16 +122,16 @@ def test_headers_without_a_placeholder_pass_byte_for_byte():
 
 def test_a_zip_entry_whose_name_is_cut_to_nothing_is_refused_by_name():
     """zipfile cuts a name at its first NUL; an entry named "\\0..." then made its is_dir raise IndexError."""
-    from tkbox_nb.bundle import read_entries
-    from tkbox_nb.errors import BundleError
+    from tkbox_nb.bundle.archive import read_entries
+    from tkbox_nb.core.errors import BundleError
     with pytest.raises(BundleError, match="NUL|empty"):
         read_entries((REGRESSIONS / "bundle-reader--entry-with-an-empty-name").read_bytes())
 
 
 def test_a_run_whose_disclosed_arguments_are_not_objects_is_still_shown():
     from fuzz.targets import mutated_bundle
-    from tkbox_nb.bundle import parse
-    from tkbox_nb.run import Run
+    from tkbox_nb.bundle.archive import parse
+    from tkbox_nb.bundle.read_back import Run
     files, _ = mutated_bundle((REGRESSIONS / "bundle-view--disclosed-args-not-an-object").read_bytes())
     run = Run("x.tkb", parse(files))
     assert all(c.args is None or isinstance(c.args, dict) for c in run.crossings())
@@ -145,8 +145,8 @@ def test_an_ip_literal_behind_a_trailing_dot_is_judged_as_the_address(spelling, 
     spelling was passed as a name; it is judged as the address it is."""
     import ipaddress
 
-    from tkbox_nb.doors.addresses import classify
-    from tkbox_nb.doors.hostnames import check_host
+    from tkbox_nb.rules.addresses import classify
+    from tkbox_nb.rules.hostnames import check_host
     kind, value = check_host(spelling)
     assert (kind, value) == ("ip", ipaddress.ip_address(address)) and classify(value)[0] == "always"
 
@@ -171,9 +171,9 @@ def test_a_policy_nested_too_deeply_is_a_policy_error_also_inside_a_bundle(nest,
 
     from fuzz import seeds
     from fuzz.targets import seed_files
-    from tkbox_nb.errors import PolicyError
+    from tkbox_nb.core.errors import PolicyError
     from tkbox_nb.policy import Policy
-    from tkbox_nb.verify import VerifyReport, verify_bytes
+    from tkbox_nb.bundle.verify import VerifyReport, verify_bytes
     source = "a = " + nest * 3000
     with pytest.raises(PolicyError, match="nested too deeply"):
         Policy.from_toml(source)

@@ -16,8 +16,8 @@ from tkbox_nb import Box, Policy
 from tkbox_nb.backends import gpus as host
 from tkbox_nb.backends.gpu_facts import (GpuRefused, parse_cuda_version, parse_information, parse_ldconfig,
                                          parse_query, plan, select)
-from tkbox_nb.errors import PolicyError
-from tkbox_nb.run import box_summary, gpu_names
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.bundle.read_back import box_summary, gpu_names
 
 from conftest import run_cli
 
@@ -136,7 +136,7 @@ def test_gpus_on_a_host_without_a_driver_is_refused_before_any_box_starts(signer
         box.start()
     assert box.recorder is None and not (tmp_path / "g.tkb").exists()
     (tmp_path / "p.toml").write_text('[box]\ngpus = "all"\n')
-    r = subprocess.run([sys.executable, "-m", "tkbox_nb.cli", "run", "--backend", "bwrap", "--policy",
+    r = subprocess.run([sys.executable, "-m", "tkbox_nb.cli.main", "run", "--backend", "bwrap", "--policy",
                         str(tmp_path / "p.toml"), "--", "true"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no NVIDIA GPU or driver" in r.stderr, r.stderr
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import record_run
 
-from tkbox_nb.audit import audit
-from tkbox_nb.batch import run_batch
-from tkbox_nb.central_signer import CentralSigner
-from tkbox_nb.errors import PolicyError, SignerError, TkboxError
+from tkbox_nb.audit.compare import audit
+from tkbox_nb.audit.batch import run_batch
+from tkbox_nb.signing.central import CentralSigner
+from tkbox_nb.core.errors import PolicyError, SignerError, TkboxError
 from tkbox_nb.policy import Policy
 from tkbox_nb.policy.core import MAX_POLICY_BYTES
 

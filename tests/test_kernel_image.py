@@ -1,4 +1,4 @@
-"""The vmlinux Firecracker boots, taken out of the image's bzImage (tkbox_nb/backends/kernel_image.py): synthetic
+"""The vmlinux Firecracker boots, taken out of the image's bzImage (tkbox_nb/backends/linux_kernel.py): synthetic
 bzImages in every compression the reader takes, one bad input per fault it must name, and the real Debian cloud
 kernel (LZ4, legacy frame), extracted and cached beside its vmlinuz."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from fuzz.seeds import COMPRESSIONS, KERNEL_BASE, bzimage, elf_note, kernel_compress, tiny_vmlinux
-from tkbox_nb.backends import kernel_image
-from tkbox_nb.backends.kernel_image import ElfInfo, KernelImageError, elf_info, extract_vmlinux, vmlinux_for
+from tkbox_nb.backends import linux_kernel as kernel_image
+from tkbox_nb.backends.linux_kernel import ElfInfo, KernelImageError, elf_info, extract_vmlinux, vmlinux_for
 
 MiB = 1 << 20
 

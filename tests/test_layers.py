@@ -24,33 +24,18 @@ PACKAGE = REPO / "tkbox_nb"
 # Bottom first. A module belongs to the layer of the longest name below that is it or a package holding it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("guest", ["tkbox_nb.guest"]),
-    ("door stream", ["tkbox_nb._version", "tkbox_nb.atomic_file", "tkbox_nb.errors", "tkbox_nb.protocol",
-                     "tkbox_nb.connection", "tkbox_nb.testnet", "tkbox_nb.visible"]),
-    ("policy and door rules", [
-        "tkbox_nb.policy", "tkbox_nb.doors.addresses", "tkbox_nb.doors.hostnames", "tkbox_nb.doors.secrets",
-        "tkbox_nb.doors.scrubber", "tkbox_nb.doors.patch_rules", "tkbox_nb.doors.patch_reader",
-        "tkbox_nb.doors.proxy_request",
-        "tkbox_nb.doors.client_hello",
-        "tkbox_nb.doors.model_request", "tkbox_nb.doors.model_fetches", "tkbox_nb.doors.model_usage",
-        "tkbox_nb.doors.box_ca",
-        "tkbox_nb.patch_diff"]),
-    ("records", ["tkbox_nb.signer", "tkbox_nb.recorder", "tkbox_nb.refusal_caps", "tkbox_nb.central_signer",
-                 "tkbox_nb.bundle", "tkbox_nb.verify", "tkbox_nb.run", "tkbox_nb.scratch", "tkbox_nb.signer_lanes",
-                 "tkbox_nb.tree_digest", "tkbox_nb.run_recovery", "tkbox_nb.mount_digest", "tkbox_nb.mounts",
-                 "tkbox_nb.verify_recount", "tkbox_nb.environment",
-                 "tkbox_nb.store_view", "tkbox_nb.workspace_seed"]),
+    ("core", ["tkbox_nb._version", "tkbox_nb.core"]),
+    ("stream", ["tkbox_nb.stream"]),
+    ("rules", ["tkbox_nb.rules"]),
+    ("policy", ["tkbox_nb.policy"]),
+    ("bundle", ["tkbox_nb.bundle"]),
+    ("signing", ["tkbox_nb.signing"]),
     ("backends", ["tkbox_nb.backends"]),
-    ("doors", ["tkbox_nb.doors", "tkbox_nb.workspace_writer"]),
-    ("box", ["tkbox_nb.box", "tkbox_nb.box_kernel", "tkbox_nb.box_late", "tkbox_nb.box_messages",
-             "tkbox_nb.box_outputs", "tkbox_nb.box_widgets",
-             "tkbox_nb.notebook_box", "tkbox_nb.early_box", "tkbox_nb.box_refusals", "tkbox_nb.notebook_files"]),
-    ("audit", ["tkbox_nb.replay", "tkbox_nb.audit", "tkbox_nb.batch", "tkbox_nb.audit_tolerance",
-               "tkbox_nb.audit_conventions", "tkbox_nb.audit_verdict", "tkbox_nb.audit_report"]),
-    ("kernel, magics, widgets", ["tkbox_nb.kernel", "tkbox_nb.magics", "tkbox_nb.magics_cell",
-                                 "tkbox_nb.widgets"]),
-    ("CLI and the package", ["tkbox_nb.cli", "tkbox_nb.cli_box", "tkbox_nb.cli_patch", "tkbox_nb.cli_replay",
-                             "tkbox_nb.cli_audit",
-                             "tkbox_nb.demo", "tkbox_nb"]),
+    ("doors", ["tkbox_nb.doors"]),
+    ("box", ["tkbox_nb.box"]),
+    ("audit", ["tkbox_nb.audit"]),
+    ("jupyter", ["tkbox_nb.jupyter"]),
+    ("cli and the package", ["tkbox_nb.cli", "tkbox_nb.kernel", "tkbox_nb"]),
 ]
 
 # (importer, imported): why it is here and who takes it out. Each must still exist and still break the rule. Empty:
@@ -176,8 +161,8 @@ def test_each_known_violation_still_exists_and_still_breaks_the_rule():
 
 # Inside backends (docs/layers.md): each tier may import only lower tiers, and no module imports another of its own
 # tier, so no concrete backend knows another; `registry` alone knows them all. The package's `__init__` is above all.
-BACKEND_TIERS: list[list[str]] = [["base", "seccomp", "memory_limit", "gpu_facts"], ["initramfs", "gpus"],
-                                  ["image", "kernel_image"], ["microvm"],
+BACKEND_TIERS: list[list[str]] = [["base", "seccomp", "memory_limit", "gpu_facts", "mounts"], ["initramfs", "gpus"],
+                                  ["image", "linux_kernel"], ["microvm"],
                                   ["warm_start"], ["bwrap", "qemu", "firecracker"], ["registry"]]
 
 
@@ -244,8 +229,30 @@ def test_the_walk_sees_function_level_and_type_checking_imports_and_finds_their_
     assert circles(edges - {("pkg.sub.low", "pkg.high")}) == []
 
 
-@pytest.mark.parametrize("module,layer", [("tkbox_nb.doors.egress", "doors"), ("tkbox_nb.doors.hostnames",
-                                          "policy and door rules"), ("tkbox_nb.backends.qemu", "backends"),
-                                          ("tkbox_nb", "CLI and the package"), ("tkbox_nb.guest.vm", "guest")])
+@pytest.mark.parametrize("module,layer", [("tkbox_nb.doors.egress", "doors"), ("tkbox_nb.rules.hostnames",
+                                          "rules"), ("tkbox_nb.backends.qemu", "backends"),
+                                          ("tkbox_nb", "cli and the package"), ("tkbox_nb.guest.vm", "guest"),
+                                          ("tkbox_nb.kernel", "cli and the package"),
+                                          ("tkbox_nb.jupyter.kernel.app", "jupyter")])
 def test_a_module_takes_the_layer_of_its_longest_prefix(module, layer):
     assert LAYERS[layer_of(module)][0] == layer
+
+
+# What may sit directly under tkbox_nb/ besides the layers' folders: the package, its version, and the kernel's
+# public entry point (`python -m tkbox_nb.kernel`, named in every installed kernel.json).
+TOP_LEVEL = {"tkbox_nb", "tkbox_nb._version", "tkbox_nb.kernel", "tkbox_nb.kernel.__main__"}
+
+
+def test_each_folder_is_one_layer_and_little_sits_outside_them():
+    """The folders show the layers: a layer is one folder (core also holds `_version`; the top also holds the
+    package and the kernel's entry point), every folder under tkbox_nb/ is exactly one layer's prefix, and at most
+    five modules sit directly under tkbox_nb/."""
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    prefixes = {prefix for _, names in LAYERS for prefix in names}
+    assert sorted(f for f in folders if f"tkbox_nb.{f}" not in prefixes) == []
+    for name, names in LAYERS:
+        assert len([p for p in names if p not in TOP_LEVEL]) <= 1, f"layer {name} spans several folders: {names}"
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 5, flat
+    assert [m for m in MODULES if m.count(".") == 1 and m not in TOP_LEVEL
+            and not (PACKAGE / m.split(".")[1] / "__init__.py").is_file()] == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tkbox_nb.magics_cell import pull_refusal
+from tkbox_nb.jupyter.magics_cell import pull_refusal
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkbox_nb.doors.model_request import ModelRequestError, ModelRequestParser
-from tkbox_nb.doors.model_usage import UsageReader
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.rules.model_request import ModelRequestError, ModelRequestParser
+from tkbox_nb.rules.model_usage import UsageReader
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
 
 BASE = """
@@ -223,7 +223,7 @@ def test_usage_from_openai_and_anthropic_streams_and_bodies():
 
 def _recorded_calls(signer, path, second_totals):
     """A run with two model calls stated straight to the signer (no door): the second states `second_totals`."""
-    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.signing.recorder import RunRecorder
     rec = RunRecorder(signer, policy("max_calls = 1"), {"backend": "none", "isolation": "none",
                                                         "image_digest": "none"}).open()
     first = rec.decide("model", "call", {k: v for k, v in facts().items() if k not in ("door", "kind")},
@@ -238,7 +238,7 @@ def _recorded_calls(signer, path, second_totals):
 
 
 def test_stated_totals_are_recounted_by_the_verifier(signer, tmp_path):
-    from tkbox_nb.verify import verify_bundle
+    from tkbox_nb.bundle.verify import verify_bundle
     honest = _recorded_calls(signer, tmp_path / "honest.tkb",
                              {"run_calls": 1, "run_input_tokens": 11, "run_output_tokens": 7})
     assert honest.verdict.rule == "models.max_calls" and not honest.allowed

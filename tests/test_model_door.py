@@ -8,7 +8,7 @@ import socket
 import threading
 
 from tests.bound_relay import FakeBox, FakeStream
-from tkbox_nb import protocol as p
+from tkbox_nb.guest import protocol as p
 from tkbox_nb.doors.model import ModelDoor
 from tkbox_nb.policy import Policy
 

@@ -1,5 +1,5 @@
 """Server-side tools, MCP servers and remote URLs in a model request: the provider would fetch or run them past the
-egress door, so the request parser lists them (doors/model_fetches.py, pure), the call's signed facts state them, and
+egress door, so the request parser lists them (rules/model_fetches.py, pure), the call's signed facts state them, and
 `[models] server_tools` refuses them (the default) or decides each host against `[egress]`. Driven through the real
 model door with tests/bound_relay's in-memory stream and a recorder deciding with the real policy."""
 
@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from tests.bound_relay import FakeBox, FakeStream
-from tkbox_nb import protocol as p
+from tkbox_nb.guest import protocol as p
 from tkbox_nb.doors.model import ModelDoor
-from tkbox_nb.doors.model_fetches import provider_fetches
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.rules.model_fetches import provider_fetches
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
 
 ANTHROPIC = {"model": "claude-x", "max_tokens": 60,

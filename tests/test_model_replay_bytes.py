@@ -10,10 +10,10 @@ import json
 import shutil
 from pathlib import Path
 
-import tkbox_nb.verify
-from tkbox_nb.bundle import read_bundle_file, write_zip
+import tkbox_nb.bundle.verify
+from tkbox_nb.bundle.archive import read_bundle_file, write_zip
 from tkbox_nb.doors.model_replay import recordings_from_bundle
-from tkbox_nb.run import open_run
+from tkbox_nb.bundle.read_back import open_run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "notebooks" / "samples"
 
@@ -49,7 +49,7 @@ def test_a_bundle_swapped_between_verify_and_model_replay_serves_the_verified_re
     bundle = tmp_path / "calls.tkb"
     shutil.copy(SAMPLES / "model-calls.tkb", bundle)
     original, key = altered(bundle, tmp_path / "swapped.tkb")
-    real = tkbox_nb.verify.verify_bundle
+    real = tkbox_nb.bundle.verify.verify_bundle
     swapped = []
 
     def verify_then_swap(path, trust=None, **kw):
@@ -57,7 +57,7 @@ def test_a_bundle_swapped_between_verify_and_model_replay_serves_the_verified_re
         shutil.copy(tmp_path / "swapped.tkb", bundle)  # the attacker's move, once the check has passed
         swapped.append(report.valid)
         return report
-    monkeypatch.setattr(tkbox_nb.verify, "verify_bundle", verify_then_swap)
+    monkeypatch.setattr(tkbox_nb.bundle.verify, "verify_bundle", verify_then_swap)
     recordings = recordings_from_bundle(bundle, SAMPLES / "trust.json")
     assert swapped == [True]
     served = recordings.take(key)

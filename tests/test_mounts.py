@@ -16,11 +16,11 @@ import pytest
 from conftest import run_cli
 
 from tkbox_nb import Box
-from tkbox_nb.errors import PolicyError, TkboxError
-from tkbox_nb.mount_digest import digest, scan
+from tkbox_nb.core.errors import PolicyError, TkboxError
+from tkbox_nb.bundle.mount_digest import digest, scan
 from tkbox_nb.policy import Policy
-from tkbox_nb.tree_digest import tree_digest
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.core.tree_digest import tree_digest
+from tkbox_nb.bundle.verify import verify_bundle
 
 
 def policy(source: Path | str, target: str = "/data", extra: str = "") -> str:
@@ -196,7 +196,7 @@ def test_the_signed_digest_is_the_documented_format_and_verify_checks_the_disclo
     report = verify_bundle(tmp_path / "r.tkb", trust=signer.trust_path)
     assert report.valid and any(c.name == "mounts" and c.ok for c in report.checks), report.summary()
     # a forged list (one file's digest changed, the bundle's manifest recomputed) no longer opens the signed digest
-    from tkbox_nb.bundle import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
     files = read_bundle_file(tmp_path / "r.tkb")
     files["box/mounts/data.jsonl"] = files["box/mounts/data.jsonl"].replace(
         hashlib.sha256(b"alpha\n").hexdigest().encode(), b"0" * 64)
@@ -274,7 +274,7 @@ def test_a_rerun_with_changed_data_is_refused_naming_the_file_and_goes_on_with_a
 
 
 def test_box_status_lists_the_mounts_from_the_policy_and_once_started_their_digests(signer, tmp_path):
-    from tkbox_nb.notebook_box import NotebookBox
+    from tkbox_nb.box.notebook_box import NotebookBox
     ds = dataset(tmp_path)
     nb = NotebookBox(policy=Policy.from_toml(policy(ds), "p.toml"))
     assert f"mounts   data: {ds} at /data (read-only, digested when the box starts)" in nb.status(), nb.status()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 
-from tkbox_nb.doors import patch_rules as rules
-from tkbox_nb.patch_diff import DiffFile, render
+from tkbox_nb.rules import patch_rules as rules
+from tkbox_nb.rules.patch_diff import DiffFile, render
 from tkbox_nb.policy import Policy
-from tkbox_nb.workspace_writer import FileChange, apply_changes, sha256_file_digest
+from tkbox_nb.doors.workspace_writer import FileChange, apply_changes, sha256_file_digest
 
 POLICY = Policy.from_toml('[patch]\nallow = ["src/**"]\ndeny = ["secret/**"]\n')
 BASE = sha256_file_digest(b"x")
@@ -110,7 +110,7 @@ def test_a_modified_file_keeps_its_host_mode_but_for_the_execute_bits_the_box_ch
 
 
 def test_a_new_file_is_0644_or_0755_less_the_host_umask(tmp_path):
-    from tkbox_nb.workspace_writer import host_umask
+    from tkbox_nb.doors.workspace_writer import host_umask
     mask = os.umask(0o027)
     try:
         assert host_umask() == 0o027

@@ -11,13 +11,13 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tkbox_nb.doors import patch_rules as rules
-from tkbox_nb.doors.patch_reader import PatchReader
+from tkbox_nb.rules import patch_rules as rules
+from tkbox_nb.rules.patch_reader import PatchReader
 from tkbox_nb.guest.patch import encode
 from tkbox_nb.guest.protocol import ProtocolError
-from tkbox_nb.patch_diff import DiffFile, render
+from tkbox_nb.rules.patch_diff import DiffFile, render
 from tkbox_nb.policy import Policy
-from tkbox_nb.workspace_writer import FileChange, Staging, apply_changes, sha256_file_digest
+from tkbox_nb.doors.workspace_writer import FileChange, Staging, apply_changes, sha256_file_digest
 
 
 def decide(path, op="add", type="file", size=3, policy=None, **extra):
@@ -161,7 +161,7 @@ def test_modes_are_clamped():
     ("[patch]\nfollow_symlinks = true\n", "unknown key patch.follow_symlinks"),
 ])
 def test_bad_patch_policy_is_one_line(text, why):
-    from tkbox_nb.errors import PolicyError
+    from tkbox_nb.core.errors import PolicyError
     with pytest.raises(PolicyError, match=why):
         Policy.from_toml(text)
 
@@ -253,7 +253,7 @@ def test_writer_on_a_full_disk_changes_nothing(tmp_path):
     """A small tmpfs in a private mount namespace: staging fails part way, and the workspace is as it was."""
     script = (
         "import os, sys; sys.path.insert(0, %r)\n"
-        "from tkbox_nb.workspace_writer import FileChange, apply_changes, ApplyError\n"
+        "from tkbox_nb.doors.workspace_writer import FileChange, apply_changes, ApplyError\n"
         "ws = %r; open(os.path.join(ws, 'keep'), 'wb').write(b'kept')\n"
         "changes = [FileChange('d%%d/f' %% i, 'add', b'x' * 200_000, 0o644, None) for i in range(20)]\n"
         "changes.append(FileChange('keep', 'modify', b'changed', 0o644, "

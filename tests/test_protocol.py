@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tkbox_nb import protocol as p
+from tkbox_nb.guest import protocol as p
 
 
 def test_frames_round_trip_across_any_split():

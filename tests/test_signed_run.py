@@ -15,9 +15,9 @@ import pytest
 from conftest import VENV_BIN, record_run, run_cli
 
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import UNAVAILABLE_RULE, RunRecorder
-from tkbox_nb.run import open_run
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recorder import UNAVAILABLE_RULE, RunRecorder
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.bundle.verify import verify_bundle
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +193,8 @@ def test_a_stale_pid_file_never_gets_another_process_killed(private_signer):
 HOLDER = """
 import sys, time
 from tkbox_nb.policy import Policy
-from tkbox_nb.recorder import RunRecorder
-from tkbox_nb.signer import MachineSigner
+from tkbox_nb.signing.recorder import RunRecorder
+from tkbox_nb.signing.signer import MachineSigner
 rec = RunRecorder(MachineSigner(sys.argv[1]), Policy.coerce(None), {"box_id": "x" * 32, "backend": "bwrap",
                                                                      "isolation": "namespace", "image_digest": None})
 rec.open()
@@ -208,7 +208,7 @@ time.sleep(120)
 def test_a_run_whose_holder_died_mid_line_is_recovered(private_signer, tmp_path):
     """The holder is killed while it writes a disclosure line (before that record's signer call): recovery cuts the
     torn line, closes the run and writes a bundle that verifies."""
-    from tkbox_nb.run_recovery import recover_orphans
+    from tkbox_nb.signing.recovery import recover_orphans
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(private_signer.home)], stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -228,7 +228,7 @@ def test_a_run_closed_by_a_holder_that_died_before_its_bundle_is_bundled_by_reco
     """The holder closes its run (its stop record signed) and dies before the bundle is written, as a kernel killed
     by its frontend while the export waits for a checkpoint: recovery writes the bundle where it was meant to go, the
     run's own end reason kept, and then nothing is left to recover. While the holder lives, nothing is touched."""
-    from tkbox_nb.run_recovery import recover_orphans
+    from tkbox_nb.signing.recovery import recover_orphans
     meant = tmp_path / "meant.tkb"
     closer = HOLDER.replace("print(rec.spool, flush=True)", f"rec.hint_bundle({str(meant)!r})\n"
                             "rec.close('kernel shutdown')\nprint(rec.spool, flush=True)")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import VENV_BIN, run_cli
 
-from tkbox_nb.tree_digest import digest_version, tree_digest
+from tkbox_nb.core.tree_digest import digest_version, tree_digest
 
 DATA = Path(__file__).resolve().parent / "data"
 SAMPLES = Path(__file__).resolve().parent.parent / "notebooks" / "samples"

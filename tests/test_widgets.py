@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from conftest import record_run, tamper_content
 
-from tkbox_nb.widgets import RunView, static_html, summary, view
+from tkbox_nb.jupyter.run_view import RunView, static_html, summary, view
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,8 @@ def test_static_html_escapes_everything_from_the_bundle(bundle):
 
 
 def test_a_run_left_last_in_a_cell_shows_this_view_and_makes_its_notebook(bundle, monkeypatch):
-    """run.py does not import widgets or replay (they read runs: docs/layers.md); the package hands them to Run."""
+    """bundle/read_back.py does not import widgets or replay (they read runs: docs/layers.md); the package hands them
+    to Run."""
     import IPython.display
 
     from tkbox_nb import open_run

@@ -1,13 +1,15 @@
-"""[workspace] (policy/workspace.py) and the refusal lines (box_refusals.py): pure rules, checked without a box."""
+"""[workspace] (policy/workspace.py) and the refusal lines (rules/refusal_notices.py): pure rules, checked
+without a box."""
 
 from __future__ import annotations
 
 import pytest
 
-from tkbox_nb.box_refusals import Shown, refusal_line
-from tkbox_nb.errors import PolicyError
+from tkbox_nb.rules.refusal_notices import Shown, refusal_line
+from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
-from tkbox_nb.policy.workspace import DEFAULT_EXCLUDE, excluded
+from tkbox_nb.core.tree_digest import excluded
+from tkbox_nb.policy.workspace import DEFAULT_EXCLUDE
 
 
 @pytest.mark.parametrize("rel, pattern", [

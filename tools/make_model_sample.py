@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.test_models import PORT, Upstream  # noqa: E402
 from tkbox_nb import Box, Policy  # noqa: E402
-from tkbox_nb.testnet import NamespaceNet  # noqa: E402
+from tests.testnet import NamespaceNet  # noqa: E402
 
 AGENT = (ROOT / "notebooks" / "samples" / "model_agent.py").read_text()
 

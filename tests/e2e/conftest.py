@@ -17,7 +17,7 @@ import pytest
 from tkbox_nb import Box
 from tkbox_nb.backends.image import build_image, find_image
 from tkbox_nb.backends.qemu import QemuBackend
-from tkbox_nb.errors import TkboxError
+from tkbox_nb.core.errors import TkboxError
 
 TEST_PACKAGES = ["python3", "python3-ipykernel"]
 IMAGE_HOME = Path(os.environ.get("TKBOX_TEST_IMAGE_HOME", "/var/tmp/tkbox-test-images"))

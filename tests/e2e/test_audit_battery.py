@@ -23,11 +23,11 @@ import pytest
 from conftest import run_cli
 
 from tkbox_nb import Box, open_run
-from tkbox_nb.audit import EXIT_INCOMPARABLE, audit
+from tkbox_nb.audit.compare import EXIT_INCOMPARABLE, audit
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.testnet import NamespaceNet
-from tkbox_nb.testnet import available as net_available
-from tkbox_nb.verify import verify_bundle
+from testnet import NamespaceNet
+from testnet import available as net_available
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -145,7 +145,7 @@ def _made_to_look_like(src: Path, old: bytes, new: bytes, out: Path) -> Path:
     import base64
     import hashlib
 
-    from tkbox_nb.bundle import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
     files = read_bundle_file(src)
     for name in [n for n in files if n.startswith("box/content-")]:
         lines = files[name].split(b"\n")

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 
 from tkbox_nb import Box
-from tkbox_nb.audit import audit
+from tkbox_nb.audit.compare import audit
 from tkbox_nb.backends.bwrap import BwrapBackend
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])

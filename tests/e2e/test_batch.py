@@ -17,9 +17,9 @@ from conftest import VENV_BIN, short_tmp, tamper_content
 
 from tkbox_nb import Box, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.batch import BatchResult, rerun_path, run_batch
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.audit.batch import BatchResult, rerun_path, run_batch
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -188,7 +188,7 @@ def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, sig
     # so its run is rightly left alone): the next box start's recovery step, run here, closes it then
     if not any(f"(pid {killed['pid']})" in (open_run(b).box.get("end_reason") or "")
                for b in (signer.home / "bundles").glob("*.tkb")):
-        from tkbox_nb.run_recovery import recover_orphans
+        from tkbox_nb.signing.recovery import recover_orphans
         recover_orphans(signer)
     recovered = [open_run(b) for b in (signer.home / "bundles").glob("*.tkb")]
     assert any(f"(pid {killed['pid']})" in (run.box.get("end_reason") or "") for run in recovered)

@@ -17,7 +17,7 @@ import nbformat
 import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.widgets import PAGE_SIZE
+from tkbox_nb.jupyter.run_view import PAGE_SIZE
 
 from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
 

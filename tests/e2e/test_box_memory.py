@@ -12,7 +12,7 @@ import pytest
 from tkbox_nb import Box, BoxEnded, Policy, open_run
 from tkbox_nb.backends import memory_limit
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(memory_limit.mechanism() != memory_limit.CGROUP,

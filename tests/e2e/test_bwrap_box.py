@@ -17,8 +17,8 @@ import pytest
 from tkbox_nb import Box, BoxEnded, DoorRefused, Policy, open_run
 from tkbox_nb.backends import bwrap
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.run_recovery import recover_orphans
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.recovery import recover_orphans
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -393,7 +393,7 @@ def test_large_outputs_of_concurrent_commands_arrive_whole(box):
 
 
 def test_quickstart_notebook_executes_in_a_box_and_verifies(signer, tmp_path):
-    from tkbox_nb.demo import NOTEBOOK, execute_notebook
+    from tkbox_nb.cli.demo import NOTEBOOK, execute_notebook
     executed, bundle = execute_notebook(NOTEBOOK, tmp_path)
     import nbformat
     nb = nbformat.read(executed, as_version=4)
@@ -440,7 +440,7 @@ time.sleep(600)
 
 def test_a_host_process_killed_mid_box_leaves_no_scratch_after_the_next_start(signer, tmp_path):
     """A host process killed with SIGKILL cannot remove its box's /etc copy or pids cgroup; the next box start on
-    the machine removes those of dead processes (tkbox_nb/scratch.py), and never a live box's."""
+    the machine removes those of dead processes (tkbox_nb/core/scratch.py), and never a live box's."""
     proc = subprocess.Popen([sys.executable, "-c", KILLED_HOST, str(tmp_path / "killed.tkb")], stdout=subprocess.PIPE,
                             env={**os.environ, "TKBOX_HOME": str(signer.home)})
     workdir, _, cgroup = proc.stdout.readline().decode().strip().partition(" ")

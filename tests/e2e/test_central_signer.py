@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.signer import BOX_PACK
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.signing.signer import BOX_PACK
+from tkbox_nb.bundle.verify import verify_bundle
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -453,7 +453,7 @@ def test_the_central_signer_lost_mid_run_ends_both_boxes_fail_closed_and_recover
         report = verify_bundle(bundle, trust)
         assert report.valid, report.summary()
         assert tracekit_verify(bundle, trust).returncode == 0
-        from tkbox_nb.run import open_run
+        from tkbox_nb.bundle.read_back import open_run
         run = open_run(bundle)
         assert run.run_id == r["run_id"]
         assert run.box["end_reason"].startswith("recovered: the run ended early (signer unavailable")
@@ -477,8 +477,8 @@ def test_only_the_pinned_ca_and_a_valid_token_reach_the_central_signer(central, 
     """A signer certificate that does not chain to the pinned CA, or a token the signer does not know, and the box
     never starts: nothing is decided, nothing runs."""
     from tkbox_nb import Box
-    from tkbox_nb.central_signer import CentralSigner
-    from tkbox_nb.errors import SignerError
+    from tkbox_nb.signing.central import CentralSigner
+    from tkbox_nb.core.errors import SignerError
     from tkbox_nb.policy import Policy
 
     signer, hosts, trust, root = central
@@ -514,10 +514,10 @@ def test_only_the_pinned_ca_and_a_valid_token_reach_the_central_signer(central, 
 def test_a_host_token_without_the_content_read_grant_gets_no_bundle_and_says_why(central, tmp_path):
     """Salts come only from the signer's content vault: a host whose token may not read it cannot write bundles,
     and says so in one line, instead of writing one with content nobody could open."""
-    from tkbox_nb.central_signer import CentralSigner
-    from tkbox_nb.errors import SignerError
+    from tkbox_nb.signing.central import CentralSigner
+    from tkbox_nb.core.errors import SignerError
     from tkbox_nb.policy import Policy
-    from tkbox_nb.recorder import RunRecorder
+    from tkbox_nb.signing.recorder import RunRecorder
 
     signer, hosts, trust, root = central
     policy = Policy.from_toml(signer.host_policy("host1", trust), "central.toml")

@@ -11,9 +11,9 @@ import pytest
 from conftest import run_cli
 
 from tkbox_nb import Box
-from tkbox_nb.audit import audit
+from tkbox_nb.audit.compare import audit
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 

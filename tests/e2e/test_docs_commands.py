@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.cli import build_parser
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.cli.main import build_parser
+from tkbox_nb.bundle.verify import verify_bundle
 
 from .test_replay import notebook_run
 

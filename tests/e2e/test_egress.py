@@ -9,11 +9,11 @@ import socket
 import zipfile
 
 import pytest
-from tkbox_nb.testnet import NamespaceNet, available
+from testnet import NamespaceNet, available
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(not available()[0], reason=available()[1])]

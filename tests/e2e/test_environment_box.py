@@ -1,5 +1,5 @@
 """A real bubblewrap box's bundle names the environment the box ran, as the box saw it, and verify holds it to the
-signed box.start (environment.py)."""
+signed box.start (bundle/environment.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from conftest import run_cli
 from tkbox_nb import Box, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.bundle import read_bundle_file, write_zip
-from tkbox_nb.verify import verify_bundle
-from tkbox_nb.widgets import summary
+from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+from tkbox_nb.bundle.verify import verify_bundle
+from tkbox_nb.jupyter.run_view import summary
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -30,7 +30,7 @@ def ran(signer, tmp_path_factory):
     out = tmp_path_factory.mktemp("env") / "box.tkb"
     with Box(backend="bwrap", bundle_path=out) as box:
         seen = json.loads(box.run(["python3", "-c", PROBE]).stdout)
-        from tkbox_nb.environment import status_line
+        from tkbox_nb.bundle.environment import status_line
         status = status_line(box.recorder.start_content.get("environment"))
     return out, seen, status
 

@@ -17,8 +17,8 @@ import pytest
 
 from tkbox_nb import Box, BoxEnded, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.errors import BundleError
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.core.errors import BundleError
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -224,7 +224,7 @@ def test_a_result_the_run_does_not_take_ends_the_box_and_is_never_returned(signe
     lanes.call = real
     with pytest.raises(BoxEnded, match="no bundle yet"):
         box.stop()
-    from tkbox_nb.run_recovery import recover_orphans
+    from tkbox_nb.signing.recovery import recover_orphans
     assert tmp_path / "refused.tkb" in recover_orphans(box.signer)  # the run, closed once the signer answers
     run = open_run(tmp_path / "refused.tkb")
     assert verify_bundle(tmp_path / "refused.tkb").valid and "not recorded" in run.box["end_reason"]

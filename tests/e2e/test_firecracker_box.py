@@ -21,9 +21,9 @@ import pytest
 from tkbox_nb import Box, Policy
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.backends.firecracker import DOOR_PORT, FirecrackerBackend
-from tkbox_nb.backends.kernel_image import elf_info
-from tkbox_nb.errors import TkboxError
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.backends.linux_kernel import elf_info
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.bundle.verify import verify_bundle
 
 from test_firecracker import standin_binary
 

@@ -21,9 +21,9 @@ from jupyter_client.manager import KernelManager
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.kernel.comms import MAX_SIGNED
-from tkbox_nb.kernel.relay import NOTICE_MIME
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.jupyter.kernel.comms import MAX_SIGNED
+from tkbox_nb.jupyter.kernel.relay import NOTICE_MIME
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 ROOT = Path(__file__).resolve().parents[2]
@@ -798,7 +798,7 @@ def _interrupt_the_waiting_cell(c: Client, msg_id: str) -> None:
 
 
 def _shut_down_leaving_nothing(c: Client, keep: set[int] = frozenset()) -> None:
-    from tkbox_nb.signer import pid_alive
+    from tkbox_nb.core.processes import pid_alive
     kernel_pid = c.km.provisioner.process.pid
     under = _descendants(kernel_pid) - set(keep)
     c.stop()
@@ -816,7 +816,7 @@ def stalled_home(kernel_env, monkeypatch):
     started by the kernel, stopped afterwards)."""
     import shutil
     import socket
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.signer import MachineSigner
     home = Path(tempfile.mkdtemp(prefix="tks-", dir="/tmp"))  # short: a Unix socket path
     (home / "signer").mkdir(mode=0o700)
     standin = Standin(socket.AF_UNIX, str(home / "signer" / "signer.sock"))
@@ -834,7 +834,7 @@ def test_a_stalled_signer_delays_only_the_first_cell_which_runs_once_it_is_repla
     the requests the host answers itself are answered at once; the first cell waits while the box's start asks the
     signer (2 s per try), the stalled signer is replaced by a fresh one (MachineSigner._start: never trusted), and the
     cell then runs in a box whose start is signed."""
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.signer import MachineSigner
     home, standin = stalled_home
     t0 = time.monotonic()
     c = Client()
@@ -861,7 +861,7 @@ def test_an_interrupt_while_the_box_is_starting_ends_that_cell_and_later_cells_r
     """While the first cell waits for the stalled box, the control channel is still answered (kernel_info there,
     as JupyterLab asks it); an interrupt ends the waiting cell at once, before it reaches the exec door, so it runs
     nothing and is not in the run; the next cell waits for the same box and runs in it."""
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.signer import MachineSigner
     home, _ = stalled_home
     c = Client()
     try:
@@ -884,7 +884,7 @@ def test_a_shutdown_while_the_box_is_starting_ends_the_waiting_cell_and_closes_t
     """A shutdown while the first cell waits for the stalled box (started with the kernel, or for the cell with
     TKBOX_EARLY_BOX=0): the kernel waits for the start to end, stops the unused box (its run closed and bundled, with
     no cell in it), ends the waiting cell, which ran nothing, and exits by itself, leaving no process behind."""
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.signer import MachineSigner
     monkeypatch.setenv("TKBOX_EARLY_BOX", early)
     home, _ = stalled_home
     c = Client()
@@ -913,7 +913,7 @@ def test_a_central_signer_that_never_answers_fails_the_first_cell_closed_with_on
     frontend meanwhile; the first cell waits for the signer's deadline (5 s), then fails closed, running nothing,
     with one line saying the signer did not answer; no run opens, no bundle is written."""
     import socket
-    from tkbox_nb.doors.box_ca import BoxCA
+    from tkbox_nb.rules.box_ca import BoxCA
     standin = Standin(socket.AF_INET, ("127.0.0.1", 0))
     (tmp_path / "ca.pem").write_bytes(BoxCA("test").trust_bundle())
     (tmp_path / "token").write_text("tk_nothing\n")
@@ -987,7 +987,7 @@ def test_an_interrupt_while_a_box_starts_for_the_cell_ends_that_cell_and_later_c
     stalled signer. The cell is busy at once; the control channel is answered while it waits; an interrupt ends it at
     once, with one busy and one idle, before it reaches the exec door; the next cell waits for the same start and runs
     in that box, the only cell in its run."""
-    from tkbox_nb.signer import MachineSigner
+    from tkbox_nb.signing.signer import MachineSigner
     monkeypatch.setenv("TKBOX_EARLY_BOX", "0")
     home, standin = stalled_home
     c = Client()

@@ -86,7 +86,7 @@ class TestTkboxSamples(jkt.KernelTests):
     code_inspect_sample = "sorted"
     code_clear_output = ("from IPython.display import clear_output; print('before')\n"
                          "clear_output(wait=True); print('after')")
-    prompt_mark = "[box] "  # every prompt from the box wears it, so none can pass for the host's (box_outputs.py)
+    prompt_mark = "[box] "  # every prompt from the box wears it, so none passes for the host's (output_sanitiser)
 
     def test_clear_output_keeps_wait(self) -> None:
         self.flush_channels()

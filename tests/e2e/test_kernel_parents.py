@@ -12,9 +12,9 @@ import pytest
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.box_outputs import mimebundle
-from tkbox_nb.kernel.relay import NOTICE_MIME
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.rules.output_sanitiser import mimebundle
+from tkbox_nb.jupyter.kernel.relay import NOTICE_MIME
+from tkbox_nb.bundle.verify import verify_bundle
 
 from . import test_kernel
 from .test_kernel_relay import _iopub, _reply

@@ -17,7 +17,7 @@ from conftest import VENV_BIN, run_cli
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.box_late import FLUSH_S, MAX_CELL_MESSAGES
+from tkbox_nb.rules.late_outputs import FLUSH_S, MAX_CELL_MESSAGES
 
 from . import test_kernel
 

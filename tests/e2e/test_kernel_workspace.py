@@ -7,7 +7,7 @@ import pytest
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.tree_digest import tree_digest
+from tkbox_nb.core.tree_digest import tree_digest
 
 from . import test_kernel
 from .test_kernel import Client, only_bundle

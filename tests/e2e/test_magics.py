@@ -12,7 +12,7 @@ import pytest
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -162,6 +162,6 @@ def test_a_magic_given_bad_input_fails_in_one_line_never_a_traceback(shell, caps
         shown = capsys.readouterr()
         text = shown.out + shown.err
         assert result.success is success, (cell, text)
-        assert "Traceback" not in text and "magics.py" not in text, (cell, text)
+        assert "Traceback" not in text and "jupyter/magics.py" not in text, (cell, text)
         assert [x for x in text.splitlines() if x.strip()] and line in text, (cell, text)
         assert len([x for x in text.splitlines() if x.strip()]) == 1, (cell, text)

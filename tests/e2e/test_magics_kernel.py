@@ -12,8 +12,8 @@ from jupyter_client.manager import KernelManager
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.magics import BoxInterrupted
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.jupyter.magics import BoxInterrupted
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -138,7 +138,7 @@ while True:
     time.sleep(0.1)
 """
 
-ENDED = "import tkbox_nb.magics as m\nprint('ended:', next(iter(m._loaded.values())).nb.box.ended)"
+ENDED = "import tkbox_nb.jupyter.magics as m\nprint('ended:', next(iter(m._loaded.values())).nb.box.ended)"
 
 
 def test_a_box_cell_past_timeout_s_is_ended_without_a_later_box_cell(py3):

@@ -15,8 +15,8 @@ import pytest
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.testnet import NamespaceNet, available
-from tkbox_nb.verify import verify_bundle
+from testnet import NamespaceNet, available
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(not available()[0], reason=available()[1])]
@@ -297,7 +297,7 @@ NOTEBOOK_CELLS = [
 def test_rerun_serves_model_calls_from_the_original_and_audits_equivalent(signer, net, tmp_path):
     from conftest import run_cli
 
-    from tkbox_nb.notebook_box import HostMagics, NotebookBox
+    from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
     up = Upstream(net)
     os.environ["TKB_TEST_OPENAI_KEY"], os.environ["TKB_TEST_ANTHROPIC_KEY"] = OPENAI_KEY, ANTHROPIC_KEY
     try:
@@ -371,7 +371,7 @@ def test_a_box_without_the_model_endpoint_cannot_open_a_model_stream(signer, tmp
     recorded, the host stays up."""
     from e2e.test_bwrap_box import HOSTILE_AGENT
 
-    from tkbox_nb.box import BoxEnded
+    from tkbox_nb.box.box import BoxEnded
     program = HOSTILE_AGENT + "os.write(fd, p.encode_json(p.OPEN, 4, {'kind': 'model'}))\ntime.sleep(30)\n"
     b = Box(backend="bwrap", bundle_path=tmp_path / "x.tkb", agent_argv=["python3", "-c", program]).start()
     with pytest.raises(BoxEnded, match="protocol violation"):
@@ -385,14 +385,14 @@ def test_a_box_without_the_model_endpoint_cannot_open_a_model_stream(signer, tmp
 def test_replay_refuses_a_bundle_that_does_not_verify(recorded, tmp_path):
     from conftest import tamper_content
 
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.core.errors import TkboxError
     bad = tamper_content(recorded["bundle"], tmp_path / "bad.tkb")
     with pytest.raises(TkboxError, match="does not verify.*not served"):
         Box(backend="bwrap", model_replay=bad)
 
 
 def test_a_missing_key_stops_the_box_at_its_start_with_one_line(signer, net, tmp_path, monkeypatch):
-    from tkbox_nb.errors import PolicyError
+    from tkbox_nb.core.errors import PolicyError
     monkeypatch.delenv("TKB_TEST_OPENAI_KEY")
     with pytest.raises(PolicyError) as e:
         Box(backend="bwrap", policy=models_policy(net), bundle_path=tmp_path / "k.tkb").start()
@@ -509,7 +509,7 @@ def test_a_door_that_leaves_a_fetch_out_of_the_decision_fails_verification(signe
     """The decision is re-derived from the signed facts; `tkbox verify` also reads the disclosed request body and
     lists what it names, so a door stating fewer fetches than the body names (here: none, and the call passed) is
     caught."""
-    monkeypatch.setattr("tkbox_nb.doors.model_request.provider_fetches", lambda doc: [])
+    monkeypatch.setattr("tkbox_nb.rules.model_request.provider_fetches", lambda doc: [])
     up = Upstream(net)
     try:
         with Box(backend="bwrap", policy=_fetching_policy(net, ""), bundle_path=tmp_path / "l.tkb") as box:

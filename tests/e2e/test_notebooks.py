@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ["02-policy-and-secrets.ipynb", "03-model-calls.ipynb", "04-replay-and-audit.ipynb",

@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import VENV_BIN, run_cli, tamper_content
 from tkbox_nb import Box
-from tkbox_nb.run import open_run
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.bundle.verify import verify_bundle
 
 AUTO = '[patch]\napply = "auto"\nmax_file_bytes = 100000\n'
 
@@ -85,7 +85,7 @@ def test_review_mode_keeps_the_workspace_and_tkbox_apply_writes_the_allowed_file
     # a readable diff that is not the signed one is caught, even with the manifest rewritten to match
     import hashlib
     import json
-    from tkbox_nb.bundle import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
     files = read_bundle_file(bundle)
     files["box/patch.diff"] = files["box/patch.diff"].replace(b"+three", b"+rm -rf ~")
     manifest = json.loads(files.pop("manifest.json"))
@@ -249,7 +249,7 @@ def test_a_crafted_patch_stream_is_refused_entry_by_entry_or_ends_the_box(signer
 
 
 def test_audit_compares_the_patches_of_two_runs(signer, tmp_path):
-    from tkbox_nb.audit import audit
+    from tkbox_nb.audit.compare import audit
     bundles = []
     for i, text in enumerate(["same", "same", "other"]):
         ws = tmp_path / f"ws{i}"
@@ -272,7 +272,7 @@ def test_a_signer_lost_while_files_are_staged_leaves_the_workspace_as_it_was(pri
     import threading
     import time
 
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.core.errors import TkboxError
     before = snapshot(workspace)
     box = Box(backend="bwrap", home=private_signer.home, workspace=workspace, bundle_path=tmp_path / "lost.tkb",
               policy=AUTO).start()
@@ -445,7 +445,7 @@ def _umask():
 def test_a_bundle_decided_under_the_earlier_rules_still_verifies(signer, tmp_path, monkeypatch):
     """A statement without the `rules` fact (2) is decided as before it: a bundle made then still verifies, and
     `tkbox apply` of such a rename onto itself still deletes nothing."""
-    from tkbox_nb.doors import patch_rules
+    from tkbox_nb.rules import patch_rules
     monkeypatch.setattr(patch_rules, "RULES", 1, raising=False)
     ws = tmp_path / "ws"
     (ws / ".github/workflows").mkdir(parents=True)
@@ -471,7 +471,7 @@ def test_a_bundle_decided_under_the_earlier_rules_still_verifies(signer, tmp_pat
 def test_a_folder_the_box_made_unreadable_fails_the_patch_instead_of_deleting_its_files(signer, tmp_path):
     """The guest cannot list a folder (chmod 000 in the box): the patch is refused with the reason, never a patch
     that lists the folder's files as deleted; the host workspace keeps them."""
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.core.errors import TkboxError
     ws = tmp_path / "ws"
     (ws / "d").mkdir(parents=True)
     (ws / "d" / "keep.txt").write_text("keep\n")

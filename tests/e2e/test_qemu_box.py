@@ -15,9 +15,9 @@ import pytest
 
 from tkbox_nb import Box, BoxEnded, Policy
 from tkbox_nb.backends.image import build_image
-from tkbox_nb.errors import TkboxError
-from tkbox_nb.run import open_run
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.bundle.read_back import open_run
+from tkbox_nb.bundle.verify import verify_bundle
 
 from .conftest import IMAGE_HOME, TEST_PACKAGES, qemu_box
 
@@ -177,7 +177,7 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 def test_egress_leaves_the_vm_only_through_the_door_and_is_signed(signer, qemu_image, tmp_path):
     from tkbox_nb import open_run
-    from tkbox_nb.testnet import NamespaceNet, available
+    from testnet import NamespaceNet, available
     if not available()[0]:
         pytest.skip(available()[1])
     from .test_egress import fetch, policy
@@ -202,7 +202,7 @@ def test_unchanged_inputs_skip_the_rebuild(qemu_image):
 
 
 def test_secret_is_swapped_in_on_the_host_and_never_enters_the_vm(signer, qemu_image, tmp_path, monkeypatch):
-    from tkbox_nb.testnet import NamespaceNet, available
+    from testnet import NamespaceNet, available
     if not available()[0]:
         pytest.skip(available()[1])
     from .test_secrets import CLIENTS, VALUE, _test_ca, secrets_policy
@@ -257,7 +257,7 @@ def test_model_calls_leave_the_vm_through_the_model_door(signer, qemu_image, tmp
     """The VM's model endpoint carries a call to the host's model door: the key is added on the host, a model off
     the allow list is refused there, and both are signed. (The test image has no openai package: raw HTTP.)"""
     from tkbox_nb import open_run
-    from tkbox_nb.testnet import NamespaceNet, available
+    from testnet import NamespaceNet, available
     if not available()[0]:
         pytest.skip(available()[1])
     from .test_models import OPENAI_KEY, Upstream, models_policy

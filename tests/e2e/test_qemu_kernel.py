@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 from .test_kernel import Client, check_input_and_getpass, kernel_env, only_bundle  # noqa: F401 -- kernel_env is a fixture used here
 

@@ -15,7 +15,7 @@ import pytest
 from tkbox_nb import Box, Policy
 from tkbox_nb.backends.qemu import QemuBackend
 from tkbox_nb.backends.warm_start import WarmState, find_state, state_key, warm_state
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 from .conftest import qemu_box
 
@@ -140,7 +140,7 @@ def test_a_state_that_does_not_restore_is_set_aside_and_made_again(signer, qemu_
     """A saved state QEMU cannot load (here its stream header is damaged) fails that one box with QEMU's reason, is
     set aside, and the next box makes a new state and starts."""
     from tkbox_nb.backends.image import Image
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.core.errors import TkboxError
     copy = tmp_path / "img"
     (copy / "warm").mkdir(parents=True)
     for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
@@ -171,7 +171,7 @@ def test_a_state_whose_bytes_are_not_those_recorded_fails_before_the_go_and_is_s
     """The run signs `warm:sha256:` of the state as it was made; a state changed since (same size, owner, mode: the
     checks find_state makes) is hashed as QEMU reads it, and the box fails before the GO, naming both hashes."""
     from tkbox_nb.backends.image import Image
-    from tkbox_nb.errors import TkboxError
+    from tkbox_nb.core.errors import TkboxError
     copy = tmp_path / "img"
     (copy / "warm").mkdir(parents=True)
     for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
@@ -194,5 +194,5 @@ def test_a_state_whose_bytes_are_not_those_recorded_fails_before_the_go_and_is_s
 
 
 def open_run_reason(bundle: Path) -> str:
-    from tkbox_nb.run import open_run
+    from tkbox_nb.bundle.read_back import open_run
     return open_run(bundle).box["end_reason"]

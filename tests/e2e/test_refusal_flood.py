@@ -1,7 +1,7 @@
 """A box flooding the egress door with refused CONNECTs: its run stays bounded (issue 34).
 
 Each door signs its first `[box] max_refusals` refusals one by one and past them only their count, at most once a
-second (refusal_caps.py), so the run's records, the signer's store and the signer's memory do not grow with the
+second (signing/refusal_caps.py), so the run's records, the signer's store and the signer's memory do not grow with the
 flood; and a run that would near the size a bundle may hold is ended fail-closed, its bundle written.
 """
 
@@ -18,7 +18,7 @@ from conftest import VENV_BIN, run_cli
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -149,7 +149,7 @@ print(codes)
 
 def test_allowed_connections_past_max_connections_are_refused_counted_and_recounted_by_verify(private_signer,
                                                                                              tmp_path):
-    from tkbox_nb.testnet import NamespaceNet, available
+    from testnet import NamespaceNet, available
     if not available()[0]:
         pytest.skip(available()[1])
     signer, out = private_signer, tmp_path / "conns.tkb"

@@ -1,5 +1,5 @@
 """A crossing refused while a cell runs is shown in that cell, as the host's notice, and on `tkbox run`'s stderr
-(tkbox_nb/box_refusals.py). No traffic leaves: a name off [egress] allow is refused before it is looked up."""
+(tkbox_nb/rules/refusal_notices.py). No traffic leaves: a name off [egress] allow is refused before it is looked up."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import run_cli
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.kernel.relay import NOTICE_MIME
+from tkbox_nb.jupyter.kernel.relay import NOTICE_MIME
 
 from . import test_kernel
 from .test_kernel import only_bundle

@@ -14,8 +14,8 @@ from conftest import run_cli, tamper_content
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ from conftest import run_cli
 from tests.e2e.test_models import ANTHROPIC_KEY, OPENAI_KEY, PORT, Upstream
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
-from tkbox_nb.testnet import NamespaceNet, available
-from tkbox_nb.verify import verify_bundle
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
+from testnet import NamespaceNet, available
+from tkbox_nb.bundle.verify import verify_bundle
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
               pytest.mark.skipif(not available()[0], reason=available()[1])]

@@ -10,10 +10,10 @@ import pytest
 from conftest import run_cli
 
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
 from tkbox_nb.policy import Policy
-from tkbox_nb.replay import rerun
-from tkbox_nb.run import open_run
+from tkbox_nb.audit.replay import rerun
+from tkbox_nb.bundle.read_back import open_run
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 

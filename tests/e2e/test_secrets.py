@@ -15,8 +15,8 @@ from cryptography.x509.oid import NameOID
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.testnet import NamespaceNet, available
-from tkbox_nb.verify import verify_bundle
+from testnet import NamespaceNet, available
+from tkbox_nb.bundle.verify import verify_bundle
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),

@@ -5,5 +5,5 @@ microvm (what the VM backends share, with `kvm_usable`), warm_start (QEMU's save
 qemu, firecracker; none imports another), then registry (which knows them all).
 """
 
-from .base import Backend, BoxSpec  # noqa: F401
-from .registry import BACKENDS, choose_backend, get_backend  # noqa: F401
+from tkbox_nb.backends.base import Backend, BoxSpec  # noqa: F401
+from tkbox_nb.backends.registry import BACKENDS, choose_backend, get_backend  # noqa: F401

@@ -125,9 +125,9 @@ class Backend(abc.ABC):
         return "none"
 
     def environment(self, cache_dir: Path) -> bytes:
-        """The manifest of what the box runs (environment.py) that its box.start commits to; `cache_dir`: where a
+        """The manifest of what the box runs (bundle/environment.py) that its box.start commits to; `cache_dir`: where a
         backend keeps what it computed, keyed by what it read."""
-        from ..environment import manifest
+        from tkbox_nb.bundle.environment import manifest
         return manifest(None, self.name, self.image_digest(), f"the {self.name} backend does not record it")
 
 

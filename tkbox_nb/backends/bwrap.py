@@ -28,10 +28,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import scratch
-from ..mounts import bwrap_args as mount_args
-from . import memory_limit, seccomp
-from .base import Backend, BoxSpec, RunningBox
+from tkbox_nb.core import scratch
+from tkbox_nb.backends.mounts import bwrap_args as mount_args
+from tkbox_nb.backends import memory_limit, seccomp
+from tkbox_nb.backends.base import Backend, BoxSpec, RunningBox
 
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 BOX_PYTHON = "/opt/tkbox/python"  # where the box sees this host's interpreter when it lives outside /usr
@@ -215,7 +215,7 @@ class BwrapBackend(Backend):
     def environment(self, cache_dir: Path) -> bytes:
         """The box runs the host's interpreter and venv, bound read-only: its manifest is the host's, as the box
         sees each path (the binds of argv below), from the cache while the site directories are unchanged."""
-        from ..environment import host_python, manifest
+        from tkbox_nb.bundle.environment import host_python, manifest
         view = {"/usr": "/usr", **dict(interpreter()[1])}  # the binds of argv below
         if sys.prefix != sys.base_prefix:  # a venv, remade at BOX_VENV
             view[str(Path(sys.prefix, "bin"))] = f"{BOX_VENV}/bin"
@@ -265,7 +265,7 @@ class BwrapBackend(Backend):
         a += [x for p in spec.ro_binds for x in ("--ro-bind", p, p)]  # a GPU driver's files (gpus.py)
         if spec.seed is not None:
             a += ["--ro-bind", str(spec.seed), "/run/tkbox/seed"]
-        a += mount_args(spec.mounts)  # the dataset mounts, read-only (mounts.py)
+        a += mount_args(spec.mounts)  # the dataset mounts, read-only (backends/mounts.py)
         a += ["--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
         box_python = f"{BOX_VENV}/bin/python3" if sys.prefix != sys.base_prefix else python
         env = {"PATH": f"{os.path.dirname(box_python)}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",

@@ -27,12 +27,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import scratch
-from ..errors import TkboxError
-from .base import BoxSpec
-from .image import Image, current_image
-from .microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us, stop_process_group,
-                      vmm_limits)
+from tkbox_nb.core import scratch
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.backends.base import BoxSpec
+from tkbox_nb.backends.image import Image, current_image
+from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
+                                       stop_process_group, vmm_limits)
 
 DOOR_PORT = 1024          # the guest's vsock port for the door (ports below 1024 are privileged in the guest)
 GUEST_CID = 3             # the lowest CID a guest may have; each VM has its own vsock device, so they never clash
@@ -226,7 +226,7 @@ class FirecrackerBackend(ImageBackend):
             raise TkboxError("the firecracker backend runs only the image's guest agent")
         if not self.binary:
             raise TkboxError(self.available()[1])
-        from .kernel_image import vmlinux_for
+        from tkbox_nb.backends.linux_kernel import vmlinux_for
         img = self.image
         vmlinux = vmlinux_for(img.path)
         workdir = scratch.fresh("tkbox-fc-", "/tmp")  # short: Unix socket paths live here

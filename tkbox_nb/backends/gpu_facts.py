@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..errors import TkboxError
+from tkbox_nb.core.errors import TkboxError
 
 QUERY = ("index", "uuid", "name", "driver_version", "memory.total", "compute_cap", "pci.bus_id")
 MAX_GPUS = 64

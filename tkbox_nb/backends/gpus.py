@@ -13,8 +13,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .gpu_facts import (BIN_DIRS, KNOWN_DIRS, LIBRARIES, QUERY, GpuPlan, GpuRefused, parse_cuda_version,
-                        parse_information, parse_ldconfig, parse_query, plan, select)
+from tkbox_nb.backends.gpu_facts import (BIN_DIRS, KNOWN_DIRS, LIBRARIES, QUERY, GpuPlan, GpuRefused,
+                                         parse_cuda_version, parse_information, parse_ldconfig, parse_query, plan,
+                                         select)
 
 BOX_ROOTS = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32")  # what bwrap.py binds anyway
 SMI_TIMEOUT_S = 20

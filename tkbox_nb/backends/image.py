@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import TkboxError
+from tkbox_nb.core.errors import TkboxError
 # CONFIG_LABEL and DOOR_NAME too: the VM backends take them from here, with the image they name
-from .initramfs import (CONFIG_LABEL, DOOR_NAME, INIT, MODULES, ROOT_LABEL, VSOCK_MODULES,  # noqa: F401
-                        agent_digest, is_static, make_initramfs)
+from tkbox_nb.backends.initramfs import (CONFIG_LABEL, DOOR_NAME, INIT, MODULES, ROOT_LABEL, VSOCK_MODULES,  # noqa: F401
+                                         agent_digest, is_static, make_initramfs)
 
 BUILDER_VERSION = "2"  # bump when the way a root is made changes
 SUITE = "bookworm"
@@ -37,7 +37,7 @@ KERNEL_PACKAGE = "linux-image-cloud-amd64"
 # debugpy: ipykernel imports it when present (seconds under TCG), and no debug request is forwarded to a box
 REMOVE = ("usr/lib/python3/dist-packages/debugpy",)
 PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{0,99}$")  # a Debian package name
-ENVIRONMENT = "environment.json"  # the image's environment manifest part (environment.py), made from its root
+ENVIRONMENT = "environment.json"  # the image's environment manifest part (bundle/environment.py), made from its root
 TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt", "var/lib/apt/lists",
         "var/log")
 
@@ -70,7 +70,7 @@ class Image:
 
 
 def images_dir(home: Path | None = None) -> Path:
-    from ..signer import default_home
+    from tkbox_nb.core.home import default_home
     return Path(home or default_home()) / "images"
 
 
@@ -239,7 +239,7 @@ def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -
             ver = re.search(r"^Version: (\S+)", block, re.M)
             if name and ver and name.group(1) in root_inputs["packages"]:
                 versions[name.group(1)] = ver.group(1)
-    from ..environment import image_python  # from the root as built, before it becomes an ext4 image
+    from tkbox_nb.bundle.environment import image_python  # from the root as built, before it becomes an ext4 image
     (work / ENVIRONMENT).write_text(json.dumps(image_python(tree), sort_keys=True))
     used, files = _du(tree)
     progress.step(f"root: {used >> 20} MiB in {files} files; mke2fs -d (no mount)")

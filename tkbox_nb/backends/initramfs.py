@@ -14,7 +14,7 @@ import hashlib
 import io
 from pathlib import Path
 
-from ..errors import TkboxError
+from tkbox_nb.core.errors import TkboxError
 
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
 # loaded only when the kernel command line says the door is vsock (Firecracker): QEMU's door is virtio-serial

@@ -22,7 +22,7 @@ import signal
 import time
 from pathlib import Path
 
-from .. import scratch
+from tkbox_nb.core import scratch
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PREFIX = "tkbox-"  # then the host pid and the box id (scratch.sweep)

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..errors import TkboxError
-from .base import Backend, BoxSpec, RunningBox
-from .image import CONFIG_LABEL, ENVIRONMENT, Image, current_image, make_ext4
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.backends.base import Backend, BoxSpec, RunningBox
+from tkbox_nb.backends.image import CONFIG_LABEL, ENVIRONMENT, Image, current_image, make_ext4
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
@@ -135,7 +135,7 @@ class ImageBackend(Backend):
     def environment(self, cache_dir: Path) -> bytes:
         """The image's manifest, made when it was built (image.py keeps it beside the image); an image built before
         says so."""
-        from ..environment import manifest
+        from tkbox_nb.bundle.environment import manifest
         try:
             env = json.loads((self.image.path / ENVIRONMENT).read_bytes())  # re-encoded canonically
         except (OSError, ValueError):

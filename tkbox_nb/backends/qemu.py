@@ -19,13 +19,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import scratch
-from ..errors import TkboxError
-from .base import BoxSpec
-from .image import DOOR_NAME, Image, current_image
-from .microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
-                      stop_process_group, vmm_limits)
-from .warm_start import StateFeed, WarmState, discard_state, fit_config_disk, go_message, warm_state
+from tkbox_nb.core import scratch
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.backends.base import BoxSpec
+from tkbox_nb.backends.image import DOOR_NAME, Image, current_image
+from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
+                                       stop_process_group, vmm_limits)
+from tkbox_nb.backends.warm_start import StateFeed, WarmState, discard_state, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
 # The microvm machine without what the guest does not need: no legacy i8259 PIC (the IO-APIC routes every interrupt),

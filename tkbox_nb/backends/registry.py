@@ -7,17 +7,17 @@ process that never starts a box (`tkbox verify`, `tkbox replay`) imports this pa
 
 from __future__ import annotations
 
-from ..errors import TkboxError
-from .base import ISOLATION_LEVELS, Backend
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.backends.base import ISOLATION_LEVELS, Backend
 
 BACKENDS = ("bwrap", "qemu", "firecracker")
 
 
 def candidates() -> dict[str, type]:
     """Every backend class this version has, by the name a policy's `box.backend` gives."""
-    from .bwrap import BwrapBackend
-    from .firecracker import FirecrackerBackend
-    from .qemu import QemuBackend
+    from tkbox_nb.backends.bwrap import BwrapBackend
+    from tkbox_nb.backends.firecracker import FirecrackerBackend
+    from tkbox_nb.backends.qemu import QemuBackend
     return {"bwrap": BwrapBackend, "qemu": QemuBackend, "firecracker": FirecrackerBackend}
 
 
@@ -25,10 +25,10 @@ def choose_backend(minimum: str = "namespace", jailer: bool = False) -> tuple[Ba
     """`backend="auto"`: the strongest backend that works here and meets `minimum`, with why each was or was not
     taken. Order: Firecracker, QEMU with KVM, QEMU with TCG where the policy asks for a VM (emulation is slow, so a
     namespace box is preferred when it is enough), then bubblewrap."""
-    from .bwrap import BwrapBackend
-    from .firecracker import FirecrackerBackend
-    from .microvm import kvm_usable
-    from .qemu import QemuBackend
+    from tkbox_nb.backends.bwrap import BwrapBackend
+    from tkbox_nb.backends.firecracker import FirecrackerBackend
+    from tkbox_nb.backends.microvm import kvm_usable
+    from tkbox_nb.backends.qemu import QemuBackend
     need = ISOLATION_LEVELS[minimum]
     why: list[str] = []
     kvm, kvm_why = kvm_usable()

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import scratch
-from ..errors import TkboxError
-from ..guest.vm import WARM_READY, encode_go, GO_ENTROPY
-from .base import BoxSpec
-from .image import Image
-from .microvm import stop_process_group
+from tkbox_nb.core import scratch
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.guest.vm import WARM_READY, encode_go, GO_ENTROPY
+from tkbox_nb.backends.base import BoxSpec
+from tkbox_nb.backends.image import Image
+from tkbox_nb.backends.microvm import stop_process_group
 
 
 class TemplateVm(Protocol):

@@ -3,8 +3,8 @@
 A door (egress, intercept, model, patch, and the host end of the box's kernel) needs the box's facts (its policy,
 its secret bindings, its CA, its host workspace), the run's recorder to sign its crossings on, the door stream to
 answer on, and a way to end the box fail-closed. This Protocol names exactly those, and nothing else of `Box`, so a
-door can be read, tested and added without box.py, and box.py can change without its doors: `Box` provides them
-(a Box is a DoorContext) and composes the doors; the doors never import box.py.
+door can be read, tested and added without box/box.py, and box/box.py can change without its doors: `Box` provides them
+(a Box is a DoorContext) and composes the doors; the doors never import box/box.py.
 
 It sits in the doors layer and imports only lower layers, and those only as types.
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
-    from ..connection import HostConnection
-    from ..policy import Policy
-    from ..recorder import RunRecorder
-    from .box_ca import BoxCA
-    from .secrets import Binding
+    from tkbox_nb.stream.connection import HostConnection
+    from tkbox_nb.policy import Policy
+    from tkbox_nb.signing.recorder import RunRecorder
+    from tkbox_nb.rules.box_ca import BoxCA
+    from tkbox_nb.rules.secrets import Binding
 
 
 class DoorContext(Protocol):

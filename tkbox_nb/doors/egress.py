@@ -18,15 +18,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .. import protocol as p
-from ..connection import Stream, StreamClosed
-from .addresses import classify, refused_name
-from .hostnames import HostError, check_host
-from .proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
-from .spliced import SplicePipe
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.stream.connection import Stream, StreamClosed
+from tkbox_nb.rules.addresses import classify, refused_name
+from tkbox_nb.rules.hostnames import HostError, check_host
+from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.doors.spliced import SplicePipe
 
 if TYPE_CHECKING:
-    from .context import DoorContext
+    from tkbox_nb.doors.context import DoorContext
 
 HEAD_TIMEOUT_S = 30.0
 MAX_ADDRESSES = 32
@@ -179,13 +179,13 @@ class EgressDoor:
                                                  f"({rules}): {why}\n")
             watch = None
             if self.box.bindings:
-                from .secrets import PlaceholderWatch, bound_for, rewrite_request
+                from tkbox_nb.rules.secrets import PlaceholderWatch, bound_for, rewrite_request
                 bound = bound_for(crossing.args["host"], self.box.bindings)
                 if req.tunnel and bound:  # every binding goes along: another's placeholder here is a misuse too
                     relaying = True  # from here the relay signs the connection's end, whatever it ends on
                     return self._relay_bound(stream, req, crossing, address, self.box.bindings)
                 if not req.tunnel:  # plain http: a placeholder here is never swapped, only flagged or refused
-                    from .intercept import record_secret_crossings
+                    from tkbox_nb.doors.intercept import record_secret_crossings
                     watch = PlaceholderWatch(crossing.args["host"], self.box.bindings)  # the body, as it comes
                     rw = rewrite_request(crossing.args["host"], req.target.encode(), req.headers, self.box.bindings,
                                          tls=False)
@@ -277,7 +277,7 @@ class EgressDoor:
         refused: list[tuple[str, str]] = []  # (door, why), set by the upload thread when what the box sent is refused
         try:
             if req.tunnel:  # the box's bytes go up once its ClientHello names the CONNECT host (client_hello.py)
-                from .client_hello import TunnelGate
+                from tkbox_nb.rules.client_hello import TunnelGate
                 conn.send_data(sid, p.CH_BYTES, b"HTTP/1.1 200 Connection established\r\n\r\n")
                 gate, pending = TunnelGate(crossing.args["host"]).feed, req.rest
             else:  # one request: its body framed again, and nothing after it (a pipelined request) goes up
@@ -347,8 +347,8 @@ class EgressDoor:
         """A CONNECT to a host a secret is bound to: TLS terminated and re-originated (intercept.py)."""
         import ssl
 
-        from .intercept import Closed, Refused, relay_bound
-        from .secrets import error_text
+        from tkbox_nb.doors.intercept import Closed, Refused, relay_bound
+        from tkbox_nb.rules.secrets import error_text
         started, counts = time.monotonic(), {"bytes_up": 0, "bytes_down": 0, "intercepted": True}
         values = [b.value for b in bindings]  # an error on this path may quote a value (h11 names an illegal header)
         if not self.bound_slots.acquire(timeout=BOUND_WAIT_S):
@@ -383,13 +383,13 @@ class EgressDoor:
         """Box -> upstream: each piece through `watch` (placeholders, plain HTTP) and then `gate` (a tunnel's
         ClientHello check, or a forwarded request's body framing), which says what of it may go now; a refusal by
         either ends the connection before the bytes go."""
-        from .client_hello import HelloError
+        from tkbox_nb.rules.client_hello import HelloError
         data = pending
         while True:
             found = watch.feed(data) if watch is not None and data else []
             if found:  # signed before these bytes go; refused: they never do, and the connection ends
-                from .intercept import record_secret_crossings
-                from .secrets import Rewrite
+                from tkbox_nb.doors.intercept import record_secret_crossings
+                from tkbox_nb.rules.secrets import Rewrite
                 why = record_secret_crossings(self.box, host, self.box.bindings, Rewrite(headers=[], misuses=found),
                                               tls=False)
                 if why:

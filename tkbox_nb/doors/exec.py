@@ -3,7 +3,7 @@
 Before a command or a cell goes in, the run gets a signed decision under the box policy; nothing runs without a
 signed allow. A command's exit status and output come back strictly (integer status, stdout and stderr only, at
 most `exec.max_output_bytes` together) and are signed as its result, with the output spooled for the bundle. A
-cell's result is signed by the host end of the box's kernel (box_kernel.py), which alone knows when it has ended.
+cell's result is signed by the host end of the box's kernel (doors/cell.py), which alone knows when it has ended.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import protocol as p
-from ..errors import BoxEnded, DoorRefused, TkboxError
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.core.errors import BoxEnded, DoorRefused, TkboxError
 
 if TYPE_CHECKING:
-    from ..recorder import Crossing
-    from .context import DoorContext
+    from tkbox_nb.signing.recorder import Crossing
+    from tkbox_nb.doors.context import DoorContext
 
 
 # What a process's end can be: its exit status (0..255), or minus the signal that killed it (Linux has 64 signals,

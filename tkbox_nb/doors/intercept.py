@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Callable
 
 import h11
 
-from .. import protocol as p
-from ..connection import Stream
-from .secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.stream.connection import Stream
+from tkbox_nb.rules.secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
 
 if TYPE_CHECKING:
-    from .context import DoorContext
+    from tkbox_nb.doors.context import DoorContext
 
 MAX_REQUEST_BODY = 16 << 20
 IDLE_S = 300.0
@@ -53,8 +53,8 @@ class Unscrubbable(Refused):
 
 def _authority(text: str, default_port: int) -> tuple[str, int] | None:
     """(host as the egress door states it, port) of `host[:port]`, or None when it is no host the door accepts."""
-    from .hostnames import HostError, check_host
-    from .proxy_request import ProxyRequestError, split_authority
+    from tkbox_nb.rules.hostnames import HostError, check_host
+    from tkbox_nb.rules.proxy_request import ProxyRequestError, split_authority
     try:
         name, port = split_authority(text, default_port)
         return str(check_host(name)[1]), port
@@ -233,7 +233,7 @@ def end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The request's headers without the hop-by-hop ones (those proxy_request.HOP_BY_HOP names, HTTP2-Settings, and
     any the Connection header lists): they are this hop's, and the door speaks its own HTTP/1.1 upstream. Nor Range
     or If-Range: a reflected value read a few bytes at a time is never a whole spelling the scrubber finds."""
-    from .proxy_request import HOP_BY_HOP
+    from tkbox_nb.rules.proxy_request import HOP_BY_HOP
     named = {t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")}
     drop = HOP_BY_HOP | {b"http2-settings", b"range", b"if-range"} | named
     return [(k, v) for k, v in headers if k.lower() not in drop]
@@ -271,7 +271,7 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
             why = switches_protocol(event)
             if why:
                 raise Refused(why, 501)
-            from .proxy_request import framing_problem
+            from tkbox_nb.rules.proxy_request import framing_problem
             why = framing_problem(list(event.headers))
             if why:  # before any byte of it goes upstream: no smuggled request behind an ambiguous length
                 raise Refused(why, 400)

@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 
 import h11
 
-from .. import protocol as p
-from ..connection import Stream, StreamClosed
-from ..errors import PolicyError
-from .model_replay import Recordings
-from .model_request import ModelRequest, ModelRequestError, ModelRequestParser
-from .model_usage import UsageReader
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.stream.connection import Stream, StreamClosed
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.doors.model_replay import Recordings
+from tkbox_nb.rules.model_request import ModelRequest, ModelRequestError, ModelRequestParser
+from tkbox_nb.rules.model_usage import UsageReader
 
 if TYPE_CHECKING:
-    from .context import DoorContext
+    from tkbox_nb.doors.context import DoorContext
 
 PORT = 3129
 HEAD_TIMEOUT_S = 60.0
@@ -179,7 +179,7 @@ class ModelDoor:
             failure = _Failed(502, "internal error", "api_error")
         finally:
             # signed before the box sees the end of the answer, so the box's next call is decided on totals that
-            # hold this one (and the verifier can recount them exactly, verify.py); on any exception too
+            # hold this one (and the verifier can recount them exactly, bundle/verify.py); on any exception too
             self._sign_end(crossing, req, mode, result, bytes(body), usage_reader.end(), started)
         try:
             if failure is not None and "status_code" not in result:  # nothing sent yet: the reason, in its shape
@@ -198,7 +198,7 @@ class ModelDoor:
     def _sign_end(self, crossing, req: ModelRequest, mode: str, result: dict, data: bytes, usage, started: float):
         """Tracekit's response event, then the call's result and the run's totals together under the door's lock:
         the totals each later decision states are exactly the signed results before it (plus calls in flight)."""
-        from ..recorder import sha256_digest
+        from tkbox_nb.signing.recorder import sha256_digest
         recorder = self.box.recorder
         charged = self._charge_unreported(req, result, usage)
         result.update(latency_ms=int((time.monotonic() - started) * 1000), usage=usage.as_dict())
@@ -240,7 +240,7 @@ class ModelDoor:
                   body: bytearray, usage_reader: UsageReader, started: float) -> None:
         import httpx
 
-        from .secrets import Scrubber, error_text
+        from tkbox_nb.rules.secrets import Scrubber, error_text
         provider = self.box.policy.data.get("models", {}).get("providers", {}).get(req.provider)
         if provider is None:  # the policy changed since the decision
             raise _Failed(403, f"[models.{req.provider}] is not configured")
@@ -329,7 +329,7 @@ class ModelDoor:
 def _read_key(name: str, source: str) -> str:
     """A provider's key from `source`, checked as read_value checks a secret (a legal HTTP header value) and ASCII,
     as httpx sends a header; errors name the source, never the key."""
-    from .secrets import read_value
+    from tkbox_nb.rules.secrets import read_value
     try:
         key = read_value(name, source)
     except PolicyError as e:  # its message names the source, never a value

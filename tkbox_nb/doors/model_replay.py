@@ -14,8 +14,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TkboxError
-from ..run import Run, open_run
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.bundle.read_back import Run, open_run
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The patch door: the box's workspace changes come back file by file, each decided and signed, and only allowed
-files are ever written to the host (tkbox_nb/workspace_writer.py), in the policy's apply mode.
+files are ever written to the host (tkbox_nb/doors/workspace_writer.py), in the policy's apply mode.
 
 The host asks; the guest agent states its changes as data (guest/patch.py); `PatchReader` parses them strictly.
 Facts that depend on the whole patch (the same path twice, a case or Unicode-form collision, the running total)
@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import protocol as p
-from ..errors import TkboxError
-from ..patch_diff import DiffFile, render
-from ..recorder import sha256_digest
-from ..visible import visible
-from ..workspace_writer import ApplyError, FileChange, Staging, current_digest
-from . import patch_rules as rules
-from .patch_reader import Entry, PatchReader
+from tkbox_nb.guest import protocol as p
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.rules.patch_diff import DiffFile, render
+from tkbox_nb.signing.recorder import sha256_digest
+from tkbox_nb.core.visible import visible
+from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, Staging, current_digest
+from tkbox_nb.rules import patch_rules as rules
+from tkbox_nb.rules.patch_reader import Entry, PatchReader
 
 if TYPE_CHECKING:
-    from .context import DoorContext
+    from tkbox_nb.doors.context import DoorContext
 
 PATCH_TIMEOUT_S = 300.0
 

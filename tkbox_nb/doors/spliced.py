@@ -14,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from .. import protocol as p
+from tkbox_nb.guest import protocol as p
 
 PIPE_SIZE = 1 << 20   # room for a whole frame's payload even when it arrives as many small socket buffers
 

@@ -1,5 +1,5 @@
 """The Jupyter wire format, as much of it as the kernel bridge (kernel.py) and the Tracekit Box kernel's host process
-(kernel/app.py) need: standard library only.
+(jupyter/kernel/app.py) need: standard library only.
 
 Both once used jupyter_client's Session; importing jupyter_client takes about 0.15 s of CPU, which at a kernel's start
 competes with the box and the ipykernel being started (docs/jupyter.md, "Start to the first result"). This is the same

@@ -3,7 +3,7 @@
 The host never mounts or reads a filesystem the box could write, so the box states its own changes: per path, the
 operation (add, modify, delete, rename), the entry's type as the box sees it (a regular file, or a symlink, FIFO,
 socket, device or hard link, which the host refuses), its mode and its content. The host trusts none of it: it
-parses the stream strictly (tkbox_nb/doors/patch_reader.py), decides every entry and writes only what it allowed.
+parses the stream strictly (tkbox_nb/rules/patch_reader.py), decides every entry and writes only what it allowed.
 
 Wire format, on DATA channel 4 of a host-opened `{"kind": "patch"}` stream: for each entry, `length:u32be`, that
 many bytes of a UTF-8 JSON header `{"path", "op", "type", "mode", "size", "from"?, "target"?}`, then exactly `size`

@@ -7,7 +7,7 @@ box and the ipykernel inside it are ready as soon as possible after the frontend
 import os
 import sys
 
-from ..notebook_box import NotebookBox
+from tkbox_nb.box.notebook_box import NotebookBox
 
 # the most the kernel's own imports wait for the box's processes to be spawned (docs/jupyter.md, "Start to the
 # first result"): the box's start is the longer way to the first cell's result; kernel_info never waits for the box
@@ -24,6 +24,6 @@ if os.environ.get("TKBOX_EARLY_BOX", "1") != "0" and ({"-f", "--connection-file"
         sys.stderr.write(f"[tkbox kernel] the box did not start early: {type(e).__name__}: {e}\n")
         nb = None
 
-from .app import main  # noqa: E402  (after the box's start, on purpose)
+from tkbox_nb.jupyter.kernel.app import main  # noqa: E402  (after the box's start, on purpose)
 
 sys.exit(main(nb=nb))

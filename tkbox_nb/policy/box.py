@@ -1,9 +1,9 @@
 """[box]: which backend runs the box, the weakest isolation it may have, and its limits; and the box's own events.
 
-Two limits bound what a box can make its run record (refusal_caps.py, recorder.py): `max_refusals`, the refused
-crossings each door signs one by one in a run before it only counts them (the count signed at most once a second),
-and `max_run_mib`, the estimated size of the run's bundle at which the run is ended fail-closed, its bundle written,
-kept under the 512 MiB a bundle may hold (bundle.check_limits).
+Two limits bound what a box can make its run record (signing/refusal_caps.py, signing/recorder.py): `max_refusals`, the
+refused crossings each door signs one by one in a run before it only counts them (the count signed at most once a
+second), and `max_run_mib`, the estimated size of the run's bundle at which the run is ended fail-closed, its bundle
+written, kept under the 512 MiB a bundle may hold (bundle.check_limits).
 
 A box's start and stop are always allowed: they are recorded so the run says what ran; a policy refuses a box by
 these settings before it starts (backends.registry compares `isolation`).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import PolicyError
-from .base import Verdict
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Verdict
 
 BACKENDS = ("auto", "bwrap", "qemu", "firecracker")
 ISOLATION = ("namespace", "vm")  # a minimum: "vm" refuses to start a namespace box rather than fall back to one

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PolicyError
-from . import box, egress, host, models, mounts, patch, refusals, secrets, signer, workspace
-from . import exec as exec_
-from .base import MAX_LIST, Verdict, tname
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy import box, egress, host, models, mounts, patch, refusals, secrets, signer, workspace
+from tkbox_nb.policy import exec as exec_
+from tkbox_nb.policy.base import MAX_LIST, Verdict, tname
 
 MAX_POLICY_BYTES = 256 * 1024
 
@@ -70,7 +70,7 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path) -> "Policy":
-        from ..atomic_file import read_capped
+        from tkbox_nb.core.atomic_file import read_capped
         p = Path(path)
         try:
             raw = read_capped(p, MAX_POLICY_BYTES)  # a regular file, at most MAX+1 bytes read (a FIFO never hangs)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import PolicyError
-from .base import Settings, Verdict, seconds_problem
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "allow": list, "allow_cidrs": list, "nameservers": list, "connect_timeout_s": (int, float),
@@ -42,17 +42,17 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
 
 
 def allow_cidrs(policy: Settings) -> tuple:
-    """[egress] allow_cidrs as networks: private ranges the policy opens (doors/addresses.py refuses the rest)."""
+    """[egress] allow_cidrs as networks: private ranges the policy opens (rules/addresses.py refuses the rest)."""
     import ipaddress
     return tuple(ipaddress.ip_network(c, strict=False) for c in policy.get("egress", "allow_cidrs"))
 
 
 def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
     """A connection out of the box: the name, every address its lookup gave, then the allow list. Pure: the
-    address table is code (doors/addresses.py), and the facts carry the whole lookup answer."""
+    address table is code (rules/addresses.py), and the facts carry the whole lookup answer."""
     import ipaddress
 
-    from ..doors.addresses import classify, refused_name
+    from tkbox_nb.rules.addresses import classify, refused_name
     if kind != "connect":
         return Verdict("deny", "egress.kind", f"unknown egress kind {kind!r}")
     host, port = facts.get("host"), facts.get("port")
@@ -90,7 +90,7 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
 def allow_index(policy: Settings, host: str, port: int) -> int | None:
     """The first `[egress] allow` entry that matches host:port (the door resolves only such names). An IP literal
     entry, in any spelling (`[2001:db8::1]:443`), matches the address it spells (hostnames.host_pattern_matches)."""
-    from ..doors.hostnames import host_pattern_matches
+    from tkbox_nb.rules.hostnames import host_pattern_matches
     for i, pattern in enumerate(policy.get("egress", "allow")):
         want_host, _, want_port = pattern.rpartition(":")
         if want_port in ("*", str(port)) and host_pattern_matches(host, want_host):

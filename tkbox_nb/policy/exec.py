@@ -5,8 +5,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from ..errors import PolicyError
-from .base import Settings, Verdict, seconds_problem
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "cells": bool, "comms": bool, "commands": list, "deny_commands": list, "timeout_s": (int, float),

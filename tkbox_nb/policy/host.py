@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Verdict
+from tkbox_nb.policy.base import Verdict
 
 
 def decide(kind: Any, facts: dict[str, Any]) -> Verdict:

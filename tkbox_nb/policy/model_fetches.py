@@ -1,4 +1,4 @@
-"""The decision on what a model call asks the provider to fetch (doors/model_fetches.py lists it in the call's signed
+"""The decision on what a model call asks the provider to fetch (rules/model_fetches.py lists it in the call's signed
 facts): refused whole under `[models] server_tools = "refuse"` (the default), or each URL's and web tool domain's host
 decided against `[egress]` as a connection's would be under `"egress"`. Pure: `tkbox verify` decides it again."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Settings, Verdict
+from tkbox_nb.policy.base import Settings, Verdict
 
 SERVER_TOOLS = ("refuse", "egress")
 SUBDOMAIN = "tkbox-any-subdomain."  # stands for any subdomain of a web tool's allowed domain in the egress check
@@ -17,9 +17,9 @@ def _host(policy: Settings, url: str, default_port: int = 443) -> tuple[str, str
     import ipaddress
     from urllib.parse import urlsplit
 
-    from ..doors.addresses import classify, refused_name
-    from ..doors.hostnames import HostError, check_host
-    from .egress import allow_cidrs, allow_index
+    from tkbox_nb.rules.addresses import classify, refused_name
+    from tkbox_nb.rules.hostnames import HostError, check_host
+    from tkbox_nb.policy.egress import allow_cidrs, allow_index
     text = url if "://" in url else "https://" + url
     try:
         parts = urlsplit(text)

@@ -7,9 +7,9 @@ import fnmatch
 import re
 from typing import Any
 
-from ..errors import PolicyError
-from .base import MAX_LIST, Settings, Verdict, seconds_problem, tname
-from .model_fetches import SERVER_TOOLS, decide_fetches
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import MAX_LIST, Settings, Verdict, seconds_problem, tname
+from tkbox_nb.policy.model_fetches import SERVER_TOOLS, decide_fetches
 
 MODEL_MODES = ("live", "record", "replay")
 MODEL_PROVIDERS = ("openai", "anthropic")

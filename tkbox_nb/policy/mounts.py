@@ -2,9 +2,9 @@
 
 Experiments read gigabytes of data they must not change; copying it into the workspace (a tmpfs in RAM, copied at
 every start) cannot hold it. A mount is always read-only, and its content digest is signed at the box's start
-(mount_digest.py), so an audit knows two runs read the same data. This module checks what the policy alone can say
-(pure: no file is looked at); what the host says about `source` (it exists, holds no FIFO or device, lies outside
-$TKBOX_HOME) is checked when a box starts (mounts.py), before anything is signed.
+(bundle/mount_digest.py), so an audit knows two runs read the same data. This module checks what the policy alone can
+say (pure: no file is looked at); what the host says about `source` (it exists, holds no FIFO or device, lies outside
+$TKBOX_HOME) is checked when a box starts (backends/mounts.py), before anything is signed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import posixpath
 import re
 from typing import Any
 
-from ..errors import PolicyError
+from tkbox_nb.core.errors import PolicyError
 
 KEYS = ("source", "target")
 NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import PolicyError
-from .base import Settings, Verdict
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Settings, Verdict
 
 PATCH_APPLY = ("never", "review", "auto")
 SCHEMA: dict[str, type | tuple[type, ...]] = {
@@ -28,10 +28,10 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
 
 
 def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
-    """One file of the box's workspace patch. The always-rules (doors/patch_rules.py) come first, then the
+    """One file of the box's workspace patch. The always-rules (rules/patch_rules.py) come first, then the
     limits, then the policy's deny and allow globs. What depends on the rest of the patch (a path seen twice,
     a collision, the total so far) is stated by the door in the facts."""
-    from ..doors import patch_rules as r
+    from tkbox_nb.rules import patch_rules as r
     if kind == "summary":
         return Verdict("allow", "patch.summary")
     if kind != "file":
@@ -94,7 +94,7 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
 
 def _denied(policy: Settings, path: str, side: str) -> Verdict | None:
     """The default and the policy's deny globs, for a file's path or (`side`) a rename's source."""
-    from ..doors import patch_rules as r
+    from tkbox_nb.rules import patch_rules as r
     folded = r.fold(path)
     for i, pattern in enumerate(r.DEFAULT_DENY):
         if r.glob_match(pattern.casefold(), folded):

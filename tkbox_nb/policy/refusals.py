@@ -1,8 +1,8 @@
 """The verdict of a refusal count: the record a door signs for the refused crossings it counted past its cap.
 
 A box can be refused as often as it asks; each door signs its first `[box] max_refusals` refusals of a run one by
-one and past them only counts them (refusal_caps.py), signing the count at most once a second and as the box stops.
-A count is itself a refusal (deny), so `tkbox verify` re-derives it like any decision: this function checks the
+one and past them only counts them (signing/refusal_caps.py), signing the count at most once a second and as the box
+stops. A count is itself a refusal (deny), so `tkbox verify` re-derives it like any decision: this function checks the
 count's statement strictly (a positive count, at most `MAX_NAMES` kinds and rules, each a positive count, summing
 to it) and names a malformed one by its own rule. Pure.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Verdict
+from tkbox_nb.policy.base import Verdict
 
 KIND = "refused_count"
-MAX_NAMES = 17  # kinds or rules named in one count (16 by name and "other", refusal_caps.py)
+MAX_NAMES = 17  # kinds or rules named in one count (16 by name and "other", signing/refusal_caps.py)
 MAX_NAME = 120
 COUNTED_DOORS = ("exec", "egress", "secrets", "model")  # the doors a box drives (patch, host and box are not capped)
 

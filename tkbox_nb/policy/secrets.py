@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import PolicyError
-from .base import Verdict, tname
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Verdict, tname
 
 SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
 SECRET_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,63}"
@@ -65,7 +65,7 @@ def validate(secrets: Any, name: str) -> dict[str, dict[str, Any]]:
                 raise PolicyError(f"{where}: {key} is required")
         if not body["hosts"] or not all(isinstance(h, str) and h and "/" not in h for h in body["hosts"]):
             raise PolicyError(f"{where}.hosts must be a non-empty list of host names")
-        from ..doors.hostnames import HostError, literal_address
+        from tkbox_nb.rules.hostnames import HostError, literal_address
         for h in body["hosts"]:
             try:  # an IP literal is matched as the address it spells, so one that spells none is a mistake
                 literal_address(h)
@@ -92,7 +92,7 @@ def decide(kind: Any, facts: dict[str, Any]) -> Verdict:
     if kind == "bind":
         return Verdict("allow", "secrets.bind")
     host = facts.get("host")
-    from ..doors.secrets import host_matches
+    from tkbox_nb.rules.secrets import host_matches
     bound = isinstance(host, str) and host_matches(host, hosts)
     if kind == "swap":
         if bound and str(facts.get("header", "")).lower() == header.lower() and facts.get("tls") is True:

@@ -1,11 +1,11 @@
-"""[signer]: a central Tracekit signer over HTTPS (tkbox_nb/central_signer.py) instead of this machine's. Not a door:
+"""[signer]: a central Tracekit signer over HTTPS (tkbox_nb/signing/central.py) instead of this machine's. Not a door:
 it names who signs, so it has settings and checks but no decision."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import PolicyError
+from tkbox_nb.core.errors import PolicyError
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "url": str, "token_file": str, "ca": str, "trust": str, "store_dsn_file": str}
@@ -14,7 +14,7 @@ DEFAULTS: dict[str, Any] = {"url": "", "token_file": "", "ca": "", "trust": "", 
 
 
 def validate(signer: dict[str, Any], name: str) -> None:
-    """[signer]: a central Tracekit signer over HTTPS (tkbox_nb/central_signer.py); absent, the machine signer."""
+    """[signer]: a central Tracekit signer over HTTPS (tkbox_nb/signing/central.py); absent, the machine signer."""
     from urllib.parse import urlsplit
     url = signer.get("url", "")
     try:

@@ -3,16 +3,15 @@
 
 The folder is copied in, never shared, so what is left out matters twice: a `.git` or a `.venv` makes the start slow
 and the bundle's workspace digest depend on things the cells never read, and a folder of data gigabytes large is
-better given as a dataset mount ([mounts.NAME]) than copied. `excluded` is pure: the copy, the digest the run states
-and a rerun's comparison all ask it, so they agree on what the box started from.
+better given as a dataset mount ([mounts.NAME]) than copied. `excluded` (core/tree_digest.py) is pure: the copy, the
+digest the run states and a rerun's comparison all ask it, so they agree on what the box started from.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
-from ..errors import PolicyError
+from tkbox_nb.core.errors import PolicyError
 
 DEFAULT_EXCLUDE = [".git", ".venv", "venv", "__pycache__", ".ipynb_checkpoints", "node_modules", ".tkbox", "*.tkb"]
 SCHEMA: dict[str, type | tuple[type, ...]] = {"path": str, "exclude": list, "max_mib": int, "runs_dir": str}
@@ -29,19 +28,3 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
     for key in ("path", "runs_dir"):
         if "\x00" in ws.get(key, ""):
             raise PolicyError(f"{name}: workspace.{key} contains a NUL character")
-
-
-def excluded(patterns: list[str], rel: str) -> str | None:
-    """The first pattern that leaves the workspace path `rel` (relative, '/'-separated) out, or None. A pattern
-    without '/' matches any one component (so `.git` leaves out every .git and all under it); one with '/' matches
-    the path from the root, or any leading part of it (a directory and all under it)."""
-    parts = rel.split("/")
-    for pattern in patterns:
-        if "/" not in pattern:
-            if any(fnmatch.fnmatchcase(p, pattern) for p in parts):
-                return pattern
-        else:
-            pat = pattern.strip("/")
-            if any(fnmatch.fnmatchcase("/".join(parts[:i]), pat) for i in range(1, len(parts) + 1)):
-                return pattern
-    return None

@@ -1,0 +1,181 @@
+"""The Tracekit Box kernel's execute requests, one at a time, in the order they came, as ipykernel runs them.
+
+A cell (host-side magics, box code, or both) starts only after the cell before it has ended: its `execute_reply` and
+its `idle` sent. Requests that come meanwhile wait in a FIFO; the main loop still serves comms, completion and the
+control channel. So a host magic (`%box_restart`, `%%box_policy`, `%box_status`) never jumps ahead of a box cell sent
+before it. With `stop_on_error` (the default), a cell that ends in error aborts the execute requests queued behind it
+(each answered `busy`, `execute_reply` status `aborted`, `idle`), as ipykernel does.
+
+A host magic that raises anything still ends its cell: an `execute_reply` with status `error` and the exception's
+name and message, its traceback on the kernel's stderr, and `idle`.
+
+A request's `user_expressions` are read strictly first (box_messages.user_expressions_request: text, at most 64, each
+within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
+nothing. They go to the box with the cell's code, decided with it; a cell that is only host magics evaluates none
+(each is answered `NotEvaluated`, relay.unevaluated).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from tkbox_nb.rules.jupyter_messages import user_expressions_request
+from tkbox_nb.rules.refusal_notices import watch
+from tkbox_nb.core.errors import DoorRefused, TkboxError
+from tkbox_nb.box.notebook_box import split_host_magics
+from tkbox_nb.jupyter.kernel.box_wait import wait_for_box
+
+
+class Cells:
+    def __init__(self, kernel):
+        self.k = kernel  # the TkboxKernel (app.py)
+        self.queue: deque[tuple[str, list[bytes], dict]] = deque()
+        # the cell in the box now: msg_id, and whether its reply and its idle have reached the frontend
+        self.current: dict[str, Any] | None = None
+        self.asked: dict[str, frozenset[str]] = {}  # user_expressions keys each box cell's request asked for
+        self._host_status: tuple[Any, Any] | None = None  # (msg_id, status) of the last reply the host made itself
+
+    def enqueue(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        self.queue.append((channel, idents, msg))
+
+    def pump(self) -> None:
+        """Start queued cells while none is in the box (called by the main loop, never from inside a handler)."""
+        while self.current is None and self.queue and self.k.running:
+            channel, idents, msg = self.queue.popleft()
+            self._start(channel, idents, msg)
+
+    # -- the end of a cell -----------------------------------------------------------------------------------------
+    def replied(self, msg_id: Any, status: Any, idle: bool = False) -> None:
+        """An execute_reply went to the frontend (forwarded from the box, or the host's own; `idle`: with its idle)."""
+        cur = self.current
+        if cur is not None and cur["msg_id"] == msg_id:
+            first = not cur["reply"]
+            cur["reply"], cur["status"] = True, status
+            cur["idle"] = cur["idle"] or idle
+            if first and status == "error" and cur["stop_on_error"]:
+                self.abort_queued()  # those that came while it ran, as ipykernel: never one sent after its reply
+            self._maybe_end()
+        else:
+            self._host_status = (msg_id, status)
+
+    def idled(self, parent_id: Any) -> None:
+        cur = self.current
+        if cur is not None and cur["msg_id"] == parent_id:
+            cur["idle"] = True
+            self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        cur = self.current
+        if cur is not None and cur["reply"] and cur["idle"]:
+            self.current = None
+            self.asked.pop(cur["msg_id"], None)
+
+    def box_ended(self) -> None:
+        """The box's kernel is gone (its requests answered by app._box_kernel_ended): the cell in it ends, idle too."""
+        cur = self.current
+        if cur is not None:
+            if not cur["idle"]:
+                self.k.publish_status("idle", cur["header"])
+            if not cur["reply"] and cur["stop_on_error"]:
+                self.abort_queued()
+            cur["reply"] = cur["idle"] = True
+            cur["status"] = cur["status"] or "error"
+            self._maybe_end()
+
+    def abort_queued(self) -> None:
+        """Answer every queued execute request `aborted` (busy, reply, idle), as ipykernel does after an error."""
+        queued, self.queue = self.queue, deque()
+        for channel, idents, msg in queued:
+            header = msg["header"]
+            self.k.publish_status("busy", header)
+            self.k.send(channel, "execute_reply", {"status": "aborted"}, header, idents,
+                        metadata={"status": "aborted"})
+            self.k.publish_status("idle", header)
+
+    # -- the start of a cell ---------------------------------------------------------------------------------------
+    def _start(self, channel: str, idents: list[bytes], msg: dict) -> None:
+        header, content = msg["header"], msg["content"]
+        silent = bool(content.get("silent"))
+        stops = not silent and content.get("stop_on_error", True) is not False
+        self.asked[header["msg_id"]] = frozenset()  # the user_expressions keys, once read (_run)
+        self._host_status = None
+        self.k.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
+        try:
+            self._run(channel, idents, msg, silent, stops)
+        except Exception as e:  # a bug of ours: the cell still gets its reply and idle
+            self.k._log(f"error in an execute_request: {e}\n{traceback.format_exc()}")
+            forwarded = self.current is not None and self.current["msg_id"] == header["msg_id"]
+            if not forwarded and (self._host_status or (None,))[0] != header["msg_id"]:
+                self.k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+        host = self._host_status
+        if self.current is None and stops and host is not None and host[0] == header["msg_id"] and host[1] == "error":
+            self.abort_queued()
+
+    def _run(self, channel: str, idents: list[bytes], msg: dict, silent: bool, stops: bool) -> None:
+        """Do the cell's host magics and forward the rest to the box (or answer it here)."""
+        k = self.k
+        header, content = msg["header"], msg["content"]
+        code = content.get("code", "")
+        try:
+            expressions = user_expressions_request(content.get("user_expressions"))
+        except TkboxError as e:  # nothing of the request runs
+            k._host_reply(channel, idents, header, "error", silent, ("UserExpressionsRefused", str(e)))
+            return
+        self.asked[header["msg_id"]] = frozenset(expressions)
+        magics, remainder = split_host_magics(code)
+        if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
+            k.parent = (idents, header, bool(content.get("allow_stdin")))
+            try:
+                for name, line, body in magics:
+                    text = k.magics.run(name, line, body)
+                    if isinstance(text, Path):  # %box_view: the run view, live widgets of the host process
+                        if not silent:
+                            k._show_view(text, header)
+                        continue
+                    if text and not silent:
+                        k.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
+            except Exception as e:  # TkboxError, or anything a magic raised: the cell ends in error all the same
+                if not isinstance(e, TkboxError):
+                    k._log(f"host magic failed: {e}\n{traceback.format_exc()}")
+                k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+                return
+            finally:
+                k.parent = None
+            if not remainder.strip():
+                k._host_reply(channel, idents, header, "ok", silent)
+                return
+            msg = dict(msg, content=dict(content, code=remainder))
+            code = remainder
+        try:
+            k.nb.start_for_cell()  # in the background, unless a box runs or is starting already
+            while k.nb.starting():
+                if not wait_for_box(k, channel, idents, header, silent):
+                    return
+                k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
+            box = k.nb.ensure_box()
+            if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (refusal_notices);
+                # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
+                watch(box.recorder, k.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
+            k.comms.flush(box)  # comm faults seen while no run was open
+            crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
+        except (DoorRefused, TkboxError) as e:
+            k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+            return
+        # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
+        # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed
+        sent = k.parents.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
+        try:
+            k._ensure_kernel(box)
+            k.kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
+        except Exception as e:
+            box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
+            k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+            return
+        k.requests[sent["header"]["msg_id"]] = (channel, idents, header)
+        k.busy_here.add(header["msg_id"])
+        self.current = {"msg_id": header["msg_id"], "header": header, "reply": False, "idle": False,
+                        "status": None, "stop_on_error": stops}
+        k.kernel.send("shell", sent)

@@ -1,0 +1,131 @@
+"""Comm messages (widgets) between the frontend and the two comm managers behind the Tracekit Box kernel: the host's
+(host_comms.py, the run view) and the box's (its ipykernel, whose comms `BoxKernel.comms` tracks).
+
+Both ways, a message naming a comm the other end does not hold is refused, not forwarded, and signed as a fault
+(`exec`, kind `comm_fault`, issue 22): from the frontend, one naming neither a host comm nor a comm the box holds;
+from the box, a comm_msg or comm_close naming a comm it never opened (nor the frontend opened toward it). A box
+message naming a host comm is a protocol violation and ends the box. A fault seen while no box's run is open (before
+the first cell takes the box that starts with the kernel, or between boxes) is signed in the next run that opens,
+before that run's first cell is decided (docs/jupyter.md, "Two comm managers behind one kernel"). A run signs its
+first `MAX_SIGNED` faults one by one; past them (or past `MAX_PENDING` held ones) faults are only counted, and the
+count is signed as one record for each side they came from, at the next cell boundary or as the kernel stops the
+box (else in the next run to open): a box cannot spam the signer by naming made-up comms. The count of messages
+other than outputs the box sent naming cells already signed (dropped by doors/cell.py; late outputs are signed and
+shown there, rules/late_outputs.py) is signed the same way, as one `late_output` record.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+MAX_PENDING = 64  # faults held for the next run; past this, only counted
+MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
+
+
+class CommGate:
+    def __init__(self, kernel):
+        self.k = kernel  # the TkboxKernel (app.py)
+        self.pending: list[dict] = []
+        self.unrecorded: dict[str, int] = {}  # faults counted, not each signed, by the side they came from
+        self._run = None  # the box whose run `signed` counts faults for
+        self.signed = 0
+        self._lock = threading.Lock()
+
+    def box_comms(self) -> dict[str, str]:
+        k = self.k.kernel
+        return k.comms if k is not None and not k.ended else {}
+
+    # -- faults ----------------------------------------------------------------------------------------------------
+    def fault(self, facts: dict) -> None:
+        """Sign a refused comm message as a fault in the run in force (its first `MAX_SIGNED`), or hold it for the
+        next run (the first `MAX_PENDING`); count it otherwise, for `flush` to sign the count."""
+        box = self.k.nb.box if self.k.nb.live else None
+        with self._lock:
+            if box is not None and box is not self._run:
+                self._run, self.signed = box, 0
+            sign = box is not None and self.signed < MAX_SIGNED
+            hold = box is None and len(self.pending) < MAX_PENDING
+            if sign:
+                self.signed += 1
+            elif hold:
+                self.pending.append(facts)
+            else:
+                self.unrecorded[facts["from"]] = self.unrecorded.get(facts["from"], 0) + 1
+                if sum(self.unrecorded.values()) > 1:
+                    return
+        if sign:
+            box.recorder.decide("exec", "comm_fault", facts)
+        what = "refused" if sign or hold else "refused (further faults only counted until the next cell)"
+        self.k._log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
+
+    def flush(self, box) -> None:
+        """Sign, in `box`'s run, the faults held while no run was open and the count of those not signed one by
+        one (called as a cell takes its box, and as the kernel stops a box: `end_run`)."""
+        with self._lock:
+            pending, self.pending = self.pending, []
+            counted, self.unrecorded = self.unrecorded, {}
+        for facts in pending:
+            box.recorder.decide("exec", "comm_fault", facts)
+        for side, n in sorted(counted.items()):
+            box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
+                                                       "fault": f"{n} more, not each signed"})
+        kernel = self.k.kernel
+        late = kernel.take_late() if kernel is not None and kernel.box is box else 0
+        if late:  # what the box sent naming cells already signed: dropped, never shown, counted here (doors/cell.py)
+            box.recorder.decide("exec", "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
+                                                       "fault": f"{late} messages naming cells already signed"})
+
+    def end_run(self) -> None:
+        """The kernel stops the box: the count of faults not yet signed goes into its run while it is open."""
+        try:
+            if self.k.nb.live:
+                self.flush(self.k.nb.box)
+        except Exception as e:  # stopping the box goes on; what was not signed is logged
+            self.k._log(f"comm faults not signed as the box stopped: {e}")
+
+    # -- from the frontend -----------------------------------------------------------------------------------------
+    def from_frontend(self, channel: str, msg: dict) -> None:
+        """A comm message from the frontend: to a host comm (handled here), to a comm the box holds (decided by the
+        exec door, then forwarded), a comm_open (for the box), or else refused and signed as a fault."""
+        k = self.k
+        t, content = msg["header"]["msg_type"], msg["content"]
+        comm_id = content.get("comm_id")
+        if k.host_comms.owns(comm_id) and t != "comm_open":
+            k._comm_parent = msg["header"]
+            k.host_comms.handle(msg)
+            return
+        comm_id = str(comm_id or "")[:128]
+        if t == "comm_open" and k.host_comms.owns(comm_id):
+            why = "a host comm's id"
+        elif t != "comm_open" and comm_id not in self.box_comms():
+            why = "a comm the box does not hold"
+        else:
+            why = None
+        if why is not None:
+            return self.fault({"msg_type": t, "comm_id": comm_id, "from": "frontend", "fault": why})
+        if not k.nb.live or k.kernel is None or k.kernel.ended:
+            return  # a comm_open with no box to take it, as with a kernel that has no such target
+        data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
+        k.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
+        crossing = k.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
+        if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
+            k.kernel.send(channel, k.parents.into_box(msg), msg.get("buffers") or [])  # under a header made here
+
+    # -- from the box ----------------------------------------------------------------------------------------------
+    def from_box(self, msg) -> bool:
+        """Whether a comm message from the box goes on to the frontend. One naming a host comm is a protocol
+        violation and ends the box (signed as its last word); a comm_msg or comm_close naming a comm the box does
+        not hold is refused and signed as a fault."""
+        k = self.k
+        comm_id = msg.content.get("comm_id")
+        if k.host_comms.owns(comm_id):
+            k.box_violated = True
+            if k.nb.box is not None:
+                k.nb.box.fail_closed(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
+            return False
+        if msg.unknown_comm:
+            self.fault({"msg_type": msg.msg_type, "comm_id": comm_id[:128], "from": "box",
+                        "fault": "a comm the box does not hold"})
+            return False
+        return True

@@ -1,0 +1,85 @@
+"""Runs whose holding process died (a kernel killed with SIGKILL, a crash) or whose signer was lost, closed and
+bundled by the next box start or `tkbox signer recover`: their spools keep what another process needs (handle.json).
+
+A run closed but not yet bundled is recovered too: its bundle waits for a checkpoint of the signer (seconds, under
+load), and a frontend kills a kernel that has not exited within its wait (jupyter_client: 5 s), so the holder may die
+between its run's last record and its `.tkb`. The closed run's spool keeps `unbundled.json` (the holder's pid, where
+the bundle was meant to go) until the bundle is written; recovery writes the bundle of such a run whose holder died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tkbox_nb.bundle.archive import write_bundle
+from tkbox_nb.signing.recorder import UNBUNDLED, RunRecorder
+from tkbox_nb.core.processes import pid_alive
+from tkbox_nb.signing.signer import MachineSigner
+
+
+def _held(spool: Path) -> tuple[str, dict] | None:
+    """What is left to do for `spool` ("close" an open run, "bundle" a closed one) and its holder's note; None when
+    nothing is, or the note does not read."""
+    for what, name in (("close", "handle.json"), ("bundle", UNBUNDLED)):
+        try:
+            held = json.loads((spool / name).read_text())
+            if isinstance(held, dict) and isinstance(held.get("pid"), int):
+                return what, held
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return None
+        return None
+    return None
+
+
+def recover_orphans(signer: MachineSigner) -> list[Path]:
+    """Close every run whose process ended without closing it (a kernel killed with SIGKILL, a crash), recording
+    why as its last word, and write its bundle (where it was meant to go, else $TKBOX_HOME/bundles); write the bundle
+    of every run closed by a process that ended before writing it. Returns the bundles written."""
+    written = []
+    if not signer.runs_dir.is_dir():
+        return written
+    for spool in sorted(signer.runs_dir.iterdir()):
+        got = _held(spool)
+        if got is None:
+            continue
+        what, held = got
+        abandoned = held.get("abandoned") if what == "close" else None
+        if pid_alive(held["pid"]) and not abandoned:
+            continue
+        lock = spool / "recovering"
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # one recoverer per run
+        except FileExistsError:
+            continue
+        os.close(fd)
+        try:
+            if what == "close":
+                rec = RunRecorder.adopt(signer, spool)
+                rec.close(f"recovered: the run ended early ({abandoned})" if abandoned else
+                          f"recovered: the process that held this box (pid {held['pid']}) ended without closing its "
+                          "run")
+                written.append(rec.write_bundle(_out(signer, rec.run_id, rec.bundle_hint)))
+            elif (spool / UNBUNDLED).exists():  # closed by its holder, which died before writing the bundle
+                hint = Path(held["bundle_hint"]) if held.get("bundle_hint") else None
+                written.append(write_bundle(signer, spool.name, spool, _out(signer, spool.name, hint)))
+                (spool / UNBUNDLED).unlink(missing_ok=True)
+        except Exception as e:  # a spool we cannot adopt stays for `tkbox signer recover` to report
+            (spool / "recover-error.txt").write_text(f"{type(e).__name__}: {e}"[:1000])
+        finally:  # the workspace's copy (.env files and all) was the dead box's only: nothing reads it again
+            shutil.rmtree(spool / "seed", ignore_errors=True)
+            lock.unlink(missing_ok=True)
+    return written
+
+
+def _out(signer: MachineSigner, run_id: str, hint: Path | None) -> Path:
+    """Where a recovered run's bundle goes: where it was meant to, else $TKBOX_HOME/bundles/RUN_ID.tkb."""
+    if hint is not None and hint.parent.is_dir():
+        return hint
+    out = signer.home / "bundles" / f"{run_id}.tkb"
+    out.parent.mkdir(mode=0o700, exist_ok=True)
+    return out
