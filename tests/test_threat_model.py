@@ -83,7 +83,7 @@ NOT_OURS = {
 # system names: open(2) flags, prctl(2) options, resource limits, clone(2) flags
 SYSTEM_PREFIXES = ("O_", "PR_", "RLIMIT_", "CLONE_")
 # a file's name (a bundle's entry, `box/patch.diff`; a file in a box or the signer's store, `pyvenv.cfg`), not code
-FILE_SUFFIXES = (".json", ".jsonl", ".diff", ".cfg", ".toml", ".txt")
+FILE_SUFFIXES = (".json", ".jsonl", ".diff", ".cfg", ".toml", ".txt", ".md")
 BACKTICKED = re.compile(r"`([^`]+)`")
 CODE_TOKEN = re.compile(r"[A-Za-z_][\w]*(?:[./][A-Za-z_]\w*)*(?:\.py)?")
 
