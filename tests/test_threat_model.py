@@ -1,5 +1,6 @@
 """docs/threat-model.md names tests for each invariant: each invariant names at least one, and each named one exists
-(a test function of that name in that file, or a whole file of tests)."""
+(a test function of that name in that file, or a whole file of tests). The code its "why it holds" column names
+exists too, so a move or rename that leaves a row naming code that is gone fails here, naming the row."""
 
 import ast
 import importlib.util
