@@ -21,14 +21,24 @@ from tkbox_nb.rules.proxy_request import ProxyRequest
 from tkbox_nb.rules.secrets import Binding
 from tkbox_nb.policy import Policy
 from tkbox_nb.signing.recorder import Crossing, sha256_digest
+from tkbox_nb.stream.events import EVENTS, Close, Data
 
 HOST = "api.tkb.test"
 VALUE = "sk-live-REALSECRETVALUE-0123456789abcdef"
 
 
+class _Events(queue.Queue):
+    """As a real stream's queue (stream/connection.py), it takes only the door stream's typed events."""
+
+    def _put(self, item) -> None:
+        if type(item) not in EVENTS:
+            raise TypeError(f"{type(item).__name__} is no door stream event")
+        super()._put(item)
+
+
 class FakeStream:
     def __init__(self):
-        self.sid, self.events = 1, queue.Queue()
+        self.sid, self.events = 1, _Events()
 
     def get(self, timeout=None):
         return self.events.get(timeout=timeout)
@@ -163,7 +173,7 @@ def relay(upstream: Upstream, request: bytes | Callable[[Binding], bytes], bindi
     thread.start()
     data = request(bindings[0]) if callable(request) else request
     read = _box_client(box, stream, data, timeout)
-    stream.events.put(("close", {}))
+    stream.events.put(Close({}))
     return Relayed(read, box, thread)
 
 
@@ -178,7 +188,7 @@ def _box_client(box: FakeBox, stream: FakeStream, request: bytes, timeout: float
     def pump():
         data = outgoing.read()
         if data:
-            stream.events.put(("data", p.CH_BYTES, data))
+            stream.events.put(Data(p.CH_BYTES, data))
 
     def fill() -> bool:
         data = box.conn.out.get(timeout=max(0.01, deadline - time.monotonic()))

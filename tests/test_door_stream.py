@@ -12,6 +12,7 @@ import pytest
 
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import MAX_QUEUED, HostConnection, StreamClosed
+from tkbox_nb.stream.events import Close, Data, Lost
 
 
 class Peer:
@@ -94,9 +95,50 @@ def test_small_frames_of_one_channel_are_joined_not_queued_one_by_one(peer):
     got = b""
     while len(got) < len(payload):
         event = stream.get(timeout=5)
-        assert event[0] == "data" and event[1] == p.CH_BYTES
-        got += bytes(event[2])
+        assert isinstance(event, Data) and event.channel == p.CH_BYTES
+        got += bytes(event.payload)
     assert got == payload
+
+
+def _opened(peer) -> "object":
+    deadline = time.monotonic() + 5
+    while not peer.opened and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return peer.opened[0]
+
+
+def test_a_stream_s_events_are_typed_data_then_the_box_s_close(peer):
+    """What a stream's reader gets are events of stream/events.py, never tagged tuples: each DATA frame's channel and
+    payload as `Data`, the box's CLOSE with its body as `Close`, its last; and what was read is credited back."""
+    peer.send(p.encode_json(p.OPEN, 4, {"kind": "egress"}) + p.encode(p.DATA, 4, b"\x04hello") +
+              p.encode(p.DATA, 4, b"\x01out") + p.encode_json(p.CLOSE, 4, {"exit": 3}))
+    stream = _opened(peer)
+    assert [stream.get(timeout=5) for _ in range(3)] == [Data(p.CH_BYTES, b"hello"), Data(p.CH_STDOUT, b"out"),
+                                                         Close({"exit": 3})]
+    assert not peer.violations and stream.events.qsize() == 0
+
+
+def test_a_stream_the_door_stream_ends_under_gets_lost_with_the_violation(peer):
+    """A violation ends the door stream: every stream still read gets `Lost` naming it, after what came before."""
+    stream = peer.conn.open({"kind": "command", "argv": ["true"]})
+    peer.send(p.encode(p.DATA, stream.sid, b"\x01x") + p.encode(p.DATA, stream.sid, b"\x01"))
+    assert peer.ended.wait(5)
+    first, last = stream.get(timeout=5), stream.get(timeout=5)
+    assert first == Data(p.CH_STDOUT, b"x")
+    assert isinstance(last, Lost) and last.reason == peer.violations[0] and "empty data frame" in last.reason
+
+
+def test_a_stream_s_queue_refuses_anything_but_a_typed_event(peer):
+    """A tagged tuple (or any other object) put on a stream's queue is refused at once: no reader ever compares a
+    tag, so a misspelt one cannot pass as data or as the stream's end."""
+    peer.send(p.encode_json(p.OPEN, 4, {"kind": "egress"}))
+    stream = _opened(peer)
+    for untyped in (("data", p.CH_BYTES, b"x"), ("close", {}), ("violation", "gone"), b"x", None):
+        with pytest.raises(TypeError, match="no door stream event"):
+            stream.events.put(untyped)
+    assert stream.events.qsize() == 0
+    stream.events.put(Lost("the test ended it"))
+    assert stream.get(timeout=1) == Lost("the test ended it")
 
 
 def test_data_after_the_host_closed_a_box_opened_stream_is_dropped_and_never_credited(peer):

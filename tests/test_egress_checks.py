@@ -14,6 +14,7 @@ from tkbox_nb.rules.hostnames import HostError, check_host
 from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
+from tkbox_nb.stream.events import Close, Data
 
 
 SAMPLES = {"2001::/23": "2001:1::1"}  # 2001::/32 inside it is Teredo, judged by its embedded IPv4 addresses
@@ -269,7 +270,7 @@ def test_a_fault_of_the_egress_door_answers_502_closes_the_stream_and_is_signed(
     else:
         monkeypatch.setattr(egress.socket, "create_connection", boom)
     stream = FakeStream()
-    stream.events.put(("data", p.CH_BYTES, b"CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: x\r\n\r\n"))
+    stream.events.put(Data(p.CH_BYTES, b"CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: x\r\n\r\n"))
     egress.EgressDoor(box)._serve(stream)
     sent = [box.conn.out.get(timeout=1) for _ in range(2)]
     assert sent[0].startswith(b"HTTP/1.1 502 ") and b"(ValueError)" in sent[0] and sent[1] is None
@@ -437,8 +438,8 @@ def _through_the_door(monkeypatch, sent: bytes) -> tuple[bytes, list, list]:
                         lambda address, timeout=None: real(listener.getsockname(), timeout=timeout))
     box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
     stream = FakeStream()
-    stream.events.put(("data", p.CH_BYTES, sent))
-    stream.events.put(("close", {}))
+    stream.events.put(Data(p.CH_BYTES, sent))
+    stream.events.put(Close({}))
     egress.EgressDoor(box)._serve(stream)
     out = []
     while (item := box.conn.out.get(timeout=2)) is not None:

@@ -11,6 +11,7 @@ from tests.bound_relay import FakeBox, FakeStream
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.doors.model import ModelDoor
 from tkbox_nb.policy import Policy
+from tkbox_nb.stream.events import Data
 
 BODY = b'{"model":"claude-x","max_tokens":60,"messages":[]}'
 
@@ -51,7 +52,7 @@ def _door(monkeypatch, port: int) -> ModelDoor:
 
 def _call(door: ModelDoor, extra: bytes = b"") -> bytes:
     stream = FakeStream()
-    stream.events.put(("data", p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra
+    stream.events.put(Data(p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra
                        + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY))
     door._serve(stream)
     out = []
@@ -103,7 +104,7 @@ def test_a_response_that_reports_no_usage_is_charged_what_the_call_reserved(monk
 
     def call() -> bytes:
         s = FakeStream()
-        s.events.put(("data", p.CH_BYTES, b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+        s.events.put(Data(p.CH_BYTES, b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
                       b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
         door._serve(s)
         out = []

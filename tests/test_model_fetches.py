@@ -17,6 +17,7 @@ from tkbox_nb.doors.model import ModelDoor
 from tkbox_nb.rules.model_fetches import provider_fetches
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
+from tkbox_nb.stream.events import Data
 
 ANTHROPIC = {"model": "claude-x", "max_tokens": 60,
              "tools": [{"type": "web_fetch_20250910", "name": "web_fetch", "allowed_domains": ["docs.tkb.test"]},
@@ -129,7 +130,7 @@ def _upstream(seen: list) -> int:
 def _call(door: ModelDoor, path: bytes, doc: dict) -> bytes:
     body = json.dumps(doc).encode()
     stream = FakeStream()
-    stream.events.put(("data", p.CH_BYTES, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
+    stream.events.put(Data(p.CH_BYTES, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
                        b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
     door._serve(stream)
     out = []

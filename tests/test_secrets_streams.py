@@ -12,6 +12,7 @@ import pytest
 
 from tkbox_nb.doors.intercept import identity_only, unscrubbable_coding
 from tkbox_nb.rules.secrets import MIN_ENCODED_FORM, Scrubber, encoded_forms
+from tkbox_nb.stream.events import Data
 
 VALUE = "sk-live-" + "7f3a9c" * 6
 
@@ -230,7 +231,7 @@ def test_a_model_key_the_door_could_not_send_never_reaches_the_box_or_the_record
     door._keys[("anthropic", "env:TKB_TEST_KEY")] = "sk-ant-SECRETKEY-with-a-trailing-space "  # past the checks
     body = b'{"model":"claude-x","max_tokens":5,"messages":[]}'
     stream = FakeStream()
-    stream.events.put(("data", p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    stream.events.put(Data(p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
     door._serve(stream)
     read = b"".join(iter(lambda: box.conn.out.get(timeout=1) or b"", b""))

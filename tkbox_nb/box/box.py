@@ -23,6 +23,7 @@ from tkbox_nb.backends.gpus import gpu_plan
 from tkbox_nb.doors.cell import BoxKernel, Cell
 from tkbox_nb.rules.jupyter_messages import user_expressions_request
 from tkbox_nb.stream.connection import HostConnection, StreamClosed
+from tkbox_nb.stream.events import Close, Data, Lost
 from tkbox_nb.doors.egress import EgressDoor
 from tkbox_nb.doors.exec import CommandResult, ExecDoor
 from tkbox_nb.doors.patch import Patch, PatchDoor
@@ -437,12 +438,12 @@ class Box:
                 if self.ended:
                     raise BoxEnded(f"the box has ended: {self.ended}") from None
                 continue
-            if event[0] == "data":
-                on_data(event[1], event[2])
-            elif event[0] == "close":
-                return event[1]
+            if isinstance(event, Data):
+                on_data(event.channel, event.payload)
+            elif isinstance(event, Close):
+                return event.body
             else:
-                reason = event[1]
+                reason = event.reason if isinstance(event, Lost) else f"not a door stream event: {event!r}"
                 if self.running is not None and not self.running.alive() and not self.ended:
                     reason = f"the box died: {self.running.exit_reason()}"
                 self.fail_closed(reason)

@@ -42,6 +42,7 @@ from tkbox_nb.guest import protocol as p
 from tkbox_nb.rules.late_outputs import FLUSH_S, Batch, LateOutputs
 from tkbox_nb.rules.jupyter_messages import BoxMessage, check_box_message
 from tkbox_nb.rules.widget_state import REFUSED, control_kind, widget_kind
+from tkbox_nb.stream.events import Close, Data, Lost
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -181,19 +182,19 @@ class BoxKernel:
         try:
             while True:
                 event = self.stream.get()
-                if event[0] == "data":
-                    if event[1] != p.CH_MSG:
-                        raise p.ProtocolError(f"kernel data on channel {event[1]}")
-                    for raw in self.reader.feed(event[2]):
+                if isinstance(event, Data):
+                    if event.channel != p.CH_MSG:
+                        raise p.ProtocolError(f"kernel data on channel {event.channel}")
+                    for raw in self.reader.feed(event.payload):
                         msg = check_box_message(raw, self.comms, self.requests)
                         if msg is not None:
                             self._route(msg)
-                elif event[0] == "close":
-                    body = event[1]
+                elif isinstance(event, Close):
+                    body = event.body
                     reason = f"the box's kernel ended: {str(body.get('error') or body)[:300]}"
                     break
                 else:
-                    reason = f"the box's kernel stream ended: {event[1]}"
+                    reason = f"the box's kernel stream ended: {event.reason if isinstance(event, Lost) else event!r}"
                     break
         except p.ProtocolError as e:
             reason = f"door protocol violation: {e}"

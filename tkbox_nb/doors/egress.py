@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream, StreamClosed
+from tkbox_nb.stream.events import Data
 from tkbox_nb.rules.addresses import classify, refused_name
 from tkbox_nb.rules.hostnames import HostError, check_host
 from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
@@ -236,11 +237,11 @@ class EgressDoor:
                 event = stream.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise ProxyRequestError(408, "no complete request within 30s") from None
-            if event[0] != "data":
+            if not isinstance(event, Data):
                 return None
-            if event[1] != p.CH_BYTES:
-                raise p.ProtocolError(f"egress data on channel {event[1]}")
-            req = parser.feed(event[2])
+            if event.channel != p.CH_BYTES:
+                raise p.ProtocolError(f"egress data on channel {event.channel}")
+            req = parser.feed(event.payload)
             if req is not None:
                 if not req.tunnel:
                     req.upstream, req.framer = parser.upstream_head(req), parser
@@ -405,9 +406,9 @@ class EgressDoor:
                 break
             counts["bytes_up"] += len(data)
             event = stream.get()
-            if event[0] != "data" or event[1] != p.CH_BYTES:
+            if not isinstance(event, Data) or event.channel != p.CH_BYTES:
                 break
-            data = event[2]
+            data = event.payload
         try:
             upstream.shutdown(socket.SHUT_WR)
         except OSError:

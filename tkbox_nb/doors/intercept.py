@@ -25,6 +25,7 @@ import h11
 
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream
+from tkbox_nb.stream.events import Data
 from tkbox_nb.rules.secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
 
 if TYPE_CHECKING:
@@ -134,12 +135,12 @@ class BoxTLS:
             event = self.stream.get(timeout=IDLE_S)
         except queue.Empty:
             raise Closed("idle") from None
-        if event[0] != "data":
+        if not isinstance(event, Data):
             self.incoming.write_eof()
             raise Closed("the box closed the connection")
-        if event[1] != p.CH_BYTES:
-            raise p.ProtocolError(f"egress data on channel {event[1]}")
-        self.incoming.write(event[2])
+        if event.channel != p.CH_BYTES:
+            raise p.ProtocolError(f"egress data on channel {event.channel}")
+        self.incoming.write(event.payload)
 
     def handshake(self) -> None:
         while True:

@@ -24,6 +24,7 @@ import h11
 
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream, StreamClosed
+from tkbox_nb.stream.events import Data
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.doors.model_replay import Recordings
 from tkbox_nb.rules.model_request import ModelRequest, ModelRequestError, ModelRequestParser
@@ -122,11 +123,11 @@ class ModelDoor:
                 event = stream.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise ModelRequestError(408, "no complete request within 60s") from None
-            if event[0] != "data":
+            if not isinstance(event, Data):
                 return None
-            if event[1] != p.CH_BYTES:
-                raise p.ProtocolError(f"model data on channel {event[1]}")
-            req = parser.feed(event[2])
+            if event.channel != p.CH_BYTES:
+                raise p.ProtocolError(f"model data on channel {event.channel}")
+            req = parser.feed(event.payload)
             if req is not None:
                 return req
 

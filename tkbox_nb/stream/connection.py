@@ -6,6 +6,7 @@ the box is stopped fail-closed and the reason recorded. Window credit is granted
 stream's data, so a box can never make the host buffer more than its windows; each stream's queue also holds at most
 MAX_QUEUED events (small data frames of one channel are joined), so a box cannot make the host keep a million tiny
 ones either. Data on a stream the box opened, after the host closed its side, is dropped and never credited back.
+A stream's events are typed (`stream/events.py`: `Data`, `Close`, `Lost`), and its queue takes nothing else.
 
 Every write to the box has a deadline: a watchdog shuts the socket once a write has waited `write_stall_s` (the box
 stopped reading its door, a violation) or past the deadline its caller gave, so no writer, and nobody waiting for
@@ -21,6 +22,7 @@ import time
 from typing import Callable
 
 from tkbox_nb.guest import protocol as p
+from tkbox_nb.stream.events import EVENTS, Close, Data, Event, Lost
 
 MAX_QUEUED = 4096          # data events waiting unread in one stream's queue
 JOIN_BELOW = 64 * 1024     # a data event smaller than this is copied out of the read buffer and joined to the last
@@ -33,39 +35,43 @@ class StreamClosed(Exception):
 
 class _Events(queue.Queue):
     """A stream's events, bounded: past MAX_QUEUED data events waiting is a violation. A small data event is copied
-    (so it does not hold the reader's whole buffer) and joined to the last one when that is of the same channel."""
+    (so it does not hold the reader's whole buffer) and joined to the last one when that is of the same channel.
+    Anything but an event of `stream/events.py` is refused (TypeError), so no untyped event reaches a reader."""
 
     def __init__(self, sid: int):
         super().__init__()
         self.sid = sid
 
-    def _put(self, item) -> None:
-        if item[0] == "data":
-            data = item[2]
+    def _put(self, item: Event) -> None:
+        if type(item) not in EVENTS:
+            raise TypeError(f"stream {self.sid}: {type(item).__name__} is no door stream event")
+        if isinstance(item, Data):
+            data = item.payload
             if len(data) < JOIN_BELOW:
                 last = self.queue[-1] if self.queue else None
-                if last is not None and last[0] == "data" and last[1] == item[1] and isinstance(last[2], bytearray) \
-                        and len(last[2]) + len(data) <= JOIN_BELOW:
-                    last[2].extend(data)
+                if isinstance(last, Data) and last.channel == item.channel and isinstance(last.payload, bytearray) \
+                        and len(last.payload) + len(data) <= JOIN_BELOW:
+                    last.payload.extend(data)
                     return
-                item = ("data", item[1], bytearray(data))
+                item = Data(item.channel, bytearray(data))
             if len(self.queue) >= MAX_QUEUED:
                 raise p.ProtocolError(f"stream {self.sid} has more than {MAX_QUEUED} data frames waiting unread")
         self.queue.append(item)
 
 
 class Stream:
-    """Events of one stream: ("data", channel, bytes), ("close", body), ("violation", reason)."""
+    """Events of one stream (`stream/events.py`): `Data(channel, payload)`, then at most one `Close(body)` (the box
+    closed it) or `Lost(reason)` (the door stream ended under it), its last."""
 
     def __init__(self, conn: "HostConnection", sid: int):
         self.conn, self.sid = conn, sid
         self.events: queue.Queue = _Events(sid)
         self.discard = False  # the host closed its side of a stream the box opened: its data is dropped, uncredited
 
-    def get(self, timeout: float | None = None):
+    def get(self, timeout: float | None = None) -> Event:
         event = self.events.get(timeout=timeout)
-        if event[0] == "data":
-            self.conn.consumed(self.sid, len(event[2]))
+        if isinstance(event, Data):
+            self.conn.consumed(self.sid, len(event.payload))
         return event
 
 
@@ -114,7 +120,7 @@ class HostConnection:
             pass
         self.closed = True
         for s in list(self.streams.values()):
-            s.events.put(("violation", self.violation or "the box's door stream ended"))
+            s.events.put(Lost(self.violation or "the box's door stream ended"))
         with self.lock:
             self.window_changed.notify_all()
 
@@ -143,9 +149,9 @@ class HostConnection:
             raise p.ProtocolError(f"{kind} on stream {sid}, which nobody here reads")
         if kind == "data":
             if not stream.discard:  # else counted against its window, never granted back
-                stream.events.put(("data", event[2], event[3]))
+                stream.events.put(Data(event[2], event[3]))
         elif kind == "close":
-            stream.events.put(("close", event[2]))
+            stream.events.put(Close(event[2]))
             self.streams.pop(sid, None)
 
     def _violate(self, reason: str) -> None:
