@@ -78,7 +78,14 @@ def test_the_box_starts_its_doors_in_order_and_ends_them_in_reverse(tmp_path):
     """The egress door (the secret bindings signed) before the model door (the providers' keys read); at the stop
     the model door's client closes before the egress door's open connections end, signed, and the kernel last."""
     box = Box(policy='[models]\nallow = ["openai:*"]\n', backend="bwrap", home=tmp_path)
-    assert [d.name for d in box._doors()] == ["exec", "egress", "patch", "model"]
+    box.doors = box._doors()
+    assert [d.name for d in box.doors] == ["exec", "egress", "patch", "model"]
+    ended = []
+    for door in box.doors:  # each real stop runs, and says when
+        door.stop = lambda reason, door=door, stop=door.stop: (ended.append((door.name, reason)), stop(reason))
+    box._end_processes("box stopped")
+    assert ended == [("model", "box stopped"), ("patch", "box stopped"), ("egress", "box stopped"),
+                     ("exec", "box stopped")]
 
 
 class Interrupted:

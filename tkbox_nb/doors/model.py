@@ -78,7 +78,7 @@ class ModelDoor(Door):
         bound = {b.name for b in self.box.bindings}
         return {name: value for name, value in box_env().items() if name not in bound}
 
-    def start(self) -> None:
+    def start(self) -> None:  # at the box's start: a missing key stops it with one line, not its first call
         if self.recordings is None and self.box.policy.model("mode") != "replay":
             self.read_keys()
 
