@@ -504,7 +504,7 @@ def test_an_open_tunnel_is_closed_and_its_end_signed_when_the_box_stops():
     door, box, relay, held = _held_tunnel()
     time.sleep(0.3)
     assert relay.is_alive()
-    door.close("box stopped")
+    door.stop("box stopped")
     relay.join(timeout=5)
     assert not relay.is_alive()
     (end,) = [e for e in box.recorder.log if e[0] == "complete"]

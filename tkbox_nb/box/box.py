@@ -1,9 +1,11 @@
 """Box: one box and one signed run, from start to a written `.tkb`.
 
-A Box starts its backend, opens its run, and composes its doors (exec, egress, model, patch, and the host end of
-its kernel), which see it only as a DoorContext (doors/context.py). Anything the box does outside the protocol, a
-limit it reaches, or a signer that stops answering ends the box fail-closed, and the reason is recorded in the run's
-last record and the box manifest.
+A Box starts its backend, opens its run, and composes its doors (exec, egress, patch, model, and the host end of
+its kernel), which see it only as a DoorContext (doors/context.py) while it sees each only as a Door
+(doors/door.py): it gathers their environment before the box starts, starts them in a loop once it is spawned, and
+ends them in a loop at its stop. Their exchanges with the box go through one ExecTransport
+(doors/exec_transport.py). Anything the box does outside the protocol, a limit it reaches, or a signer that stops
+answering ends the box fail-closed, and the reason is recorded in the run's last record and the box manifest.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from tkbox_nb.backends import BoxSpec, get_backend
 from tkbox_nb.backends.base import end_note
 from tkbox_nb.backends.gpus import gpu_plan
 from tkbox_nb.doors.cell import BoxKernel, Cell
+from tkbox_nb.doors.door import Door, environment, stop_all
 from tkbox_nb.rules.jupyter_messages import user_expressions_request
 from tkbox_nb.stream.connection import HostConnection, StreamClosed
-from tkbox_nb.stream.events import Close, Data, Lost
 from tkbox_nb.doors.egress import EgressDoor
 from tkbox_nb.doors.exec import CommandResult, ExecDoor
+from tkbox_nb.doors.exec_transport import ExecTransport
 from tkbox_nb.doors.patch import Patch, PatchDoor
 from tkbox_nb.rules.secrets import bindings_for
-from tkbox_nb.core.errors import BoxEnded, DoorRefused, TkboxError
+from tkbox_nb.core.errors import BoxEnded, TkboxError
 from tkbox_nb.policy import Policy
 from tkbox_nb.bundle.environment import box_environment
 from tkbox_nb.signing.recorder import Crossing, RunRecorder, sha256_digest
@@ -47,21 +50,11 @@ class CellResult:
     user_expressions: dict[str, Any] = field(default_factory=dict, repr=False)  # each asked: its result, signed
 
 
-CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
-
-
-def egress_env(port: int = 3128) -> dict[str, str]:
-    """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
-    url = f"http://127.0.0.1:{port}"
-    proxies = {n: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY") for n in (name, name.lower())}
-    return {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": "", **proxies}
-
-
 class Box:
     """`with Box(policy=...) as box: box.run([...]); box.execute("...")`; the bundle is at `box.bundle_path`.
 
     A Box is the DoorContext (doors/context.py) of the doors it composes: they see its policy, bindings, CA,
-    workspace, recorder and door stream, `fail_closed` and `exchange`, and nothing else of it."""
+    workspace, recorder and door stream, `fail_closed`, `memory_kills` and `exchange`, and nothing else of it."""
 
     kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
     mounts_original: dict[str, str] | None = None  # a rerun that went on with changed data: mount -> first difference
@@ -88,8 +81,11 @@ class Box:
         self.ended: str | None = None
         self.agent_argv = agent_argv  # another guest program instead of the agent: for testing a hostile guest
         self._kernel: BoxKernel | None = None
+        self.transport = ExecTransport(self, self._died)  # the doors' exchanges with the box (DoorContext.exchange)
         self.exec_door = ExecDoor(self)
+        self.egress: EgressDoor | None = None
         self.patch_door: PatchDoor | None = None
+        self.doors: list[Door] = []  # in the order they start (and, reversed, end): Box._doors
         self.last_patch: Patch | None = None
         self.bindings = bindings_for(self.policy, secrets or {})
         self.replay_of = replay_of
@@ -98,7 +94,7 @@ class Box:
             from tkbox_nb.doors.model_replay import recordings_from_bundle
             model_replay = recordings_from_bundle(model_replay)
         self.model_replay = model_replay
-        self.model = None
+        self.model: Any = None  # the ModelDoor, when the box has the model endpoint
         if self.bindings:  # the per-box CA the secrets door terminates TLS with; its key stays in this process
             from tkbox_nb.rules.box_ca import BoxCA
             self.ca = BoxCA(self.box_id)
@@ -156,27 +152,21 @@ class Box:
             if self.workspace is not None:  # a copy, never the host directory itself
                 seed = self.recorder.spool / "seed"
                 copy_seed(self.workspace, seed, exclude)  # less [workspace] exclude, as the digest
+            self.doors = self._doors()
+            env = environment(self.doors)
+            if self.kernel_early:  # the agent starts the ipykernel at once, before the host asks for it
+                env["TKBOX_KERNEL_EARLY"] = "1"
             self.running = self.backend.start(BoxSpec(
                 box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
                 cpus=self.policy.get("box", "cpus"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
-                env={**self._box_env(), **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
+                env={**env, **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
                 mounts=mounts_.binds(self.mounts), devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
-            for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
-                c = self.recorder.decide("secrets", "bind", {
-                    "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,
-                    "source": b.source, "placeholder": b.placeholder_digest})
-                if not c.allowed:
-                    raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
-                self.recorder.complete(c, "ok", {})
-            self.egress = EgressDoor(self)
-            self.patch_door = PatchDoor(self, rerun=self.replay_of is not None)
-            if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
-                from tkbox_nb.doors.model import ModelDoor
-                self.model = ModelDoor(self, self.model_replay)
+            for door in self.doors:  # the secret bindings signed; the providers' keys read (one line if missing)
+                door.start()
             self.conn = HostConnection(self.running.door, self._violation, on_open=self._box_opened)
             deadline = time.monotonic() + self.backend.ready_timeout_s
             while not self.conn.ready.wait(0.1):
@@ -190,28 +180,23 @@ class Box:
             raise
         return self
 
-    def _models_on(self) -> bool:
-        """The model endpoint exists in the box when its policy has [models] at start, or calls are replayed."""
-        return "models" in self.policy.data or self.model_replay is not None
+    def _doors(self) -> list[Door]:
+        """The box's doors, in the order they start, and in the reverse of it end: the egress door signs the secret
+        bindings before the model door reads the providers' keys, and the model door's client closes before the
+        egress door ends its open connections. The model endpoint exists in the box when its policy has [models] at
+        start, or calls are replayed."""
+        self.egress = EgressDoor(self)
+        self.patch_door = PatchDoor(self, rerun=self.replay_of is not None)
+        if "models" in self.policy.data or self.model_replay is not None:
+            from tkbox_nb.doors.model import ModelDoor
+            self.model = ModelDoor(self, self.model_replay)
+        return [d for d in (self.exec_door, self.egress, self.patch_door, self.model) if d is not None]
 
     def _box_opened(self, stream, body: dict) -> bool:
         """A stream the box opened: an egress connection, or a model call when the box has the model endpoint."""
         if self.egress.accept(stream, body):
             return True
         return self.model is not None and self.model.accept(stream, body)
-
-    def _box_env(self) -> dict[str, str]:
-        env = egress_env()
-        if self.kernel_early:  # the agent starts the ipykernel at once, before the host asks for it
-            env["TKBOX_KERNEL_EARLY"] = "1"
-        if self._models_on():
-            from tkbox_nb.doors.model import box_env
-            env.update(box_env())
-        if self.bindings:
-            for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"):
-                env[name] = CA_BUNDLE_IN_BOX
-            env.update({b.name: b.placeholder for b in self.bindings})
-        return env
 
     def stop(self, reason: str = "box stopped") -> Path | None:
         """Stop the box, close the run and write the bundle (once); returns its path. Interrupted while it waits for
@@ -263,7 +248,7 @@ class Box:
         return reason
 
     def _end_processes(self, reason: str) -> None:
-        """Kill the box and release its door, each step even if one before it fails."""
+        """Kill the box, shut its door stream, and end its doors, each step even if one before it fails."""
         try:
             if self.running is not None:
                 self.running.kill()
@@ -271,13 +256,9 @@ class Box:
             try:
                 if self.conn is not None:
                     self.conn.shutdown()
-            finally:
-                if self.model is not None:
-                    self.model.close()
-                if getattr(self, "egress", None) is not None:  # open tunnels end, signed, before the run closes
-                    self.egress.close(self.ended or reason)
-                if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop
-                    self._kernel._finish(f"the box stopped: {self.ended or reason}")
+            finally:  # each door in the reverse of its start (open tunnels end, signed, before the run closes),
+                # then the kernel: a cell still running ends with the box, its end signed before the stop
+                stop_all([*reversed(self.doors), self._kernel], self.ended or reason)
 
     collect_patch_at_stop = True
 
@@ -303,6 +284,12 @@ class Box:
             self.conn.abort()
         if self.running is not None:
             self.running.kill()
+
+    def _died(self) -> str | None:
+        """Why the box's processes are gone (the backend's word), or None while they run."""
+        if self.running is not None and not self.running.alive():
+            return f"the box died: {self.running.exit_reason()}"
+        return None
 
     def memory_kills(self) -> int:
         return self.running.memory_kills() if self.running is not None else 0
@@ -398,53 +385,12 @@ class Box:
         timeout = self.policy.get("exec", "timeout_s")
         if any(time.monotonic() - c.started > timeout for c in cells):
             self.fail_closed(f"exec timed out after {timeout:g}s")
-        elif self.running is not None and not self.running.alive():
-            self.fail_closed(f"the box died: {self.running.exit_reason()}")
+        elif died := self._died():
+            self.fail_closed(died)
         elif self.conn is not None and self.conn.closed and self.recorder is not None and not self.recorder.closed:
             self.fail_closed("the box's door stream ended (its guest agent is gone)")
 
     def exchange(self, request: dict, timeout: float, on_data: Callable[[int, bytes], None],
                  stdin: bytes | None = None) -> dict:
-        """Open one stream for `request`, send stdin and close our side, collect until the box closes it, all
-        within `timeout`: one deadline for the whole exchange, stdin included. A lost stream or a protocol
-        violation ends the box."""
-        deadline = time.monotonic() + timeout
-
-        def timed_out() -> None:
-            self.fail_closed(f"exec timed out after {timeout:g}s")
-        try:
-            stream = self.conn.open(request)
-            if stdin:
-                self.conn.send_data(stream.sid, p.CH_STDIN, stdin, deadline=deadline, on_deadline=timed_out)
-            self.conn.close(stream.sid)
-            return self._collect(stream, deadline, timeout, on_data)
-        except (StreamClosed, OSError) as e:
-            self.fail_closed(f"door stream lost: {e}")
-        except p.ProtocolError as e:
-            self.fail_closed(f"door protocol violation: {e}")
-        raise BoxEnded(f"the box has ended: {self.ended}")
-
-    def _collect(self, stream, deadline: float, timeout: float, on_data: Callable[[int, bytes], None]) -> dict:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.fail_closed(f"exec timed out after {timeout:g}s")
-                raise BoxEnded(f"the box has ended: {self.ended}")
-            try:
-                event = stream.get(timeout=min(left, 1.0))
-            except Exception:  # queue.Empty: check the box is still there
-                if self.running is not None and not self.running.alive():
-                    self.fail_closed(f"the box died: {self.running.exit_reason()}")
-                if self.ended:
-                    raise BoxEnded(f"the box has ended: {self.ended}") from None
-                continue
-            if isinstance(event, Data):
-                on_data(event.channel, event.payload)
-            elif isinstance(event, Close):
-                return event.body
-            else:
-                reason = event.reason if isinstance(event, Lost) else f"not a door stream event: {event!r}"
-                if self.running is not None and not self.running.alive() and not self.ended:
-                    reason = f"the box died: {self.running.exit_reason()}"
-                self.fail_closed(reason)
-                raise BoxEnded(f"the box has ended: {self.ended}")
+        """One request to the box and its answer, within one deadline (DoorContext: the exec and patch doors')."""
+        return self.transport.exchange(request, timeout, on_data, stdin)

@@ -38,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from tkbox_nb.doors.door import Door
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.rules.late_outputs import FLUSH_S, Batch, LateOutputs
 from tkbox_nb.rules.jupyter_messages import BoxMessage, check_box_message
@@ -109,8 +110,11 @@ class Cell:
         return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
-class BoxKernel:
-    """The box's kernel, as the host sees it. Start with `Box.kernel()`, which waits until it answers."""
+class BoxKernel(Door):
+    """The box's kernel, as the host sees it. Start with `Box.kernel()`, which waits until it answers; the box
+    ends it after its other doors (`stop`), a cell still running ended with it, its end signed."""
+
+    name = "cell"
 
     def __init__(self, box: "DoorContext"):
         self.box = box
@@ -348,6 +352,9 @@ class BoxKernel:
                 raise p.ProtocolError(f"cell output over exec.max_output_bytes ({limit})")
             cell.expression_results = results
         msg.content = dict(msg.content, user_expressions=results)
+
+    def stop(self, reason: str) -> None:
+        self._finish(f"the box stopped: {reason}")
 
     def _finish(self, reason: str) -> None:
         if "door protocol violation" not in f"{reason} {getattr(self.box, 'ended', None)}":

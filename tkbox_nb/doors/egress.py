@@ -24,6 +24,8 @@ from tkbox_nb.stream.events import Data
 from tkbox_nb.rules.addresses import classify, refused_name
 from tkbox_nb.rules.hostnames import HostError, check_host
 from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.doors.door import Door
+from tkbox_nb.doors.egress_env import egress_env, secrets_env
 from tkbox_nb.doors.spliced import SplicePipe
 
 if TYPE_CHECKING:
@@ -97,7 +99,9 @@ def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
     return facts, address
 
 
-class EgressDoor:
+class EgressDoor(Door):
+    name = "egress"
+
     def __init__(self, box: "DoorContext"):
         self.box = box
         # bounds what a box can make the host hold: the secrets door reads each request to a bound host whole
@@ -110,7 +114,14 @@ class EgressDoor:
         self.connections = 0  # allowed in this run, stated in each next one ([egress] max_connections)
         self._connections_lock = threading.Lock()
 
-    def close(self, reason: str, wait_s: float = 5.0) -> None:
+    def env(self) -> dict[str, str]:  # the proxy settings, and with secrets bound the CA and placeholders
+        return {**egress_env(), **secrets_env(self.box.bindings)}
+
+    def start(self) -> None:  # each secret binding signed, before any connection (intercept.py)
+        from tkbox_nb.doors.intercept import bind_secrets
+        bind_secrets(self.box)
+
+    def stop(self, reason: str, wait_s: float = 5.0) -> None:
         """At the box's stop: every relayed connection still open is shut, and its end signed (within `wait_s`)
         before the run closes, however idle its upstream keeps it."""
         with self._open_changed:

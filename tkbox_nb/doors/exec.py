@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.core.errors import BoxEnded, DoorRefused, TkboxError
+from tkbox_nb.doors.door import Door
 
 if TYPE_CHECKING:
     from tkbox_nb.signing.recorder import Crossing
@@ -32,8 +33,11 @@ class CommandResult:
     stderr: bytes
 
 
-class ExecDoor:
-    """The exec door of one box, which it sees as a DoorContext."""
+class ExecDoor(Door):
+    """The exec door of one box, which it sees as a DoorContext. It has nothing to start or end: each crossing is
+    one exchange (doors/exec_transport.py), over when it returns."""
+
+    name = "exec"
 
     def __init__(self, box: "DoorContext"):
         self.box = box

@@ -12,6 +12,7 @@ it, so it must come whole, in bytes the scrubber reads: every request goes upstr
 whatever the box asked, and a response in any other content coding (or a transfer coding other than chunked), a
 partial one (206, Content-Range) or a 101 ends the connection, refused, before any of it reaches the box: a gzipped
 echo of the bound header would carry the value past a scrubber of raw bytes. The box gets HTTP's own reason phrase.
+Each binding itself is a signed record at the box's start (`bind_secrets`, the egress door's `start`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 import h11
 
+from tkbox_nb.core.errors import DoorRefused
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream
 from tkbox_nb.stream.events import Data
@@ -285,6 +287,18 @@ def read_request(recv: Callable[[], bytes], conn: h11.Connection) -> tuple[h11.R
             return request, bytes(body)
         else:  # ConnectionClosed, or PAUSED (which h11 would give again and again): the end
             return None, b""
+
+
+def bind_secrets(box: "DoorContext") -> None:
+    """At the box's start, before any connection: each binding is a signed record (its hosts, header, misuse rule,
+    source and the placeholder's digest), never its value or its placeholder; a refused one stops the start."""
+    for b in box.bindings:
+        c = box.recorder.decide("secrets", "bind", {
+            "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,
+            "source": b.source, "placeholder": b.placeholder_digest})
+        if not c.allowed:
+            raise DoorRefused(f"the secret binding {b.name} was refused", c.rule_ids)
+        box.recorder.complete(c, "ok", {})
 
 
 def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Binding], rw, tls: bool) -> str:

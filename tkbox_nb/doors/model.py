@@ -26,6 +26,7 @@ from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream, StreamClosed
 from tkbox_nb.stream.events import Data
 from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.model_replay import Recordings
 from tkbox_nb.rules.model_request import ModelRequest, ModelRequestError, ModelRequestParser
 from tkbox_nb.rules.model_usage import UsageReader
@@ -57,7 +58,9 @@ def error_body(provider: str, message: str, kind: str = "permission_error") -> b
     return json.dumps(doc).encode()
 
 
-class ModelDoor:
+class ModelDoor(Door):
+    name = "model"
+
     def __init__(self, box: "DoorContext", recordings: Recordings | None = None):
         self.box = box
         self.recordings = recordings
@@ -70,7 +73,14 @@ class ModelDoor:
         self._client = None
         # bounds what a box can make the host hold: MAX_AT_ONCE request bodies of at most max_request_bytes each
         self.slots = threading.BoundedSemaphore(MAX_AT_ONCE)
-        if recordings is None and box.policy.model("mode") != "replay":
+
+    def env(self) -> dict[str, str]:
+        """The box's model clients lead to this door; a binding of a dummy key's name replaces it (secrets_env)."""
+        bound = {b.name for b in self.box.bindings}
+        return {name: value for name, value in box_env().items() if name not in bound}
+
+    def start(self) -> None:  # at the box's start: a missing key stops it with one line, not its first call
+        if self.recordings is None and self.box.policy.model("mode") != "replay":
             self.read_keys()
 
     def read_keys(self) -> None:
@@ -86,7 +96,7 @@ class ModelDoor:
         threading.Thread(target=self._serve, args=(stream,), daemon=True, name="tkbox-model").start()
         return True
 
-    def close(self) -> None:
+    def stop(self, reason: str) -> None:  # the upstream client closed
         if self._client is not None:
             self._client.close()
 

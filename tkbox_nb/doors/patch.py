@@ -22,6 +22,7 @@ from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.rules.patch_diff import DiffFile, render
 from tkbox_nb.signing.recorder import sha256_digest
 from tkbox_nb.core.visible import visible
+from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, Staging, current_digest
 from tkbox_nb.rules import patch_rules as rules
 from tkbox_nb.rules.patch_reader import Entry, PatchReader
@@ -84,7 +85,9 @@ class Patch:
 RERUN_KEEPS = "a rerun applies nothing to a folder: review its patch, then `tkbox apply BUNDLE`"
 
 
-class PatchDoor:
+class PatchDoor(Door):
+    name = "patch"  # nothing to start or end: the box's last patch is collected before its stop (its last word)
+
     def __init__(self, box: "DoorContext", rerun: bool = False):
         self.box = box
         self.rerun = rerun  # a rerun's box: it writes its bundle and nothing else, whatever the policy says (I57)

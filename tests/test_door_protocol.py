@@ -1,0 +1,125 @@
+"""The Door protocol (doors/door.py): what a Box sees of each door, so that it gathers their environment, starts
+them and ends them in loops. The doors here are the real ones, on the in-memory box context of tests/bound_relay.py
+(the DoorContext a door sees); the environment they give together is the one Box.start gave the box before the doors
+gave it themselves, written out."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.bound_relay import FakeBox, FakeStream
+from tkbox_nb.box.box import Box
+from tkbox_nb.doors.cell import BoxKernel
+from tkbox_nb.doors.door import Door, environment, stop_all
+from tkbox_nb.doors.egress import EgressDoor
+from tkbox_nb.doors.egress_env import CA_BUNDLE_IN_BOX
+from tkbox_nb.doors.exec import ExecDoor
+from tkbox_nb.doors.model import DUMMY_KEY, ModelDoor
+from tkbox_nb.doors.patch import PatchDoor
+from tkbox_nb.policy import Policy
+from tkbox_nb.rules.proxy_request import ProxyRequest
+from tkbox_nb.rules.secrets import Binding
+from tkbox_nb.signing.recorder import Crossing
+
+DOORS = [ExecDoor, EgressDoor, PatchDoor, ModelDoor, BoxKernel]
+PROXY = "http://127.0.0.1:3128"
+MODELS = "http://127.0.0.1:3129"
+
+
+@pytest.mark.parametrize("door", DOORS, ids=lambda d: d.__name__)
+def test_each_door_is_a_door(door):
+    assert Door in door.__mro__ and isinstance(door.name, str)
+    for step in ("env", "start", "stop"):
+        assert list(inspect.signature(getattr(door, step)).parameters)[:2] == \
+            list(inspect.signature(getattr(Door, step)).parameters)
+    assert len({d.name for d in DOORS}) == len(DOORS)
+
+
+def _doors(policy: str, bindings: list) -> list:
+    box = FakeBox(Policy.from_toml(policy), bindings)
+    return [ExecDoor(box), EgressDoor(box), PatchDoor(box), ModelDoor(box)]
+
+
+def test_the_box_s_environment_is_its_doors_in_order():
+    """Proxies with an empty NO_PROXY, which the model door's loopback one replaces; with secrets bound, the CA
+    bundle under each client's name and each binding's placeholder, which replaces the model door's dummy key of the
+    same name."""
+    proxies = {n: PROXY for n in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")}
+    plain = environment(_doors("", [])[:3])
+    assert plain == {"TKBOX_EGRESS_PORT": "3128", "NO_PROXY": "", "no_proxy": "", **proxies}
+    bindings = [Binding("API_KEY", ["api.tkb.test"], "Authorization", "Bearer {value}", "env:X"),
+                Binding("OPENAI_API_KEY", ["api.openai.com"], "Authorization", "Bearer {value}", "env:Y")]
+    env = environment(_doors('[models]\nallow = ["openai:*"]\n', bindings))
+    assert env == {**plain, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+                   "SSL_CERT_FILE": CA_BUNDLE_IN_BOX, "REQUESTS_CA_BUNDLE": CA_BUNDLE_IN_BOX,
+                   "CURL_CA_BUNDLE": CA_BUNDLE_IN_BOX, "PIP_CERT": CA_BUNDLE_IN_BOX,
+                   "NODE_EXTRA_CA_CERTS": CA_BUNDLE_IN_BOX, "API_KEY": bindings[0].placeholder,
+                   "OPENAI_API_KEY": bindings[1].placeholder, "TKBOX_MODEL_PORT": "3129",
+                   "OPENAI_BASE_URL": f"{MODELS}/openai/v1", "ANTHROPIC_BASE_URL": f"{MODELS}/anthropic",
+                   "ANTHROPIC_API_KEY": DUMMY_KEY}
+
+
+def test_the_egress_door_s_start_signs_each_binding_and_a_refused_one_stops_it():
+    box = FakeBox(Policy.from_toml(""), [Binding("API_KEY", ["api.tkb.test"], "Authorization", "{value}", "env:X")])
+    EgressDoor(box).start()
+    (decided, completed) = box.recorder.log
+    assert decided[:3] == ("decide", "secrets", "bind") and decided[3]["name"] == "API_KEY"
+    assert decided[3]["placeholder"] == box.bindings[0].placeholder_digest and completed[:3] == \
+        ("complete", "secrets", "ok")
+    assert box.bindings[0].placeholder not in repr(box.recorder.log)
+
+
+def test_the_box_starts_its_doors_in_order_and_ends_them_in_reverse(tmp_path):
+    """The egress door (the secret bindings signed) before the model door (the providers' keys read); at the stop
+    the model door's client closes before the egress door's open connections end, signed, and the kernel last."""
+    box = Box(policy='[models]\nallow = ["openai:*"]\n', backend="bwrap", home=tmp_path)
+    box.doors = box._doors()
+    assert [d.name for d in box.doors] == ["exec", "egress", "patch", "model"]
+    ended = []
+    for door in box.doors:  # each real stop runs, and says when
+        door.stop = lambda reason, door=door, stop=door.stop: (ended.append((door.name, reason)), stop(reason))
+    box._end_processes("box stopped")
+    assert ended == [("model", "box stopped"), ("patch", "box stopped"), ("egress", "box stopped"),
+                     ("exec", "box stopped")]
+
+
+class Interrupted:
+    """A door whose end is interrupted (Ctrl-C while it ends)."""
+
+    name = "interrupted"
+
+    def stop(self, reason: str) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_door_that_fails_to_end_keeps_none_after_it_from_ending_signed():
+    """An open tunnel, relayed by the real egress door to an upstream that accepts and then holds the connection:
+    the door ended before it fails, and the tunnel still ends, its end signed, before the failure is raised. (The
+    box ended its doors one after another: the model door's close failing left the egress door's tunnels open and
+    unsigned.)"""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
+    egress = EgressDoor(box)
+    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
+    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
+    relay = threading.Thread(target=egress._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
+    relay.start()
+    deadline = time.monotonic() + 5
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(KeyboardInterrupt):
+        stop_all([Interrupted(), None, egress], "box stopped")
+    relay.join(timeout=5)
+    assert not relay.is_alive()
+    (end,) = [e for e in box.recorder.log if e[0] == "complete"]
+    assert end[3]["closed_by_door"] == "box stopped"
+    server.close()
