@@ -17,7 +17,8 @@ from tkbox_nb.box.box import Box
 from tkbox_nb.doors.context import DoorContext
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tkbox_nb"
-DOORS = ["doors/egress.py", "doors/exec.py", "doors/intercept.py", "doors/model.py", "doors/patch.py", "doors/cell.py"]
+DOORS = ["doors/egress.py", "doors/exec.py", "doors/intercept.py", "doors/model.py", "doors/patch.py", "doors/cell.py",
+         "doors/packages.py"]
 MEMBERS = set(DoorContext.__annotations__) | {
     name for name, value in vars(DoorContext).items() if inspect.isfunction(value) and not name.startswith("_")}
 

@@ -23,8 +23,9 @@ from tkbox_nb.backends.gpus import gpu_plan
 from tkbox_nb.doors.cell import BoxKernel, Cell
 from tkbox_nb.rules.jupyter_messages import user_expressions_request
 from tkbox_nb.stream.connection import HostConnection, StreamClosed
-from tkbox_nb.doors.egress import EgressDoor
+from tkbox_nb.doors.egress import EgressDoor, egress_env
 from tkbox_nb.doors.exec import CommandResult, ExecDoor
+from tkbox_nb.doors import packages as packages_door
 from tkbox_nb.doors.patch import Patch, PatchDoor
 from tkbox_nb.rules.secrets import bindings_for
 from tkbox_nb.core.errors import BoxEnded, DoorRefused, TkboxError
@@ -47,13 +48,6 @@ class CellResult:
 
 
 CA_BUNDLE_IN_BOX = "/etc/tkbox/ca-bundle.pem"
-
-
-def egress_env(port: int = 3128) -> dict[str, str]:
-    """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
-    url = f"http://127.0.0.1:{port}"
-    proxies = {n: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY") for n in (name, name.lower())}
-    return {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": "", **proxies}
 
 
 class Box:
@@ -97,7 +91,7 @@ class Box:
             from tkbox_nb.doors.model_replay import recordings_from_bundle
             model_replay = recordings_from_bundle(model_replay)
         self.model_replay = model_replay
-        self.model = None
+        self.model = self.packages = None  # the model and package doors, when the policy has them
         if self.bindings:  # the per-box CA the secrets door terminates TLS with; its key stays in this process
             from tkbox_nb.rules.box_ca import BoxCA
             self.ca = BoxCA(self.box_id)
@@ -176,6 +170,8 @@ class Box:
             if self._models_on():  # reads the providers' keys now: a missing one stops the start with one line
                 from tkbox_nb.doors.model import ModelDoor
                 self.model = ModelDoor(self, self.model_replay)
+            if self._packages_on():  # its host cache is shared by the boxes of this $TKBOX_HOME
+                self.packages = packages_door.PackagesDoor(self, self.signer.home / "packages")
             self.conn = HostConnection(self.running.door, self._violation, on_open=self._box_opened)
             deadline = time.monotonic() + self.backend.ready_timeout_s
             while not self.conn.ready.wait(0.1):
@@ -193,11 +189,13 @@ class Box:
         """The model endpoint exists in the box when its policy has [models] at start, or calls are replayed."""
         return "models" in self.policy.data or self.model_replay is not None
 
+    def _packages_on(self) -> bool:  # the package endpoint exists when the policy names an index
+        return bool(self.policy.get("packages", "index"))
+
     def _box_opened(self, stream, body: dict) -> bool:
-        """A stream the box opened: an egress connection, or a model call when the box has the model endpoint."""
-        if self.egress.accept(stream, body):
-            return True
-        return self.model is not None and self.model.accept(stream, body)
+        """A stream the box opened: an egress connection, or a model call or package request to its endpoint."""
+        return self.egress.accept(stream, body) or any(
+            door is not None and door.accept(stream, body) for door in (self.packages, self.model))
 
     def _box_env(self) -> dict[str, str]:
         env = egress_env()
@@ -206,6 +204,8 @@ class Box:
         if self._models_on():
             from tkbox_nb.doors.model import box_env
             env.update(box_env())
+        if self._packages_on():
+            env.update(packages_door.box_env())
         if self.bindings:
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS"):
                 env[name] = CA_BUNDLE_IN_BOX
@@ -271,8 +271,9 @@ class Box:
                 if self.conn is not None:
                     self.conn.shutdown()
             finally:
-                if self.model is not None:
-                    self.model.close()
+                for door in (self.model, self.packages):
+                    if door is not None:
+                        door.close()
                 if getattr(self, "egress", None) is not None:  # open tunnels end, signed, before the run closes
                     self.egress.close(self.ended or reason)
                 if self._kernel is not None:  # a cell still running ends with the box, its end signed before the stop

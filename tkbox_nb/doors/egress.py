@@ -37,6 +37,13 @@ REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "R
            502: "Bad Gateway", 503: "Service Unavailable"}
 
 
+def egress_env(port: int = 3128) -> dict[str, str]:
+    """The box's proxy settings: every HTTP(S) client in the box goes to the forwarder, which leads to the door."""
+    url = f"http://127.0.0.1:{port}"
+    proxies = {n: url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY") for n in (name, name.lower())}
+    return {"TKBOX_EGRESS_PORT": str(port), "NO_PROXY": "", "no_proxy": "", **proxies}
+
+
 def resolve(name: str, port: int, nameservers: list[str], timeout: float) -> list[str]:
     """Every address the name has (A and AAAA), from the policy's nameservers or the system resolver."""
     if nameservers:
