@@ -102,8 +102,8 @@ def check_link(href: str, page_url: str, allowed: set[tuple[str, int]], fragment
     link's `#sha256=` (or `fragment_hash`, JSON's `hashes`)."""
     if len(href) > MAX_URL or any(c in href for c in "\x00\r\n\t\\"):
         raise IndexPageError(f"a link of {len(href)} characters or with a control character or backslash")
-    url, _, fragment = urljoin(page_url, href).partition("#")
-    try:
+    try:  # urljoin and urlsplit raise ValueError on what is no URL (a bracketed host that is not IPv6)
+        url, _, fragment = urljoin(page_url, href).partition("#")
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
