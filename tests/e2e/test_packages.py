@@ -115,9 +115,9 @@ def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(p
     os.killpg(web.pid, signal.SIGKILL)
     web.wait(timeout=10)
     with Box(backend="bwrap", policy=policy(index), home=private_signer.home, bundle_path=tmp_path / "b.tkb") as b:
-        r = pip(b, "tinypkg")
-        assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
-        assert b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE)"]).stdout == b"42\n"
+        cell = b.execute("%pip install tinypkg\nimport tinypkg\nprint('value', tinypkg.VALUE)")  # as a notebook does
+        text = "".join(o.get("text", "") for o in cell.outputs)
+        assert cell.status == "ok" and "value 42" in text, cell.outputs
     page, file = package_rows(tmp_path / "b.tkb")
     assert page.decision == "allow" and page.args["source"] == "cache" and page.args["index_unreachable"]
     assert file.decision == "allow" and file.args["source"] == "cache" and file.args["got_sha256"] == sha(TINY)
