@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
 import io
 import os
 import signal
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -146,3 +149,64 @@ def test_refused_in_one_signed_line_each_a_project_off_the_list_a_bad_hash_a_lar
     assert verify_bundle(tmp_path / "r.tkb").valid
     cache = Path(os.environ["TKBOX_HOME"]) / "packages" / "files"
     assert not (cache / sha(BAD)[:2] / sha(BAD)).exists() and not (cache / sha(BIG)[:2] / sha(BIG)).exists()
+
+
+STALL = wheel("stallpkg", "1.0", "VALUE = 1\n")
+
+
+class HostileIndex(http.server.BaseHTTPRequestHandler):
+    """An index on the host's end of the test network (198.18.37.1) that redirects, never answers, or stops half way
+    through a file."""
+
+    def do_GET(self):
+        if self.path.startswith("/simple/redirpkg/"):
+            self.send_response(302)
+            self.send_header("Location", "http://198.18.99.9/simple/redirpkg/")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path.startswith("/simple/silentpkg/"):
+            time.sleep(6)
+        elif self.path.startswith("/simple/stallpkg/"):
+            body = f'<a href="/files/stallpkg-1.0-py3-none-any.whl#sha256={sha(STALL)}">s</a>'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path.startswith("/files/stallpkg-1.0-py3-none-any.whl"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(STALL)))
+            self.end_headers()
+            self.wfile.write(STALL[:len(STALL) // 2])
+            self.wfile.flush()
+            time.sleep(6)
+        else:
+            self.send_error(404)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused_signed_and_nothing_is_kept(
+        private_signer, index, tmp_path):
+    server = http.server.ThreadingHTTPServer((index.gateway, 0), HostileIndex)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hostile = Policy.from_toml(f'[packages]\nindex = ["http://{index.gateway}:{server.server_port}/simple/"]\n'
+                                   'allow = ["*"]\ntimeout_s = 1\n')
+        with Box(backend="bwrap", policy=hostile, home=private_signer.home, bundle_path=tmp_path / "h.tkb") as b:
+            for project in ("redirpkg", "silentpkg", "stallpkg"):
+                assert pip(b, project).exit_code != 0, project
+    finally:
+        server.shutdown()
+    rows = package_rows(tmp_path / "h.tkb")
+    assert [(c.args["kind"], c.args["project"], c.decision, c.args["rule"]) for c in rows] == [
+        ("project", "redirpkg", "deny", "packages.index_page"), ("project", "silentpkg", "deny", "packages.index_page"),
+        ("project", "stallpkg", "allow", "packages.allow[0]"), ("file", "stallpkg", "deny", "packages.fetch")]
+    assert "answered 302" in rows[0].args["index_error"]
+    assert "cannot be reached (ReadTimeout)" in rows[1].args["index_error"]
+    assert "could not be fetched (ReadTimeout)" in rows[3].args["fetch_error"] and rows[3].args["size"] == 0
+    cache = private_signer.home / "packages"
+    assert not (cache / "files").exists() and list((cache / "tmp").iterdir()) == []  # nothing half kept
+    assert verify_bundle(tmp_path / "h.tkb", trust_path(private_signer.home)).valid

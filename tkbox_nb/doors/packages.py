@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 PORT = 3130
 SITE = "/tmp/tkbox-site-packages"  # where pip installs in the box (its writable tmpfs)
 HEAD_TIMEOUT_S = 30.0
-FETCH_TIMEOUT_S = 60.0
 MAX_AT_ONCE = 8
 CHUNK = p.MAX_PAYLOAD - 1
 ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
@@ -55,11 +54,13 @@ ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+ht
 
 def box_env(port: int = PORT) -> dict[str, str]:
     """pip (and uv) in the box use the door, install into the box's own writable directory, and ask nothing else
-    (no version check: it would be a request for the project `pip`)."""
+    (no version check: it would be a request for the project `pip`). They wait long for an answer: the door has a
+    file whole, and hashed, before it sends the first byte (pip's own 15 s would ask again for a large one)."""
     base = f"http://127.0.0.1:{port}/simple/"
     return {"TKBOX_PACKAGES_PORT": str(port), "TKBOX_PACKAGES_SITE": SITE, "PIP_INDEX_URL": base,
             "PIP_TRUSTED_HOST": "127.0.0.1", "PIP_TARGET": SITE, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "PIP_NO_INPUT": "1", "UV_INDEX_URL": base, "UV_DEFAULT_INDEX": base,
+            "PIP_NO_INPUT": "1", "PIP_TIMEOUT": "900", "UV_INDEX_URL": base, "UV_DEFAULT_INDEX": base,
+            "UV_HTTP_TIMEOUT": "900",
             "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
@@ -131,8 +132,8 @@ class PackagesDoor:
         import httpx
         with self.lock:
             if self._client is None:  # the host's proxy settings are not the box's; a redirect is not followed
-                self._client = httpx.Client(timeout=httpx.Timeout(FETCH_TIMEOUT_S, connect=10.0), trust_env=False,
-                                            follow_redirects=False)
+                wait = self.box.policy.get("packages", "timeout_s")  # to connect, and between any two reads
+                self._client = httpx.Client(timeout=httpx.Timeout(wait), trust_env=False, follow_redirects=False)
             return self._client
 
     # -- one request ---------------------------------------------------------------------------------------------

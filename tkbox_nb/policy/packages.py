@@ -18,13 +18,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tkbox_nb.core.errors import PolicyError
-from tkbox_nb.policy.base import Settings, Verdict
+from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
 from tkbox_nb.rules.package_index import PROJECT, normalize
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
-    "index": list, "allow": list, "deny": list, "file_hosts": list, "max_file_bytes": int, "max_total_bytes": int}
+    "index": list, "allow": list, "deny": list, "file_hosts": list, "max_file_bytes": int, "max_total_bytes": int,
+    "timeout_s": (int, float)}
 DEFAULTS: dict[str, Any] = {"index": [], "allow": [], "deny": [], "file_hosts": [], "max_file_bytes": 256 << 20,
-                            "max_total_bytes": 2 << 30}
+                            "max_total_bytes": 2 << 30, "timeout_s": 60}
 MAX_BYTES = 1 << 40
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -49,6 +50,9 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
             if not re.fullmatch(r"[A-Za-z0-9._*?\[\]!-]{1,200}", pattern):
                 raise PolicyError(f"{name}: packages.{key} entry {pattern[:120]!r} must be a project name or a glob "
                                   "of one (letters, digits, - _ . and * ? [ ])")
+    why = seconds_problem(section["timeout_s"], 600) if "timeout_s" in section else ""
+    if why:
+        raise PolicyError(f"{name}: packages.timeout_s {why}")
     for key in ("max_file_bytes", "max_total_bytes"):
         if key in section and not 0 < section[key] <= MAX_BYTES:
             raise PolicyError(f"{name}: packages.{key} must be from 1 to {MAX_BYTES} bytes, not {section[key]}")
