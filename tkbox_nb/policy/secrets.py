@@ -18,7 +18,7 @@ BOX_ENV = frozenset({"PATH", "HOME", "LANG", "USER", "PYTHONPATH", "PYTHONDONTWR
                      "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
                      "PIP_CERT", "NODE_EXTRA_CA_CERTS", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL",
                      "PIP_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_TARGET", "PIP_DISABLE_PIP_VERSION_CHECK", "PIP_NO_INPUT",
-                     "PIP_TIMEOUT", "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_HTTP_TIMEOUT"})
+                     "PIP_TIMEOUT", "PIP_CONFIG_FILE", "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_HTTP_TIMEOUT"})
 
 # what steers how every process in the box starts: a binding sets its name to a placeholder in each of them, so one of
 # these would make the loader, the C library or an interpreter load, run or read what the placeholder names (or fail
