@@ -54,14 +54,15 @@ ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+ht
 
 def box_env(port: int = PORT) -> dict[str, str]:
     """pip (and uv) in the box use the door, install into the box's own writable directory, and ask nothing else
-    (no version check: it would be a request for the project `pip`; no pip.conf of the host's, whose extra indexes or
-    find-links would be other ways in, or a constraints file the box does not have). They wait long for an answer: the door has a
-    file whole, and hashed, before it sends the first byte (pip's own 15 s would ask again for a large one)."""
+    (no version check: it would be a request for the project `pip`; no pip.conf of the host's, whose extra indexes
+    or find-links would be other ways in, or a constraints file the box does not have). They wait long for an
+    answer: the door has a file whole, and hashed, before it sends the first byte (pip's own 15 s would ask again
+    for a large one)."""
     base = f"http://127.0.0.1:{port}/simple/"
     return {"TKBOX_PACKAGES_PORT": str(port), "TKBOX_PACKAGES_SITE": SITE, "PIP_INDEX_URL": base,
             "PIP_TRUSTED_HOST": "127.0.0.1", "PIP_TARGET": SITE, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "PIP_NO_INPUT": "1", "PIP_TIMEOUT": "900", "PIP_CONFIG_FILE": "/dev/null", "UV_INDEX_URL": base, "UV_DEFAULT_INDEX": base,
-            "UV_HTTP_TIMEOUT": "900",
+            "PIP_NO_INPUT": "1", "PIP_TIMEOUT": "900", "PIP_CONFIG_FILE": "/dev/null", "UV_INDEX_URL": base,
+            "UV_DEFAULT_INDEX": base, "UV_HTTP_TIMEOUT": "900",
             "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
