@@ -213,6 +213,8 @@ class PackagesDoor:
                 facts.update(where, files=len(files))
             except IndexPageError as e:
                 facts["index_error"] = str(e)[:300]
+            except Exception as e:  # a fault of this door on this page: refused, signed, never half served
+                facts["index_error"] = f"the package door failed reading the page ({type(e).__name__})"
         crossing = recorder.decide("packages", "project", facts)
         if not crossing.allowed:
             raise self._refused(crossing)
@@ -220,8 +222,8 @@ class PackagesDoor:
             for f in files:
                 self.offered[f.sha256] = (project, f, facts["index"])
         page = render_page(project, files)
-        self._answer(stream, conn, 200, page, "text/html; charset=utf-8")
-        recorder.complete(crossing, "ok", {"bytes": len(page)})
+        self._signed_send(crossing, len(page), lambda: self._answer(stream, conn, 200, page,
+                                                                    "text/html; charset=utf-8", quiet=False))
 
     def _fetch_page(self, project: str) -> tuple[list[IndexFile], dict]:
         """The project's files from the first index that has it (or its kept page when that index cannot be
@@ -286,8 +288,7 @@ class PackagesDoor:
             if source == "index":
                 self.cache.keep_file(handle.name, sha)
             handle.seek(0)
-            self._send_file(stream, conn, handle, size)
-            self.box.recorder.complete(crossing, "ok", {"bytes": size})
+            self._signed_send(crossing, size, lambda: self._send_file(stream, conn, handle, size))
         finally:
             if handle is not None:
                 handle.close()
@@ -345,12 +346,23 @@ class PackagesDoor:
         self._send(stream, conn, h11.EndOfMessage())
 
     # -- answering the box ---------------------------------------------------------------------------------------
+    def _signed_send(self, crossing, size: int, send) -> None:
+        """Send an allowed page or file; its crossing ends signed however the sending ends."""
+        try:
+            send()
+        except BaseException as e:
+            self.box.recorder.complete(crossing, "error", {"error": f"not all sent to the box ({type(e).__name__})"})
+            raise
+        self.box.recorder.complete(crossing, "ok", {"bytes": size})
+
     def _send(self, stream: Stream, conn: h11.Connection, event) -> None:
         data = conn.send(event)
         if data:
             self.box.conn.send_data(stream.sid, p.CH_BYTES, data)
 
-    def _answer(self, stream: Stream, conn: h11.Connection, status: int, body: bytes, ctype: str) -> None:
+    def _answer(self, stream: Stream, conn: h11.Connection, status: int, body: bytes, ctype: str,
+                quiet: bool = True) -> None:
+        """A whole answer; a box that went away meanwhile is ignored when `quiet` (a refusal), else raised."""
         try:
             if conn.our_state is not h11.SEND_RESPONSE:  # the request was not whole: answer without h11's state
                 head = (f"HTTP/1.1 {status} Error\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
@@ -362,7 +374,8 @@ class PackagesDoor:
             self._send(stream, conn, h11.Data(data=body))
             self._send(stream, conn, h11.EndOfMessage())
         except (StreamClosed, OSError, h11.LocalProtocolError):
-            pass
+            if not quiet:
+                raise
 
 
 class _FetchError(Exception):
