@@ -1246,3 +1246,46 @@ def environment_manifest(data: bytes) -> None:
     assert isinstance(env.summary(m), str)
     for row in env.rows(m):
         assert set(row) == set(env.COLUMNS) and all(isinstance(v, str) for v in row.values())
+
+
+# -- a package index's project page (tkbox_nb/rules/package_index.py) ---------------------------------------------
+_PAGE_URL = "https://index.example/simple/tinypkg/"
+_SHA = "ab" * 32
+
+
+def _package_page_seeds() -> list[bytes]:
+    html_page = (f'<!DOCTYPE html><a href="../../files/tinypkg-1.0-py3-none-any.whl#sha256={_SHA}" '
+                 f'data-requires-python="&gt;=3.8">w</a><a href="https://files.example/t/tinypkg-1.0.tar.gz#sha256='
+                 f'{_SHA.upper()}" data-yanked="">s</a><a href="tinypkg-1.0.exe#md5=00">x</a>').encode()
+    json_page = json.dumps({"meta": {"api-version": "1.0"}, "name": "TinyPkg", "files": [
+        {"filename": "tinypkg-1.0.tar.gz", "url": "tinypkg-1.0.tar.gz", "hashes": {"sha256": _SHA},
+         "yanked": "bad"}]}).encode()
+    bad = f'<a href="http://other.example/tinypkg-1.0.tar.gz#sha256={_SHA}">'.encode()
+    return [b"\x00" + html_page, b"\x01" + json_page, b"\x00" + bad, b"\x00<a href='..%2Ftinypkg-1.0.tar.gz'>"]
+
+
+@target("package-page", _package_page_seeds)
+def package_page(data: bytes) -> None:
+    """rules/package_index.parse_page on any page (first byte: HTML or PEP 691 JSON), `file_hosts` naming one other
+    host: the files or IndexPageError; each file's name a wheel's or sdist's of the project with no `/`, `\\` or
+    `..`, its URL on the page's host or that one, its sha256 64 lower-case hex digits; the door's own page for them
+    reads back as the same files, every link on the door."""
+    from urllib.parse import urlsplit
+
+    from tkbox_nb.rules import package_index as pi
+    ctype = "application/vnd.pypi.simple.v1+json" if data[:1] == b"\x01" else "text/html"
+    try:
+        files = pi.parse_page(data[1:], ctype, "tinypkg", _PAGE_URL, ["files.example"])
+    except pi.IndexPageError as e:
+        assert "\n" not in str(e)
+        return
+    for f in files:
+        assert pi.FILE_NAME.fullmatch(f.filename) and ".." not in f.filename and "/" not in f.filename
+        assert pi.file_version("tinypkg", f.filename) is not None
+        assert urlsplit(f.url).hostname in ("index.example", "files.example") and "#" not in f.url
+        assert len(f.sha256) == 64 and f.sha256 == f.sha256.lower()
+    served = pi.render_page("tinypkg", files)
+    again = pi.parse_html(served, "tinypkg", "http://127.0.0.1:3130/simple/tinypkg/")
+    assert [(f.filename, f.sha256, f.requires_python, f.yanked) for f in again] == \
+        [(f.filename, f.sha256, f.requires_python, f.yanked) for f in files]
+    assert all(urlsplit(f.url).path == f"/files/{f.sha256}/{f.filename}" for f in again)

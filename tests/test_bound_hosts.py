@@ -197,8 +197,9 @@ def test_a_secret_name_that_is_no_variable_or_one_the_box_sets_is_one_error(name
 def test_every_variable_the_box_sets_is_refused_as_a_secret_name_but_its_dummy_api_keys():
     from tkbox_nb.doors.egress_env import egress_env
     from tkbox_nb.doors.model import box_env
+    from tkbox_nb.doors.packages import box_env as packages_env
     from tkbox_nb.policy.secrets import name_error
-    names = set(egress_env()) | set(box_env()) | {"PATH", "HOME", "LANG", "USER", "PYTHONPATH",
+    names = set(egress_env()) | set(box_env()) | set(packages_env()) | {"PATH", "HOME", "LANG", "USER", "PYTHONPATH",
                                                    "PYTHONDONTWRITEBYTECODE", "TKBOX_BOX_ID", "TKBOX_SEED",
                                                    "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
                                                    "NODE_EXTRA_CA_CERTS", "TKBOX_KERNEL_EARLY"}

@@ -18,7 +18,7 @@ from tkbox_nb.doors.context import DoorContext
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tkbox_nb"
 DOORS = ["doors/egress.py", "doors/exec.py", "doors/intercept.py", "doors/model.py", "doors/patch.py", "doors/cell.py",
-         "doors/exec_transport.py"]
+         "doors/exec_transport.py", "doors/packages.py"]
 MEMBERS = set(DoorContext.__annotations__) | {
     name for name, value in vars(DoorContext).items() if inspect.isfunction(value) and not name.startswith("_")}
 

@@ -20,13 +20,14 @@ from tkbox_nb.doors.egress import EgressDoor
 from tkbox_nb.doors.egress_env import CA_BUNDLE_IN_BOX
 from tkbox_nb.doors.exec import ExecDoor
 from tkbox_nb.doors.model import DUMMY_KEY, ModelDoor
+from tkbox_nb.doors.packages import PackagesDoor
 from tkbox_nb.doors.patch import PatchDoor
 from tkbox_nb.policy import Policy
 from tkbox_nb.rules.proxy_request import ProxyRequest
 from tkbox_nb.rules.secrets import Binding
 from tkbox_nb.signing.recorder import Crossing
 
-DOORS = [ExecDoor, EgressDoor, PatchDoor, ModelDoor, BoxKernel]
+DOORS = [ExecDoor, EgressDoor, PatchDoor, ModelDoor, PackagesDoor, BoxKernel]
 PROXY = "http://127.0.0.1:3128"
 MODELS = "http://127.0.0.1:3129"
 

@@ -53,7 +53,8 @@ SANITIZERS: list[tuple[str, str]] = [
     (r"tkbox-ph-[0-9a-f]{32}", "<PLACEHOLDER>"),
 ]
 # the doors compared, as (label, what one crossing of it is called): the coverage line counts these
-DOORS = ("exec cells", "exec commands", "egress", "secrets", "host magics", "model calls", "patch files")
+DOORS = ("exec cells", "exec commands", "egress", "secrets", "host magics", "model calls", "patch files",
+         "package files")
 # crossings counted but not compared (see the module's docstring), each named by what it is
 NOT_COMPARED = ("host magics a rerun skips (" + ", ".join("%" + m for m in RERUN_SKIPS) + ")",
                 "comm messages (widgets, from a frontend)", "refusal counts (past [box] max_refusals)")
@@ -261,7 +262,7 @@ def _two(seq: int, kind: str, value: str) -> Item:
 def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
     """What audit compares, per section, each a list of items in run order."""
     out: dict[str, list[Item]] = {k: [] for k in ("box", "exec", "egress", "secrets (names only)", "host magics",
-                                                  "model calls", "patch", *NOT_COMPARED)}
+                                                  "model calls", "patch", "packages", *NOT_COMPARED)}
     last_patch: dict[str, Item] = {}
     start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
     pol = run.box.get("policy") if isinstance(run.box.get("policy"), dict) else {}
@@ -299,6 +300,9 @@ def facts(run: Run, extra: list[tuple[str, str]]) -> dict[str, list[Item]]:
             out["model calls"].append(_two(c.seq, "model calls", (
                 f"{a.get('provider')}:{a.get('model')} {a.get('endpoint')} {c.decision} ({a.get('rule')}) request "
                 f"{a.get('request', '')} response {r.get('response') or r.get('response_digest') or ''}")))
+        elif c.door == "packages":  # each project page and file, by name and the sha256 the index gave
+            out["packages"].append(_two(c.seq, "packages", " ".join(str(a.get(k, "")) for k in (
+                "kind", "project", "filename", "sha256")).strip() + f" {c.decision} ({a.get('rule')})"))
         elif c.door == "patch" and a.get("kind") == "file":  # the last decision per path, order-free
             last_patch[str(a.get("path"))] = _two(c.seq, "patch", " ".join(
                 [f"{a.get('op')} {a.get('path')}"] + [f"{k} {a[k]}" for k in ("from", "type", "target") if k in a]
@@ -323,7 +327,8 @@ def coverage(f: dict[str, list[Item]]) -> dict[str, int]:
     exec_kinds = [i.kind for i in f["exec"]]
     return dict(zip(DOORS + NOT_COMPARED, (
         exec_kinds.count("cell"), exec_kinds.count("command"), len(f["egress"]), len(f["secrets (names only)"]),
-        len(f["host magics"]), len(f["model calls"]), len(f["patch"]), *(len(f[k]) for k in NOT_COMPARED))))
+        len(f["host magics"]), len(f["model calls"]), len(f["patch"]), len(f["packages"]),
+        *(len(f[k]) for k in NOT_COMPARED))))
 
 
 def _is_text(mime: str) -> bool:

@@ -29,6 +29,7 @@ from tkbox_nb.stream.connection import HostConnection, StreamClosed
 from tkbox_nb.doors.egress import EgressDoor
 from tkbox_nb.doors.exec import CommandResult, ExecDoor
 from tkbox_nb.doors.exec_transport import ExecTransport
+from tkbox_nb.doors.packages import PackagesDoor
 from tkbox_nb.doors.patch import Patch, PatchDoor
 from tkbox_nb.rules.secrets import bindings_for
 from tkbox_nb.core.errors import BoxEnded, TkboxError
@@ -95,6 +96,7 @@ class Box:
             model_replay = recordings_from_bundle(model_replay)
         self.model_replay = model_replay
         self.model: Any = None  # the ModelDoor, when the box has the model endpoint
+        self.packages: Any = None  # the PackagesDoor, when the policy names a package index
         if self.bindings:  # the per-box CA the secrets door terminates TLS with; its key stays in this process
             from tkbox_nb.rules.box_ca import BoxCA
             self.ca = BoxCA(self.box_id)
@@ -190,13 +192,14 @@ class Box:
         if "models" in self.policy.data or self.model_replay is not None:
             from tkbox_nb.doors.model import ModelDoor
             self.model = ModelDoor(self, self.model_replay)
-        return [d for d in (self.exec_door, self.egress, self.patch_door, self.model) if d is not None]
+        if self.policy.get("packages", "index"):  # its host cache is shared by the boxes of this $TKBOX_HOME
+            self.packages = PackagesDoor(self, self.signer.home / "packages")
+        return [d for d in (self.exec_door, self.egress, self.patch_door, self.model, self.packages) if d is not None]
 
     def _box_opened(self, stream, body: dict) -> bool:
-        """A stream the box opened: an egress connection, or a model call when the box has the model endpoint."""
-        if self.egress.accept(stream, body):
-            return True
-        return self.model is not None and self.model.accept(stream, body)
+        """A stream the box opened: an egress connection, or a model call or package request to its endpoint."""
+        return self.egress.accept(stream, body) or any(
+            door is not None and door.accept(stream, body) for door in (self.packages, self.model))
 
     def stop(self, reason: str = "box stopped") -> Path | None:
         """Stop the box, close the run and write the bundle (once); returns its path. Interrupted while it waits for

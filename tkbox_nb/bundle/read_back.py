@@ -18,7 +18,8 @@ from tkbox_nb.bundle.archive import BundleContents, parse, read_bundle_bytes, re
 from tkbox_nb.core.errors import BundleError, TkboxError
 
 DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
-                "box.secret": "secrets", "box.model": "model", "box.patch": "patch", "box.host": "host"}
+                "box.secret": "secrets", "box.model": "model", "box.patch": "patch", "box.host": "host",
+                "box.packages": "packages"}
 COLUMNS = ["seq", "time", "door", "tool", "kind", "decision", "rule_ids", "box_rule", "status", "summary", "content"]
 
 

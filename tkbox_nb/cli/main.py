@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="the crossings of a .tkb")
     s.add_argument("bundle")
-    s.add_argument("--door", choices=["box", "exec", "egress", "secrets", "model", "patch"])
+    s.add_argument("--door", choices=["box", "exec", "egress", "secrets", "model", "patch", "packages"])
     s.add_argument("--format", choices=["table", "csv", "json"], default="table")
     s.add_argument("--environment", action="store_true",
                    help="what the box ran (interpreter, distributions, Debian packages), as its box.start committed")

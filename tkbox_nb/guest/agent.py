@@ -159,9 +159,24 @@ def _quiet():
     os.close(null)
 
 
+def _package_site():
+    """With the package door: the directory pip installs into (PIP_TARGET, in the box's writable /tmp) exists from
+    the start and is on every box process's PYTHONPATH, so a package installed in a cell imports in the next one (a
+    directory missing when an interpreter starts would never be looked in again)."""
+    site = os.environ.get("TKBOX_PACKAGES_SITE")
+    if not site:
+        return
+    try:
+        os.makedirs(site, mode=0o755, exist_ok=True)
+    except OSError:
+        return
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), site) if x)
+
+
 def serve(sock):
     door = Door(sock)
     commands, kernels, readers = {}, {}, {}
+    _package_site()
     if os.environ.get("TKBOX_KERNEL_EARLY") == "1":  # first: the kernel's imports are the longest part of its start
         from . import zygote
         zygote.start_early()
@@ -170,9 +185,10 @@ def serve(sock):
                                                 "python": sys.version.split()[0]}))
     door.send_raw(door.session.close(hello))
     _quiet()
-    forwarders = []  # the egress proxy and the model endpoint: each connection to either is a stream it opens
+    forwarders = []  # the egress proxy, the model and package endpoints: each connection is a stream it opens
     from .forwarder import Forwarder
-    for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model")):
+    for var, kind in (("TKBOX_EGRESS_PORT", "egress"), ("TKBOX_MODEL_PORT", "model"),
+                      ("TKBOX_PACKAGES_PORT", "packages")):
         if os.environ.get(var):
             forwarders.append(Forwarder(door, int(os.environ[var]), kind))
 

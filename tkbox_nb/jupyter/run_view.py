@@ -27,7 +27,7 @@ from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.read_back import Run, open_run
 
 PAGE_SIZE = 25
-DOORS = ("box", "exec", "egress", "secrets", "model", "patch", "host")
+DOORS = ("box", "exec", "egress", "secrets", "model", "patch", "host", "packages")
 DOOR_COLORS = {"allow": "#2e7d32", "deny": "#c62828", "ask": "#ef6c00"}
 STATIC_ROWS = 200
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tkbox_nb.core.errors import PolicyError
-from tkbox_nb.policy import box, egress, host, models, mounts, patch, refusals, secrets, signer, workspace
+from tkbox_nb.policy import box, egress, host, models, mounts, packages, patch, refusals, secrets, signer, workspace
 from tkbox_nb.policy import exec as exec_
 from tkbox_nb.policy.base import MAX_LIST, Verdict, tname
 
@@ -41,10 +41,10 @@ timeout_s = 600
 # the sections of plain keys: section -> {key: type}, and their defaults ([secrets] and [models] have tables)
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "box": box.SCHEMA, "exec": exec_.SCHEMA, "egress": egress.SCHEMA, "patch": patch.SCHEMA, "signer": signer.SCHEMA,
-    "workspace": workspace.SCHEMA}
+    "workspace": workspace.SCHEMA, "packages": packages.SCHEMA}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": box.DEFAULTS, "exec": exec_.DEFAULTS, "egress": egress.DEFAULTS, "patch": patch.DEFAULTS,
-    "signer": signer.DEFAULTS, "workspace": workspace.DEFAULTS}
+    "signer": signer.DEFAULTS, "workspace": workspace.DEFAULTS, "packages": packages.DEFAULTS}
 _LATER: dict[str, str] = {}  # sections a later door will enforce (none now)
 
 
@@ -128,6 +128,8 @@ class Policy:
             return models.decide(self, kind, facts)
         if door == "patch":
             return patch.decide(self, kind, facts)
+        if door == "packages":
+            return packages.decide(self, kind, facts)
         if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
             return host.decide(kind, facts)
         return Verdict("deny", "door.unknown", f"no door {door!r} in this version")
@@ -206,6 +208,7 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     patch.validate(out, name)
     exec_.validate(out, name)
     workspace.validate(out, name)
+    packages.validate(out, name)
     if "signer" in out:
         signer.validate(out["signer"], name)
     return out

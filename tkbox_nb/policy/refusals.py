@@ -16,7 +16,8 @@ from tkbox_nb.policy.base import Verdict
 KIND = "refused_count"
 MAX_NAMES = 17  # kinds or rules named in one count (16 by name and "other", signing/refusal_caps.py)
 MAX_NAME = 120
-COUNTED_DOORS = ("exec", "egress", "secrets", "model")  # the doors a box drives (patch, host and box are not capped)
+# the doors a box drives (patch, host and box are not capped)
+COUNTED_DOORS = ("exec", "egress", "secrets", "model", "packages")
 
 
 def _tally(v: Any, count: int) -> bool:

@@ -12,11 +12,13 @@ from tkbox_nb.policy.base import Verdict, tname
 SECRET_KEYS: dict[str, type] = {"hosts": list, "header": str, "format": str, "source": str, "misuse": str}
 SECRET_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,63}"
 # what the box's environment sets itself (backends, doors/egress_env.egress_env, the CA bundle, doors/model.box_env
-# but its dummy API keys, which a binding may replace): a binding of one of these names would override it (any case,
-# as the proxy variables are read in both)
+# but its dummy API keys, which a binding may replace, doors/packages.box_env): a binding of one of these names would
+# override it (any case, as the proxy variables are read in both)
 BOX_ENV = frozenset({"PATH", "HOME", "LANG", "USER", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "HTTP_PROXY",
                      "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-                     "PIP_CERT", "NODE_EXTRA_CA_CERTS", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"})
+                     "PIP_CERT", "NODE_EXTRA_CA_CERTS", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL",
+                     "PIP_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_TARGET", "PIP_DISABLE_PIP_VERSION_CHECK", "PIP_NO_INPUT",
+                     "PIP_TIMEOUT", "PIP_CONFIG_FILE", "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_HTTP_TIMEOUT"})
 
 # what steers how every process in the box starts: a binding sets its name to a placeholder in each of them, so one of
 # these would make the loader, the C library or an interpreter load, run or read what the placeholder names (or fail

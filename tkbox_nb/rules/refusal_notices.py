@@ -42,6 +42,9 @@ def refusal_line(door: str, kind: str, args: dict[str, Any], seq: Any) -> str | 
         what = f"a model call to {_cut(args.get('provider'), 40)} ({_cut(args.get('model'), 60)})"
     elif door == "patch":
         what = f"the patch file {_cut(args.get('path'))}" if kind == "file" else f"the patch ({_cut(kind, 16)})"
+    elif door == "packages":
+        what = f"the package file {_cut(args.get('filename'))}" if kind == "file" else \
+            f"the package {_cut(args.get('project'), 100)}"
     elif door == "exec":
         argv = args.get("argv")
         what = f"the command {_cut(' '.join(map(str, argv)) if isinstance(argv, list) else argv)}"

@@ -236,7 +236,7 @@ class RunRecorder(RunBounds):
             args["verdict_reason"] = verdict.reason[:500]
         tool = "box." + ("start" if (door, kind) == ("box", "start") else "stop" if door == "box" else
                          {"exec": "exec", "egress": "connect", "secrets": "secret", "model": "model",
-                          "patch": "patch", "host": "host"}.get(door, door))
+                          "patch": "patch", "host": "host", "packages": "packages"}.get(door, door))
         with self._lock:
             self._seq += 1
             call_id = f"{door}-{self._seq}"

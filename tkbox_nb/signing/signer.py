@@ -54,6 +54,7 @@ tools:
   'box.model': app
   'box.patch': app
   'box.host': app
+  'box.packages': app
 unknown_tools: deny
 flag:
   - id: TKB-FLAG-SECRET-MISUSE

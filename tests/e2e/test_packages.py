@@ -1,0 +1,212 @@
+"""The package door with real boxes: pip in a bubblewrap box installs from a PEP 503 index served in a network
+namespace (198.18.37.0/24) through the door, every file signed with its sha256, kept in the host's cache for the next
+box, and refused, signed, when the policy or the bytes say so. The wheels are built here, by hand."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import os
+import signal
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from testnet import NamespaceNet, available
+
+from tkbox_nb import Box, Policy, open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.bundle.verify import verify_bundle
+from tkbox_nb.core.home import trust_path
+
+pytestmark = [pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
+              pytest.mark.skipif(not available()[0], reason=available()[1])]
+
+NET_INDEX = 37  # 198.18.37.0/24: no other test module uses it
+MAX_FILE = 20_000
+
+
+def wheel(name: str, version: str, module: str) -> bytes:
+    """A pure-Python wheel: the module, METADATA, WHEEL and RECORD, written with fixed times (the same bytes each
+    time)."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": module.encode(),
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()}"
+                     f",{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
+    files[f"{info}/RECORD"] = record.encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, data in files.items():
+            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), data)
+    return out.getvalue()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+TINY = wheel("tinypkg", "1.0", "VALUE = 42\n")
+BIG = wheel("bigpkg", "1.0", "DATA = %r\n" % os.urandom(3 * MAX_FILE).hex())
+BAD = wheel("badpkg", "1.0", "VALUE = 'not what the index hashed'\n")
+
+
+def publish(net: NamespaceNet, project: str, filename: str, data: bytes, stated: str | None = None) -> None:
+    """The file under /files/ and the project's page under /simple/, linking it with a relative URL and a hash."""
+    net.add_file(f"files/{filename}", data)
+    net.add_file(f"simple/{project}/index.html", (
+        f'<!DOCTYPE html><html><body><a href="../../files/{filename}#sha256={stated or sha(data)}" '
+        f'data-requires-python="&gt;=3.8">{filename}</a></body></html>').encode())
+
+
+@pytest.fixture
+def index():
+    with NamespaceNet(index=NET_INDEX) as n:
+        publish(n, "tinypkg", "tinypkg-1.0-py3-none-any.whl", TINY)
+        publish(n, "bigpkg", "bigpkg-1.0-py3-none-any.whl", BIG)
+        publish(n, "badpkg", "badpkg-1.0-py3-none-any.whl", BAD, stated=sha(b"other bytes"))
+        publish(n, "evilpkg", "evilpkg-1.0-py3-none-any.whl", wheel("evilpkg", "1.0", ""))
+        n.add_file("simple/hostpkg/index.html", (  # a file on a host the policy never named
+            f'<a href="http://{n.prefix}.9:8080/files/hostpkg-1.0-py3-none-any.whl#sha256={sha(TINY)}">x</a>').encode())
+        yield n
+
+
+def policy(net: NamespaceNet) -> Policy:
+    return Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\n'
+                            f'allow = ["TinyPkg", "BigPkg*", "badpkg", "hostpkg"]\nmax_file_bytes = {MAX_FILE}\n')
+
+
+def venv_state() -> list[tuple[str, int, int]]:
+    """Every file of the host's environment, with its size and time: pip in the box must change none of it."""
+    root = Path(sys.prefix)
+    return sorted((str(p), p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*") if not p.is_dir())
+
+
+def pip(box, *args: str):
+    return box.run(["python", "-m", "pip", "install", "--no-color", *args], timeout=180)
+
+
+def package_rows(path: Path):
+    return [c for c in open_run(path).crossings() if c.door == "packages"]
+
+
+def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(private_signer, index, tmp_path):
+    before = venv_state()
+    with Box(backend="bwrap", policy=policy(index), home=private_signer.home, bundle_path=tmp_path / "a.tkb") as b:
+        r = pip(b, "tinypkg")
+        assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
+        r = b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE, tinypkg.__file__)"])
+        assert r.stdout.decode().split() == ["42", "/tmp/tkbox-site-packages/tinypkg/__init__.py"], r.stderr
+    rows = package_rows(tmp_path / "a.tkb")
+    assert [(c.args["kind"], c.decision) for c in rows] == [("project", "allow"), ("file", "allow")]
+    page, file = rows
+    assert page.args["project"] == "tinypkg" and page.args["source"] == "index" and page.args["files"] == 1
+    assert file.args["sha256"] == file.args["got_sha256"] == sha(TINY) and file.args["size"] == len(TINY)
+    assert file.args["filename"] == "tinypkg-1.0-py3-none-any.whl" and file.args["version"] == "1.0"
+    assert file.args["source"] == "index" and file.result["bytes"] == len(TINY)
+    assert verify_bundle(tmp_path / "a.tkb", trust_path(private_signer.home)).valid
+    kept = private_signer.home / "packages" / "files" / sha(TINY)[:2] / sha(TINY)
+    assert kept.read_bytes() == TINY
+
+    web = index.procs[0]  # the index's server, stopped: the next box installs from the cache alone
+    os.killpg(web.pid, signal.SIGKILL)
+    web.wait(timeout=10)
+    with Box(backend="bwrap", policy=policy(index), home=private_signer.home, bundle_path=tmp_path / "b.tkb") as b:
+        cell = b.execute("%pip install tinypkg\nimport tinypkg\nprint('value', tinypkg.VALUE)")  # as a notebook does
+        text = "".join(o.get("text", "") for o in cell.outputs)
+        assert cell.status == "ok" and "value 42" in text, cell.outputs
+    page, file = package_rows(tmp_path / "b.tkb")
+    assert page.decision == "allow" and page.args["source"] == "cache" and page.args["index_unreachable"]
+    assert file.decision == "allow" and file.args["source"] == "cache" and file.args["got_sha256"] == sha(TINY)
+    assert verify_bundle(tmp_path / "b.tkb", trust_path(private_signer.home)).valid
+    assert venv_state() == before
+
+
+def test_refused_in_one_signed_line_each_a_project_off_the_list_a_bad_hash_a_large_file_another_host(
+        signer, index, tmp_path):
+    with Box(backend="bwrap", policy=policy(index), bundle_path=tmp_path / "r.tkb") as b:
+        for project in ("evilpkg", "badpkg", "bigpkg", "hostpkg"):
+            r = pip(b, project)
+            assert r.exit_code != 0, project
+        r = b.run(["python", "-c", "import badpkg"])
+        assert r.exit_code != 0
+    refused = [c for c in package_rows(tmp_path / "r.tkb") if c.decision == "deny"]
+    assert [(c.args["kind"], c.args["project"], c.args["rule"]) for c in refused] == [
+        ("project", "evilpkg", "packages.allow"), ("file", "badpkg", "packages.hash"),
+        ("file", "bigpkg", "packages.max_file_bytes"), ("project", "hostpkg", "packages.index_page")]
+    evil, bad, big, other_host = refused
+    assert "files" not in evil.args  # a refused name is never asked of the index
+    assert bad.args["sha256"] == sha(b"other bytes") and bad.args["got_sha256"] == sha(BAD)
+    assert big.args["size"] == MAX_FILE + 1 and big.args["sha256"] == sha(BIG)
+    assert "a link to a file on another host" in other_host.args["index_error"]
+    assert all(c.rule_ids for c in refused)  # each signed, with the signer's rule
+    assert verify_bundle(tmp_path / "r.tkb").valid
+    cache = Path(os.environ["TKBOX_HOME"]) / "packages" / "files"
+    assert not (cache / sha(BAD)[:2] / sha(BAD)).exists() and not (cache / sha(BIG)[:2] / sha(BIG)).exists()
+
+
+STALL = wheel("stallpkg", "1.0", "VALUE = 1\n")
+
+
+class HostileIndex(http.server.BaseHTTPRequestHandler):
+    """An index on the host's end of the test network (198.18.37.1) that redirects, never answers, or stops half way
+    through a file."""
+
+    def do_GET(self):
+        if self.path.startswith("/simple/redirpkg/"):
+            self.send_response(302)
+            self.send_header("Location", "http://198.18.99.9/simple/redirpkg/")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path.startswith("/simple/silentpkg/"):
+            time.sleep(6)
+        elif self.path.startswith("/simple/stallpkg/"):
+            body = f'<a href="/files/stallpkg-1.0-py3-none-any.whl#sha256={sha(STALL)}">s</a>'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif self.path.startswith("/files/stallpkg-1.0-py3-none-any.whl"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(STALL)))
+            self.end_headers()
+            self.wfile.write(STALL[:len(STALL) // 2])
+            self.wfile.flush()
+            time.sleep(6)
+        else:
+            self.send_error(404)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused_signed_and_nothing_is_kept(
+        private_signer, index, tmp_path):
+    server = http.server.ThreadingHTTPServer((index.gateway, 0), HostileIndex)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hostile = Policy.from_toml(f'[packages]\nindex = ["http://{index.gateway}:{server.server_port}/simple/"]\n'
+                                   'allow = ["*"]\ntimeout_s = 1\n')
+        with Box(backend="bwrap", policy=hostile, home=private_signer.home, bundle_path=tmp_path / "h.tkb") as b:
+            for project in ("redirpkg", "silentpkg", "stallpkg"):
+                assert pip(b, project).exit_code != 0, project
+    finally:
+        server.shutdown()
+    rows = package_rows(tmp_path / "h.tkb")
+    assert [(c.args["kind"], c.args["project"], c.decision, c.args["rule"]) for c in rows] == [
+        ("project", "redirpkg", "deny", "packages.index_page"), ("project", "silentpkg", "deny", "packages.index_page"),
+        ("project", "stallpkg", "allow", "packages.allow[0]"), ("file", "stallpkg", "deny", "packages.fetch")]
+    assert "answered 302" in rows[0].args["index_error"]
+    assert "cannot be reached (ReadTimeout)" in rows[1].args["index_error"]
+    assert "could not be fetched (ReadTimeout)" in rows[3].args["fetch_error"] and rows[3].args["size"] == 0
+    cache = private_signer.home / "packages"
+    assert not (cache / "files").exists() and list((cache / "tmp").iterdir()) == []  # nothing half kept
+    assert verify_bundle(tmp_path / "h.tkb", trust_path(private_signer.home)).valid

@@ -1,0 +1,159 @@
+"""The package door's pure parts: the index page reader (rules/package_index.py) and the [packages] section
+(policy/packages.py), on the pages and policies a user or a hostile index would give."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tkbox_nb import Policy
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.rules.package_index import (IndexPageError, file_request, file_version, parse_html, parse_json,
+                                          parse_page, project_of, render_page)
+
+PAGE = "http://198.18.37.2:8080/simple/tinypkg/"
+A, B = "a" * 64, "B" * 64
+
+
+def link(href: str, extra: str = "") -> bytes:
+    return f'<!DOCTYPE html><html><body><a href="{href}"{extra}>x</a></body></html>'.encode()
+
+
+def test_a_pep_503_page_gives_its_wheels_and_sdists_with_their_hashes_and_leaves_out_the_rest():
+    page = (f'<a href="../../files/tinypkg-1.0-py3-none-any.whl#sha256={A}" data-requires-python="&gt;=3.8">w</a>'
+            f'<a href="tinypkg-1.0.tar.gz#sha256={B}" data-yanked="broken">s</a>'
+            f'<a href="tinypkg-1.0.win32.exe#sha256={A}">an installer</a>'
+            f'<a href="otherpkg-1.0.tar.gz#sha256={A}">another project</a><a name="no-href"></a>').encode()
+    files = parse_html(page, "tinypkg", PAGE)
+    assert [(f.filename, f.url, f.sha256, f.requires_python, f.yanked) for f in files] == [
+        ("tinypkg-1.0-py3-none-any.whl", "http://198.18.37.2:8080/files/tinypkg-1.0-py3-none-any.whl", A, ">=3.8",
+         None),
+        ("tinypkg-1.0.tar.gz", PAGE + "tinypkg-1.0.tar.gz", B.lower(), "", "broken")]
+
+
+@pytest.mark.parametrize("page, why", [
+    (link(f"http://198.18.99.9:8080/tinypkg-1.0.tar.gz#sha256={A}"), "a link to a file on another host"),
+    (link(f"http://198.18.37.2:9999/tinypkg-1.0.tar.gz#sha256={A}"), "a link to a file on another host"),
+    (link(f"https://198.18.37.2/tinypkg-1.0.tar.gz#sha256={A}"), "a link to a file on another host"),
+    (link("tinypkg-1.0.tar.gz"), "no sha256"),
+    (link("tinypkg-1.0.tar.gz#md5=" + "a" * 32), "no sha256"),
+    (link(f"tinypkg-1.0.tar.gz#sha256={A[:-1]}"), "no sha256"),
+    (link(f"..%2Ftinypkg-1.0.tar.gz#sha256={A}"), "a file name the door does not take"),
+    (link(f"tinypkg..1.0.tar.gz#sha256={A}"), "a file name the door does not take"),
+    (link(f"x\\tinypkg-1.0.tar.gz#sha256={A}"), "backslash"),
+    (link(f"ftp://198.18.37.2/tinypkg-1.0.tar.gz#sha256={A}"), "not plain http"),
+    (link(f"http://user:pw@198.18.37.2:8080/tinypkg-1.0.tar.gz#sha256={A}"), "not plain http"),
+    (link(f"tinypkg-1.0.tar.gz#sha256={A}", ' data-requires-python="&gt;=3.8\nX: y"'), "requires-python"),
+    (link(f"tinypkg-1.0.tar.gz#sha256={A}") * 2, "listed twice"),
+    (b"\xff<a>", "not UTF-8"),
+])
+def test_a_page_with_one_bad_link_is_refused_whole_in_one_line(page, why):
+    with pytest.raises(IndexPageError, match=why) as e:
+        parse_html(page, "tinypkg", PAGE)
+    assert "\n" not in str(e.value)
+
+
+def test_a_page_over_its_limit_is_refused_before_it_is_read():
+    from tkbox_nb.rules import package_index
+    with pytest.raises(IndexPageError, match="a page over"):
+        parse_html(b" " * (package_index.MAX_PAGE_BYTES + 1), "tinypkg", PAGE)
+
+
+def test_file_hosts_names_the_other_host_a_file_may_come_from():
+    page = link(f"https://files.example.org/packages/tinypkg-1.0.tar.gz#sha256={A}")
+    with pytest.raises(IndexPageError):
+        parse_html(page, "tinypkg", "https://pypi.example.org/simple/tinypkg/")
+    files = parse_html(page, "tinypkg", "https://pypi.example.org/simple/tinypkg/", ["files.example.org"])
+    assert files[0].url == "https://files.example.org/packages/tinypkg-1.0.tar.gz"
+
+
+def test_a_pep_691_json_page_and_its_bad_shapes():
+    doc = {"meta": {"api-version": "1.1"}, "name": "TinyPkg", "files": [
+        {"filename": "tinypkg-1.0.tar.gz", "url": "tinypkg-1.0.tar.gz", "hashes": {"sha256": A},
+         "requires-python": ">=3.8", "yanked": True}]}
+    files = parse_page(json.dumps(doc).encode(), "application/vnd.pypi.simple.v1+json", "tinypkg", PAGE)
+    assert [(f.filename, f.sha256, f.requires_python, f.yanked) for f in files] == [
+        ("tinypkg-1.0.tar.gz", A, ">=3.8", "")]
+    for bad, why in ((b"[]", "meta.api-version"), (b"{", "not JSON"),
+                     (json.dumps({**doc, "meta": {"api-version": "2.0"}}).encode(), "api-version"),
+                     (json.dumps({**doc, "name": "other"}).encode(), "not 'tinypkg'"),
+                     (json.dumps({**doc, "files": [{"filename": "x"}]}).encode(), "without a url"),
+                     (json.dumps({**doc, "files": [{**doc["files"][0], "hashes": {"md5": "x"}}]}).encode(),
+                      "no sha256"),
+                     (json.dumps({**doc, "files": [{**doc["files"][0], "filename": "tinypkg-2.0.tar.gz"}]}).encode(),
+                      "is not its URL's"),
+                     (json.dumps({**doc, "files": [{**doc["files"][0], "yanked": 3}]}).encode(), "yanked")):
+        with pytest.raises(IndexPageError, match=why):
+            parse_json(bad, "tinypkg", PAGE)
+    with pytest.raises(IndexPageError, match="content type"):
+        parse_page(b"", "application/octet-stream", "tinypkg", PAGE)
+
+
+def test_the_doors_page_links_each_file_on_the_door_by_its_hash_and_reads_back_the_same():
+    page = (f'<a href="/f/tinypkg-1.0.tar.gz#sha256={A}" data-requires-python="&lt;4,&gt;=3.8" '
+            f'data-yanked="a &quot;reason&quot;">x</a>').encode()
+    files = parse_html(page, "tinypkg", PAGE)
+    served = render_page("tinypkg", files)
+    assert b"198.18.37.2" not in served and f"/files/{A}/tinypkg-1.0.tar.gz".encode() in served
+    again = parse_html(served, "tinypkg", "http://127.0.0.1:3130/simple/tinypkg/")
+    assert [(f.filename, f.sha256, f.requires_python, f.yanked) for f in again] == \
+        [(f.filename, f.sha256, f.requires_python, f.yanked) for f in files]
+    assert file_request(f"/files/{A}/tinypkg-1.0.tar.gz") == (A, "tinypkg-1.0.tar.gz")
+    assert file_request(f"/files/{A}/..%2Fx") is None and file_request("/files/xyz/a.whl") is None
+
+
+def test_names_in_pep_503_normal_form_and_versions_from_file_names():
+    assert project_of("/simple/Tiny_Pkg.Extra/") == "tiny-pkg-extra"
+    assert project_of("/simple/") is None and project_of("/simple/a/b/") is None and project_of("/x") is None
+    assert file_version("tiny-pkg", "Tiny_Pkg-1.0.post1-py3-none-any.whl") == "1.0.post1"
+    assert file_version("tiny-pkg", "tiny-pkg-2.0.tar.gz") == "2.0"
+    assert file_version("tiny-pkg", "other-1.0.tar.gz") is None and file_version("tiny-pkg", "tiny-pkg.egg") is None
+
+
+POLICY = '[packages]\nindex = ["https://pypi.example.org/simple/"]\nallow = ["Scikit_Learn", "numpy*"]\n' \
+         'deny = ["numpy-evil"]\nmax_file_bytes = 100\nmax_total_bytes = 150\n'
+
+
+def decide(kind: str, **facts):
+    return Policy.from_toml(POLICY).decide({"door": "packages", "kind": kind, **facts})
+
+
+def test_projects_are_decided_by_name_in_normal_form_deny_first():
+    assert decide("project", project="scikit-learn").rule == "packages.allow[0]"
+    assert decide("project", project="numpy").allowed
+    assert decide("project", project="numpy-evil").rule == "packages.deny[0]"
+    assert decide("project", project="requests").rule == "packages.allow"
+    assert decide("project", project="Scikit_Learn").rule == "packages.project"  # the door states normal form
+    assert decide("project", project="numpy", index_error="a link to a file on another host").rule == \
+        "packages.index_page"
+    assert not Policy.default().decide({"door": "packages", "kind": "project", "project": "numpy"}).allowed
+
+
+def test_a_file_is_decided_on_its_hash_its_size_and_the_runs_bytes():
+    ok = {"project": "numpy", "sha256": A, "got_sha256": A, "size": 100, "run_bytes": 0}
+    assert decide("file", **ok).allowed
+    assert decide("file", **{**ok, "got_sha256": "b" * 64}).rule == "packages.hash"
+    assert decide("file", **{**ok, "sha256": ""}).rule == "packages.hash"
+    assert decide("file", **{**ok, "size": 101}).rule == "packages.max_file_bytes"
+    assert decide("file", **{**ok, "run_bytes": 51}).rule == "packages.max_total_bytes"
+    assert decide("file", **{**ok, "size": True}).rule == "packages.size"
+    assert decide("file", **{**ok, "fetch_error": "timeout"}).rule == "packages.fetch"
+    assert decide("what", **ok).rule == "packages.kind"
+
+
+@pytest.mark.parametrize("body, why", [
+    ('index = ["pypi.org/simple"]', "must be an http:// or https:// URL"),
+    ('index = ["https://user:token@pypi.example.org/simple/"]', "must not carry a user name or password"),
+    ('index = ["https://pypi.example.org/simple/?x=1"]', "no query"),
+    ('index = "https://pypi.example.org/simple/"', "packages.index must be a list"),
+    ('allow = ["num py"]', "packages.allow entry"),
+    ('file_hosts = ["https://files.example.org"]', "packages.file_hosts entry"),
+    ("max_file_bytes = 0", "packages.max_file_bytes must be from 1"),
+    ("max_total_bytes = -1", "packages.max_total_bytes must be from 1"),
+    ("mirror = true", "unknown key packages.mirror"),
+])
+def test_a_bad_packages_section_is_one_line_naming_it(body, why):
+    with pytest.raises(PolicyError, match=why) as e:
+        Policy.from_toml(f"[packages]\n{body}\n")
+    assert "\n" not in str(e.value)

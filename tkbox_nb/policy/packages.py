@@ -1,0 +1,127 @@
+"""[packages]: which simple-API indexes the package door reads, which projects and files may enter the box, and
+how large; and the decision on one project page or one file (doors/packages.py states its facts, `tkbox verify`
+decides them again).
+
+No `index`: no package crosses (the door is not there, and pip in the box reaches nothing). Project names are
+compared in their PEP 503 normal form (`Foo_Bar.baz` is `foo-bar-baz`), and so are the globs: a user who writes
+`allow = ["Scikit_Learn"]` means scikit-learn. `deny` is read before `allow`. A file is decided on what the door saw:
+the index's sha256 for it and the sha256 of the bytes that came (they must be the same), its size (refused past
+`max_file_bytes`; the door stops reading one byte past it), and the run's bytes before it (refused past
+`max_total_bytes`). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
+from tkbox_nb.rules.package_index import PROJECT, normalize
+
+SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "index": list, "allow": list, "deny": list, "file_hosts": list, "max_file_bytes": int, "max_total_bytes": int,
+    "timeout_s": (int, float)}
+DEFAULTS: dict[str, Any] = {"index": [], "allow": [], "deny": [], "file_hosts": [], "max_file_bytes": 256 << 20,
+                            "max_total_bytes": 2 << 30, "timeout_s": 60}
+MAX_BYTES = 1 << 40
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def validate(out: dict[str, dict[str, Any]], name: str) -> None:
+    """What [packages] must hold beyond its keys' types (core.py checked those): http(s) index URLs with a host and
+    nothing a URL should not carry (no user or password: a secret in a policy is disclosed in every bundle), host
+    names for file_hosts, sizes from 1 byte to 1 TiB."""
+    section = out.get("packages")
+    if section is None:
+        return
+    for url in section.get("index", []):
+        why = index_url_problem(url)
+        if why:
+            raise PolicyError(f"{name}: packages.index entry {url[:120]!r} {why}")
+    for host in section.get("file_hosts", []):
+        if not re.fullmatch(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?", host):
+            raise PolicyError(f"{name}: packages.file_hosts entry {host[:120]!r} must be a host name (HOST or "
+                              "HOST:PORT)")
+    for key in ("allow", "deny"):
+        for pattern in section.get(key, []):
+            if not re.fullmatch(r"[A-Za-z0-9._*?\[\]!-]{1,200}", pattern):
+                raise PolicyError(f"{name}: packages.{key} entry {pattern[:120]!r} must be a project name or a glob "
+                                  "of one (letters, digits, - _ . and * ? [ ])")
+    why = seconds_problem(section["timeout_s"], 600) if "timeout_s" in section else ""
+    if why:
+        raise PolicyError(f"{name}: packages.timeout_s {why}")
+    for key in ("max_file_bytes", "max_total_bytes"):
+        if key in section and not 0 < section[key] <= MAX_BYTES:
+            raise PolicyError(f"{name}: packages.{key} must be from 1 to {MAX_BYTES} bytes, not {section[key]}")
+
+
+def index_url_problem(url: str) -> str:
+    """Why a policy's index URL is unusable, or ""."""
+    try:
+        parts = urlsplit(url)
+        parts.port
+    except ValueError as e:
+        return f"is not a URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// URL with a host"
+    if parts.username or parts.password:
+        return "must not carry a user name or password (the policy is disclosed in every bundle)"
+    if parts.query or parts.fragment:
+        return "must have no query or fragment"
+    return ""
+
+
+def project_verdict(policy: Settings, project: str) -> Verdict:
+    """Whether the project may cross: deny first, then allow, names and globs both in normal form."""
+    name = normalize(project)
+    for i, pattern in enumerate(policy.get("packages", "deny")):
+        if fnmatch.fnmatchcase(name, normalize(pattern)):
+            return Verdict("deny", f"packages.deny[{i}]", f"{name!r} matches {pattern!r} in [packages] deny")
+    for i, pattern in enumerate(policy.get("packages", "allow")):
+        if fnmatch.fnmatchcase(name, normalize(pattern)):
+            return Verdict("allow", f"packages.allow[{i}]")
+    return Verdict("deny", "packages.allow", f"{name!r} is not in [packages] allow")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 50
+
+
+def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
+    """A project's page (`project`) or one file (`file`) into the box."""
+    if kind not in ("project", "file"):
+        return Verdict("deny", "packages.kind", f"unknown packages kind {kind!r}")
+    if not policy.get("packages", "index"):
+        return Verdict("deny", "packages.index", "the policy names no package index ([packages] index)")
+    project = facts.get("project")
+    if not isinstance(project, str) or not PROJECT.fullmatch(project):
+        return Verdict("deny", "packages.project", "no project name in PEP 503's normal form")
+    by_name = project_verdict(policy, project)
+    if not by_name.allowed:
+        return by_name
+    if facts.get("index_error"):  # the page could not be had (nor from the cache), or was refused as read
+        return Verdict("deny", "packages.index_page", str(facts["index_error"])[:300])
+    if kind == "project":
+        return by_name
+    stated, got, size, before = facts.get("sha256"), facts.get("got_sha256"), facts.get("size"), facts.get("run_bytes")
+    if not isinstance(stated, str) or not SHA256.fullmatch(stated):
+        return Verdict("deny", "packages.hash", "the index gives no sha256 for the file")
+    if facts.get("fetch_error"):
+        return Verdict("deny", "packages.fetch", str(facts["fetch_error"])[:300])
+    if not _count(size) or not _count(before):
+        return Verdict("deny", "packages.size", "the file's size or the run's bytes are not stated")
+    limit = policy.get("packages", "max_file_bytes")
+    if size > limit:
+        return Verdict("deny", "packages.max_file_bytes", f"the file is over {limit} bytes ([packages] "
+                                                          "max_file_bytes)")
+    if got != stated:
+        return Verdict("deny", "packages.hash", f"the file's bytes have sha256 {str(got)[:64]}, the index says "
+                                                f"{stated}")
+    total = policy.get("packages", "max_total_bytes")
+    if before + size > total:
+        return Verdict("deny", "packages.max_total_bytes", f"the run's files would be over {total} bytes "
+                                                           "([packages] max_total_bytes)")
+    return by_name
