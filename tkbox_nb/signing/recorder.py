@@ -32,7 +32,7 @@ from tkbox_nb.signing.refusal_caps import COUNTED_RULE, FULL_RULE, RECORD_BYTES,
 from tkbox_nb.signing.signer import MachineSigner
 from tkbox_nb.signing.lanes import RunLanes, lanes_for as _lanes, together
 from tkbox_nb.signing.spool import RunSpool, sha256_digest
-from tkbox_nb.bundle.verify import BOX_FIELDS, BOX_OBJECTS
+from tkbox_nb.bundle.box_checks import BOX_FIELDS, BOX_OBJECTS
 
 if TYPE_CHECKING:
     from tkbox_nb.signing.central import CentralSigner
