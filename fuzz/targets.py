@@ -49,7 +49,8 @@ from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
 from tkbox_nb.audit.compare import _facts, _sanitize, parse_sanitizers
 from tkbox_nb.audit.replay import to_notebook
 from tkbox_nb.bundle.read_back import Run
-from tkbox_nb.bundle.verify import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport, verify_bytes
+from tkbox_nb.bundle.verify import verify_bytes
+from tkbox_nb.bundle.verify_report import EXIT_INVALID, EXIT_UNREADABLE, EXIT_VALID, VerifyReport
 
 from . import seeds
 

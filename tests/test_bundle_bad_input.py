@@ -236,7 +236,8 @@ def test_a_rerun_s_original_is_signed_and_its_manifest_may_not_name_another(sign
 def test_a_rerun_from_before_rerun_of_was_signed_still_verifies(signer, tmp_path, monkeypatch):
     """A 0.1.0 bundle named its original in the manifest only; its signed box.start says which version made it."""
     import tkbox_nb.signing.recorder as recorder
-    from tkbox_nb.bundle.verify import BOX_FIELDS, verify_bundle
+    from tkbox_nb.bundle.box_checks import BOX_FIELDS
+    from tkbox_nb.bundle.verify import verify_bundle
     monkeypatch.setattr(recorder, "BOX_FIELDS", tuple(f for f in BOX_FIELDS if f != "rerun_of"))
     monkeypatch.setattr(recorder, "__version__", "0.1.0")
     old = _rerun_bundle(signer, tmp_path / "old.tkb")

@@ -96,7 +96,8 @@ def test_a_bundle_file_with_a_number_json_cannot_hold_is_refused(data):
 def test_verify_reports_a_disclosure_whose_arguments_are_not_an_object():
     from fuzz import seeds
     from fuzz.targets import mutated_bundle
-    from tkbox_nb.bundle.verify import EXIT_INVALID, VerifyReport, verify_bytes
+    from tkbox_nb.bundle.verify import verify_bytes
+    from tkbox_nb.bundle.verify_report import EXIT_INVALID, VerifyReport
     _, raw = mutated_bundle((REGRESSIONS / "bundle-verify--disclosed-args-not-an-object").read_bytes())
     report = verify_bytes(raw, VerifyReport(path="x", trust_path=str(seeds.SEED_TRUST), trust_source="given"))
     assert report.exit_code == EXIT_INVALID
@@ -173,7 +174,8 @@ def test_a_policy_nested_too_deeply_is_a_policy_error_also_inside_a_bundle(nest,
     from fuzz.targets import seed_files
     from tkbox_nb.core.errors import PolicyError
     from tkbox_nb.policy import Policy
-    from tkbox_nb.bundle.verify import VerifyReport, verify_bytes
+    from tkbox_nb.bundle.verify import verify_bytes
+    from tkbox_nb.bundle.verify_report import VerifyReport
     source = "a = " + nest * 3000
     with pytest.raises(PolicyError, match="nested too deeply"):
         Policy.from_toml(source)

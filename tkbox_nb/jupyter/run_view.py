@@ -182,7 +182,7 @@ class RunView:
     def verify(self, on_done=None, background: bool = True) -> threading.Thread | None:
         """Run `tkbox verify` on the bundle (in a thread unless `background` is False)."""
         def work():
-            from tkbox_nb.bundle.verify import EXIT_UNREADABLE, VerifyReport
+            from tkbox_nb.bundle.verify_report import EXIT_UNREADABLE, VerifyReport
             try:
                 report = self.run.verify(self.trust)
             except Exception as e:  # a thread that died would leave the button disabled and the rows unchecked

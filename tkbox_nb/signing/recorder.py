@@ -6,7 +6,8 @@ signer, a refusal, or a reply that does not fit makes the recorder *broken*: it 
 whether or not the signer comes back (fail closed, no gaps that look like silence).
 
 Content a replay needs (cell code, outputs, commands) never goes to the signer: the arguments hold its SHA-256, the
-bytes go to a host-only spool next to the run, and the bundle discloses both with the record's salt.
+bytes go to the run's host-only spool (signing/spool.py, which also keeps what recovery needs and writes the bundle),
+and the bundle discloses both with the record's salt. A run whose holder died is taken over by signing/recovery.py.
 
 What a box can make its run record is bounded (signing/refusal_caps.py): refusals past a cap counted, a run near full
 ended.
@@ -14,10 +15,7 @@ ended.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
-import os
 import threading
 import time
 import uuid
@@ -27,14 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tkbox_nb._version import __version__
-from tkbox_nb.core.atomic_file import cut_torn_line, write_atomic
 from tkbox_nb.core.errors import SignerError
 from tkbox_nb.policy import Policy, Verdict
 from tkbox_nb.policy.refusals import KIND as COUNT_KIND
 from tkbox_nb.signing.refusal_caps import COUNTED_RULE, FULL_RULE, RECORD_BYTES, RunBounds
 from tkbox_nb.signing.signer import MachineSigner
 from tkbox_nb.signing.lanes import RunLanes, lanes_for as _lanes, together
-from tkbox_nb.bundle.verify import BOX_FIELDS, BOX_OBJECTS
+from tkbox_nb.signing.spool import RunSpool, sha256_digest
+from tkbox_nb.bundle.box_checks import BOX_FIELDS, BOX_OBJECTS
 
 if TYPE_CHECKING:
     from tkbox_nb.signing.central import CentralSigner
@@ -42,11 +40,6 @@ if TYPE_CHECKING:
 UNAVAILABLE_RULE = "TKB-SIGNER-UNAVAILABLE"
 MAX_ARGS_BYTES = 512 * 1024
 STOP_WAIT_S = 30.0  # how long a closing run waits for crossings in flight on other lanes
-UNBUNDLED = "unbundled.json"  # in a closed run's spool until its bundle is written (signing/recovery.py)
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -94,9 +87,7 @@ class RunRecorder(RunBounds):
         self._client = self._run = None
         self._lanes: RunLanes | None = None  # every call on the run goes through these (signing/lanes.py says why)
         self.run_id: str | None = None
-        self.spool: Path | None = None
-        self._spool_file = None
-        self._spooled: set[str] = set()
+        self.run_spool: RunSpool | None = None  # the run's host-only files (signing/spool.py)
         self.policies: dict[str, Policy] = {}
         self.replay_of = replay_of
         self.bundle_hint: Path | None = None
@@ -120,9 +111,7 @@ class RunRecorder(RunBounds):
             raise SignerError(f"the signer refused to open a run: {e}") from None
         self.run_id = self._run.run_id
         self._lanes = _lanes(self.signer, self.run_id, self._run.run_token, self._client)
-        self.spool = self.signer.runs_dir / self.run_id
-        self.spool.mkdir(mode=0o700, parents=True)
-        self._spool_file = open(self.spool / "disclosures.jsonl", "a", encoding="utf-8")
+        self.run_spool = RunSpool(self.signer.runs_dir / self.run_id).create()
         self._write_handle()
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
@@ -136,48 +125,29 @@ class RunRecorder(RunBounds):
         self._write_box_manifest()
         return self
 
+    @property
+    def spool(self) -> Path | None:
+        """The run's spool directory (host-only, 0700), once the run is open."""
+        return self.run_spool.path if self.run_spool is not None else None
+
     def _write_handle(self, abandoned: str | None = None) -> None:
-        """What another process needs to close this run if this one dies first (recover_orphans): the run's id and
-        token, this process's pid and where the bundle should go; `abandoned`: why this process gave the run up
-        (the signer was lost), so it is recovered even while this process lives. Host-only (0600 in 0700)."""
-        handle = {"run_id": self.run_id, "run_token": self._run.run_token, "pid": os.getpid(),
-                  "bundle_hint": str(self.bundle_hint) if self.bundle_hint else ""}
-        if abandoned:
-            handle["abandoned"] = abandoned[:300]
-        write_atomic(self.spool / "handle.json", json.dumps(handle).encode())
+        """What another process needs to close this run if this one dies first (RunSpool.write_handle)."""
+        self.run_spool.write_handle(self._run.run_token, self.bundle_hint, abandoned)
 
     def hint_bundle(self, path: str | Path) -> None:
         """Where this run's bundle is meant to go (used if the run has to be recovered)."""
         self.bundle_hint = Path(path)
-        if self.spool is not None and self._run is not None:
+        if self.run_spool is not None and self._run is not None:
             self._write_handle()
 
-    @classmethod
-    def adopt(cls, signer: MachineSigner, spool: Path) -> "RunRecorder":
-        """Take over an open run whose process is gone, from its spool, to close it and write its bundle."""
-        from tracekit.sdk.client import RunHandle
-        from tkbox_nb.bundle.archive import loads_json
-        handle = loads_json((spool / "handle.json").read_bytes(), "handle.json")
-        box = loads_json((spool / "box.json").read_bytes(), "box.json")
-        policies = {}
-        for path in (spool / "policies").glob("*.toml"):
-            policy = Policy.from_toml(path.read_text(encoding="utf-8"), path.name)
-            policies[policy.hash] = policy
-        start = policies[box["policy"]["hash"]]
-        rec = cls(signer, start, {k: v for k, v in box.items() if k not in ("policy", "policies")})
-        rec.policies = policies
-        rec.run_id, rec.spool = handle["run_id"], spool
-        rec.bundle_hint = Path(handle["bundle_hint"]) if handle.get("bundle_hint") else None
-        rec._client = signer.client()
-        rec._run = RunHandle(rec._client, {"run_id": handle["run_id"], "run_token": handle["run_token"]})
-        rec._lanes = _lanes(signer, handle["run_id"], handle["run_token"], rec._client)
-        cut_torn_line(spool / "disclosures.jsonl")  # a holder killed mid-write left half a line: its record is lost
-        rec._spool_file = open(spool / "disclosures.jsonl", "a", encoding="utf-8")
-        seen = [e for line in (spool / "disclosures.jsonl").read_text(encoding="utf-8").splitlines()
-                if line.strip() for e in [json.loads(line)]]
-        rec._spooled = {d for e in seen for d in (e.get("blobs") or {})}
-        rec._seq = 10**9  # call ids of the adopter never meet the dead process's
-        return rec
+    def resume(self, run: Any, client: Any, spool: RunSpool) -> "RunRecorder":
+        """Go on with a run another process opened (`run`: its RunHandle on `client`; `spool`: its spool, reopened):
+        signing/recovery.py `adopt` takes over a dead holder's run with it, to close it and write its bundle."""
+        self.run_id, self.run_spool = run.run_id, spool
+        self._client, self._run = client, run
+        self._lanes = _lanes(self.signer, run.run_id, run.run_token, client)
+        self._seq = 10**9  # call ids of the adopter never meet the dead process's
+        return self
 
     def set_policy(self, policy: Policy) -> None:
         """Later crossings are decided under `policy`; its source goes into the bundle."""
@@ -209,21 +179,17 @@ class RunRecorder(RunBounds):
                 self._lanes.call("close_run", reason=reason[:200], **({"last_client_seq": tails} if tails else {}))
             except Exception as e:
                 self._fail(f"close_run failed: {e}")
-        if self._spool_file:
-            self._spool_file.flush()
-            os.fsync(self._spool_file.fileno())
-            self._spool_file.close()
+        if self.run_spool is not None:
+            self.run_spool.close()
         if self._lanes is not None:
             self._lanes.close()
         elif self._client:
             self._client.close()
         self.closed = True
-        if self.spool is not None and self.broken and self._run is not None:
+        if self.run_spool is not None and self.broken and self._run is not None:
             self._write_handle(abandoned=self.broken)  # closed here but not in the signer: recover it once it answers
-        elif self.spool is not None:  # closed: nothing left to close, only its bundle to write (run_recovery)
-            write_atomic(self.spool / UNBUNDLED,
-                         json.dumps({"pid": os.getpid(), "bundle_hint": str(self.bundle_hint or "")}).encode())
-            (self.spool / "handle.json").unlink(missing_ok=True)
+        elif self.run_spool is not None:  # closed: nothing left to close, only its bundle to write (recovery)
+            self.run_spool.mark_unbundled(self.bundle_hint)
 
     # -- crossings -----------------------------------------------------------------------------------------------
     def decide(self, door: str, kind: str, facts: dict[str, Any],
@@ -385,7 +351,7 @@ class RunRecorder(RunBounds):
             return False
         return True
 
-    # -- spool ---------------------------------------------------------------------------------------------------
+    # -- failure and spool ---------------------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
         if not self.broken:
             self.broken = reason[:500]
@@ -393,53 +359,31 @@ class RunRecorder(RunBounds):
                 self.on_broken(self.broken)
 
     def _spool(self, entry: dict, content: dict[str, bytes]) -> None:
-        """One line per record, written before the record is asked for, keyed by its call id (the record's
-        tool_use_id); content inline (base64, once per digest): a single write per crossing."""
-        with self._lock:
-            fresh = {}
-            for data in content.values():
-                digest = sha256_digest(data)
-                if digest not in self._spooled:
-                    self._spooled.add(digest)
-                    fresh[digest] = base64.b64encode(data).decode()
-            if fresh:
-                entry = dict(entry, blobs=fresh)
-            line = json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n"
-            self._spool_file.write(line)
-            self._spool_file.flush()
-        self._account(len(line.encode()))
+        """The record's disclosure into the spool, before the record is asked for (RunSpool.append)."""
+        self._account(self.run_spool.append(entry, content))
 
     def _keep_policy(self, policy: Policy) -> None:
         self.policies[policy.hash] = policy
-        if self.spool:
-            path = self.spool / "policies"
-            path.mkdir(mode=0o700, exist_ok=True)
-            (path / (policy.hash.removeprefix("sha256:") + ".toml")).write_text(policy.source, encoding="utf-8")
+        if self.run_spool is not None:
+            self.run_spool.keep_policy(policy)
 
     def _write_box_manifest(self) -> None:
-        box = dict(self.box, policy={"hash": self.start_policy.hash, "name": self.start_policy.name},
-                   policies=sorted(self.policies))
-        tmp = self.spool / "box.json.tmp"
-        tmp.write_text(json.dumps(box, sort_keys=True, indent=1))
-        os.replace(tmp, self.spool / "box.json")
+        self.run_spool.write_box_manifest(dict(self.box, policy={"hash": self.start_policy.hash,
+                                                                 "name": self.start_policy.name},
+                                               policies=sorted(self.policies)))
 
     # -- bundle --------------------------------------------------------------------------------------------------
     def write_bundle(self, out_path: str | Path) -> Path:
         """Export the (closed) run from the signer and add the box layer: one `.tkb`, written atomically."""
-        from tkbox_nb.bundle.archive import write_bundle
         if not self.closed:
             raise SignerError("close the run before writing its bundle")
-        written = write_bundle(self.signer, self.run_id, self.spool, out_path)
-        (self.spool / UNBUNDLED).unlink(missing_ok=True)  # bundled: nothing left for recovery
-        return written
+        return self.run_spool.write_bundle(self.signer, out_path)  # bundled: nothing left for recovery
 
     def write_snapshot(self, out_path: str | Path) -> Path:
         """The run so far, still open, as a `.tkb` (verifies as open: `VERIFIED TO HEAD n`)."""
-        from tkbox_nb.bundle.archive import write_bundle
-        with self._lock:
-            self._spool_file.flush()
+        self.run_spool.flush()
         self._write_box_manifest()
-        return write_bundle(self.signer, self.run_id, self.spool, out_path, final=False)
+        return self.run_spool.write_bundle(self.signer, out_path, final=False)
 
 
 def _now() -> str:
