@@ -24,7 +24,8 @@ a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's
 Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent;
 every message into the box goes under a header made here too, so the box names only what it was sent, and what it
 sends under any other parent is dropped and counted (doors/cell.py). The host's own notices carry a mark no output of
-the box can (relay.host_notice).
+the box can (relay.host_notice). The helpers (cells, comms, stdin, box_wait) keep their own state and reach this kernel
+only through KernelPort (port.py): its public members, nothing private, no field of it assigned.
 """
 
 from __future__ import annotations
