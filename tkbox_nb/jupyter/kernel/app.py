@@ -212,7 +212,7 @@ class TkboxKernel:
         t = header["msg_type"]
         if t == "kernel_info_request":
             self.publish_status("busy", header)
-            self.send(channel, "kernel_info_reply", self.box_kernel_info(), header, idents)
+            self.send(channel, "kernel_info_reply", self.kernel_info(), header, idents)
             self.publish_status("idle", header)
         elif t == "shutdown_request":
             restart = bool(msg["content"].get("restart"))
