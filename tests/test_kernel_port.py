@@ -145,3 +145,12 @@ def test_the_kernel_provides_every_member():
         else:
             assert list(inspect.signature(getattr(TkboxKernel, name)).parameters) == \
                 list(inspect.signature(protocol).parameters), name
+
+
+def test_every_method_the_kernel_calls_on_itself_is_its_own():
+    """A rename that missed a caller (kernel_info once became box_kernel_info) fails here, not in a frontend's wait."""
+    own = {name for name, value in vars(TkboxKernel).items() if inspect.isfunction(value)}
+    called = {n.func.attr for n in ast.walk(ast.parse((KERNEL / "app.py").read_text()))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+              isinstance(n.func.value, ast.Name) and n.func.value.id == "self"}
+    assert called and called - own == set()
