@@ -19,8 +19,8 @@ class Recorder:
 
 def stand_in(live=True):
     box = SimpleNamespace(recorder=Recorder())
-    kernel = SimpleNamespace(nb=SimpleNamespace(box=box, live=live), kernel=None, logged=[])
-    kernel._log = kernel.logged.append
+    kernel = SimpleNamespace(nb=SimpleNamespace(box=box, live=live), box_kernel=None, logged=[])
+    kernel.log = kernel.logged.append
     return kernel, box
 
 

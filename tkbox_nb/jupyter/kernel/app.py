@@ -24,7 +24,8 @@ a fresh box (a new run). A cell is `busy` from the moment it is taken (the box's
 Every message from the box is forwarded rebuilt (relay.py): a header made here, the frontend's own request as parent;
 every message into the box goes under a header made here too, so the box names only what it was sent, and what it
 sends under any other parent is dropped and counted (doors/cell.py). The host's own notices carry a mark no output of
-the box can (relay.host_notice).
+the box can (relay.host_notice). The helpers (cells, comms, stdin, box_wait) keep their own state and reach this kernel
+only through KernelPort (port.py): its public members, nothing private, no field of it assigned.
 """
 
 from __future__ import annotations
@@ -36,20 +37,18 @@ import sys
 import threading
 import traceback
 import uuid
-from pathlib import Path
 from typing import Any
 
 import zmq
 
 from tkbox_nb._version import __version__
 from tkbox_nb.rules.jupyter_messages import BoxMessage
-from tkbox_nb.rules.refusal_notices import Shown
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.guest.jsession import Session
-from tkbox_nb.box.notebook_box import HostMagics, NotebookBox
+from tkbox_nb.box.notebook_box import NotebookBox
+from tkbox_nb.doors.cell import BoxKernel
 from tkbox_nb.jupyter.kernel.cells import Cells
 from tkbox_nb.jupyter.kernel.comms import CommGate
-from tkbox_nb.jupyter.kernel.host_comms import HostComms
 from tkbox_nb.jupyter.kernel.relay import Parents, host_notice, rebuilt, unevaluated
 from tkbox_nb.jupyter.kernel.stdin import Stdin
 
@@ -89,24 +88,20 @@ class TkboxKernel:
         self._wake_local = threading.local()
         self.from_box: queue.Queue = queue.Queue()
         self.nb = nb or NotebookBox.for_kernel()
+        # the helpers reach the kernel only through KernelPort (port.py); each keeps its own state
         self.stdin = Stdin(self)  # the host's prompt (%box_secret) and the box's, kept apart
-        self.magics = HostMagics(self.nb, self.stdin.read_secret)
-        self.cells = Cells(self)  # execute requests, one at a time, in order
+        self.comms = CommGate(self)  # comms both ways: the box's ids are BoxKernel.comms, the host's comms.host
+        self.comms.host.install()  # the `comm` package's manager in this process: widgets of the run view
+        self.cells = Cells(self, self.comms, self.stdin)  # execute requests, one at a time, in order; host magics
         self.parents = Parents()  # what went into the box, under ids made here -> the frontend's headers
         # requests open in the box, by the msg_id the host sent each under -> (socket, idents, the frontend's header)
         self.requests: dict[str, tuple[str, list[bytes], dict]] = {}
         self.execution_count = 0
-        self.parent: tuple[list[bytes], dict, bool] | None = None  # the execute_request being handled here
         self.running = True
         self.welcomed = False  # an iopub subscription has been answered
-        self.kernel = None
+        self.box_kernel: BoxKernel | None = None  # the box's kernel whose messages are relayed
         self._iopub_lock = threading.Lock()  # host widgets publish from other threads (the view's Verify)
-        self._comm_parent: dict | None = None  # the frontend message a host comm's messages answer
         self.box_violated = False  # set when the box broke the protocol here: it is ended, its messages dropped
-        self.comms = CommGate(self)  # comms both ways: the box's ids are BoxKernel.comms, the host's host_comms
-        self.host_comms = HostComms(self._publish_host_comm)
-        self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
-        self.refusals_shown = Shown()  # refusals said in each cell: a flood is not shown as one
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -129,25 +124,13 @@ class TkboxKernel:
         sock.send(b"")
 
     def send(self, channel: str, msg_type: str, content: dict, parent: dict | None, idents=None,
-             metadata: dict | None = None, buffers: list | None = None) -> None:
+             metadata: dict | None = None, buffers: list | None = None) -> dict:
         if channel == "iopub":
             with self._iopub_lock:
-                self.session.send(self.sockets[channel], msg_type, content, parent=parent, metadata=metadata,
-                                  buffers=buffers)
-            return
-        self.session.send(self.sockets[channel], msg_type, content, parent=parent, ident=idents,
-                          metadata=metadata)
-
-    def show_refusal(self, line: str) -> None:
-        """A crossing refused while a cell runs (rules/refusal_notices.py; on a door's thread): shown in that cell as
-        the host's notice, the first few of each cell."""
-        cur, host = self.cells.current, self.parent
-        header = cur["header"] if cur is not None else host[1] if host is not None else None
-        if header is not None and (line := self.refusals_shown.admit(header.get("msg_id"), line)) is not None:
-            self.send("iopub", "display_data", host_notice([line]), header)
-
-    def _publish_host_comm(self, msg_type: str, content: dict, metadata: dict, buffers: list) -> None:
-        self.send("iopub", msg_type, content, self._comm_parent, metadata=metadata, buffers=buffers)
+                return self.session.send(self.sockets[channel], msg_type, content, parent=parent, metadata=metadata,
+                                         buffers=buffers)
+        return self.session.send(self.sockets[channel], msg_type, content, parent=parent, ident=idents,
+                                 metadata=metadata)
 
     def publish_status(self, state: str, parent: dict | None) -> None:
         self.send("iopub", "status", {"execution_state": state}, parent)
@@ -169,21 +152,28 @@ class TkboxKernel:
                     self._drain_box()
                     continue
                 name = next(n for n, s in self.sockets.items() if s is sock)
-                if (got := self.receive(sock)) is None:  # malformed, or a bad signature: not from our frontend
+                if (got := self.receive(name)) is None:  # malformed, or a bad signature: not from our frontend
                     continue
                 idents, msg = got
                 try:
                     self._dispatch(name, idents, msg)
                 except Exception as e:  # a bug of ours must not take the notebook down
-                    self._log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
+                    self.log(f"error handling {msg['header'].get('msg_type')}: {e}\n{traceback.format_exc()}")
             self.cells.pump()  # the next queued cell, once the one before it has ended
-            self._check_deadlines()
+            self.check_deadlines()
         self.close()
 
-    def receive(self, sock: zmq.Socket) -> tuple[list[bytes], dict] | None:
-        """The next message on a frontend socket, and its identities; None if malformed or badly signed."""
+    def ready(self, channels, timeout_ms: float) -> set[str]:
+        poller = zmq.Poller()
+        for name in channels:
+            poller.register(self.sockets[name], zmq.POLLIN)
+        got = dict(poller.poll(timeout_ms))
+        return {name for name in channels if self.sockets[name] in got}
+
+    def receive(self, channel: str) -> tuple[list[bytes], dict] | None:
+        """The next message on a frontend channel, and its identities; None if malformed or badly signed."""
         try:
-            idents, msg_list = self.session.feed_identities(sock.recv_multipart(copy=True))
+            idents, msg_list = self.session.feed_identities(self.sockets[channel].recv_multipart(copy=True))
             return idents, self.session.deserialize(msg_list)
         except Exception:
             return None
@@ -201,7 +191,19 @@ class TkboxKernel:
                     self.welcomed = True
                     self.session.send(iopub, "iopub_welcome", {"subscription": frame[1:].decode("utf-8", "replace")})
 
-    def _log(self, text: str) -> None:
+    def serve_control(self) -> str | None:
+        """A control message while a cell waits on the host (its box starting, the host's prompt): an interrupt is
+        answered here, with nothing to signal (no cell runs in the box meanwhile); any other is handled as ever."""
+        if (got := self.receive("control")) is None:  # malformed, or a bad signature: not from our frontend
+            return None
+        idents, msg = got
+        if (t := msg["header"]["msg_type"]) == "interrupt_request":
+            self.send("control", "interrupt_reply", {"status": "ok"}, msg["header"], idents)
+        else:
+            self._dispatch("control", idents, msg)
+        return t
+
+    def log(self, text: str) -> None:
         sys.stderr.write(f"[tkbox kernel] {text}\n")
         sys.stderr.flush()
 
@@ -218,29 +220,29 @@ class TkboxKernel:
                 self.comms.end_run()
                 self.nb.stop("kernel restart" if restart else "kernel shutdown")
             except Exception as e:  # the frontend waits for the reply: it gets it, and the kernel ends, whatever
-                self._log(f"stopping the box at shutdown: {type(e).__name__}: {e}")
+                self.log(f"stopping the box at shutdown: {type(e).__name__}: {e}")
             self.send(channel, "shutdown_reply", {"status": "ok", "restart": restart}, header, idents)
             self.running = False
         elif t == "interrupt_request":
-            if self.kernel is not None and not self.kernel.ended:
-                self.kernel.interrupt()
+            if self.box_kernel is not None and not self.box_kernel.ended:
+                self.box_kernel.interrupt()
             self.send(channel, "interrupt_reply", {"status": "ok"}, header, idents)
         elif t == "execute_request":
             self.cells.enqueue(channel, idents, msg)  # started by the main loop once the cell before has ended
         elif t in COMMS:
             self.comms.from_frontend(channel, msg)
         elif t in FORWARDED:
-            if self.kernel is None or self.kernel.ended:
+            if self.box_kernel is None or self.box_kernel.ended:
                 self._answer_without_box(channel, idents, msg)
             else:
-                sent = self.parents.into_box(msg)  # the box never sees the frontend's header
-                self.requests[sent["header"]["msg_id"]] = (channel, idents, header)
-                self.kernel.send(channel, sent)
+                sent = self.into_box(msg)  # the box never sees the frontend's header
+                self.open_request(sent["header"]["msg_id"], channel, idents, header)
+                self.box_kernel.send(channel, sent)
         elif t == "input_reply":
             self.stdin.from_frontend(msg)  # to the box only if it answers the box's own pending prompt
 
     def kernel_info(self) -> dict:
-        info = (self.kernel.info if self.kernel is not None and self.kernel.info else {}) or {}
+        info = (self.box_kernel.info if self.box_kernel is not None and self.box_kernel.info else {}) or {}
         language = info.get("language_info") or {
             "name": "python", "version": sys.version.split()[0], "mimetype": "text/x-python",
             "file_extension": ".py", "pygments_lexer": "ipython3", "codemirror_mode": {"name": "ipython", "version": 3},
@@ -251,7 +253,7 @@ class TkboxKernel:
                 "help_links": [{"text": "tkbox-nb", "url": "https://pypi.org/project/tracekit-ai/"}]}
 
     # -- execute -------------------------------------------------------------------------------------------------
-    def _host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
+    def host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
         content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
         names = sorted(self.cells.asked.pop(header["msg_id"], frozenset()))
         if status == "ok":
@@ -265,18 +267,26 @@ class TkboxKernel:
         self.publish_status("idle", header)
         self.cells.replied(header["msg_id"], status, idle=True)
 
-    def _ensure_kernel(self, box) -> None:
+    def attach(self, box) -> BoxKernel:
         kernel = box.kernel()
-        if kernel is not self.kernel:
+        if kernel is not self.box_kernel:
             kernel.listeners.append(self._on_box_message)
-            self.kernel = kernel
+            self.box_kernel = kernel
+        return kernel
 
-    def _show_view(self, bundle: Path, header: dict) -> None:
-        from tkbox_nb.jupyter.run_view import view
-        self._comm_parent = header
-        widget = view(bundle)
-        data = widget._repr_mimebundle_()
-        self.send("iopub", "display_data", {"data": data, "metadata": {}}, header)
+    def into_box(self, msg: dict, parent_header: dict | None = None, keep: bool = True) -> dict:
+        return self.parents.into_box(msg, parent_header, keep)
+
+    def open_request(self, sent_id: str, channel: str, idents: list[bytes], header: dict) -> None:
+        self.requests[sent_id] = (channel, idents, header)
+
+    def request_open(self, sent_id) -> bool:
+        return sent_id in self.requests
+
+    def protocol_violation(self, why: str) -> None:
+        self.box_violated = True  # what the box sends until its end is seen is dropped (_drain_box)
+        if self.nb.box is not None:
+            self.nb.box.fail_closed(why)
 
     def _answer_without_box(self, channel: str, idents: list[bytes], msg: dict) -> None:
         header, t = msg["header"], msg["header"]["msg_type"]
@@ -286,7 +296,7 @@ class TkboxKernel:
             "inspect_request": {"status": "ok", "found": False, "data": {}, "metadata": {}},
             "is_complete_request": {"status": "unknown"},
             "history_request": {"status": "ok", "history": []},
-            "comm_info_request": {"status": "ok", "comms": self.host_comms.info()},
+            "comm_info_request": {"status": "ok", "comms": self.comms.host.info()},
         }
         self.send(channel, t.replace("_request", "_reply"), replies[t], header, idents)
 
@@ -311,18 +321,17 @@ class TkboxKernel:
         t, parent = msg.msg_type, msg.parent_id
         front = self.parents.get(parent).get("msg_id")  # what the frontend knows this request as
         if front is None:  # box_kernel lets through only ids the host sent; one past Parents' limit ends here
-            if self.kernel is not None:
-                self.kernel.stray()
+            if self.box_kernel is not None:
+                self.box_kernel.stray()
             return
         if t == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
             self.execution_count = max(self.execution_count, msg.content["execution_count"])
-        box_id = self.kernel.session if self.kernel is not None else ""
+        box_id = self.box_kernel.session if self.box_kernel is not None else ""
         if msg.channel == "iopub":
             if t in COMMS and not self.comms.from_box(msg):
                 return
-            if t == "status" and msg.content.get("execution_state") == "busy" and front in self.busy_here:
-                self.busy_here.discard(front)  # the frontend has had the host's, as the cell was taken
-                return
+            if t == "status" and msg.content.get("execution_state") == "busy" and self.cells.took_busy(front):
+                return  # the frontend has had the host's, as the cell was taken
             wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id)
             with self._iopub_lock:
                 self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
@@ -340,16 +349,14 @@ class TkboxKernel:
         if target is None:
             return
         if t != target[2]["msg_type"].replace("_request", "_reply"):  # a reply of another type: a violation
-            self.box_violated = True  # the request stays open; the box's end answers it (_box_kernel_ended)
-            if self.nb.box is not None:
-                self.nb.box.fail_closed(f"door protocol violation: the box sent a {t} in reply to "
-                                        f"{target[2]['msg_type']}")
+            # the request stays open; the box's end answers it (_box_kernel_ended)
+            self.protocol_violation(f"door protocol violation: the box sent a {t} in reply to {target[2]['msg_type']}")
             return
         self.requests.pop(parent)
         wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(front))
         if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
             wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
-                                        if not self.host_comms.owns(k)} | self.host_comms.info()
+                                        if not self.comms.host.owns(k)} | self.comms.host.info()
         self.session.send(self.sockets[target[0]], wire, ident=target[1], buffers=msg.buffers)
         if t == "execute_reply":
             self.cells.replied(front, msg.content.get("status"))
@@ -357,35 +364,34 @@ class TkboxKernel:
     def _box_kernel_ended(self) -> None:
         """The box's kernel (or the box) is gone: every request still open gets an error reply, shown in place."""
         reason = (self.nb.box.ended if self.nb.box is not None and self.nb.box.ended else None) or \
-            (self.kernel.ended if self.kernel is not None else "the box's kernel ended")
+            (self.box_kernel.ended if self.box_kernel is not None else "the box's kernel ended")
         for msg_id, (channel, idents, header) in list(self.requests.items()):
             self.requests.pop(msg_id, None)
             if header["msg_type"] == "execute_request":
                 self.send("iopub", "display_data", host_notice([  # a mark the box cannot make (relay.py)
                     reason, "the next cell starts a new box"]), header)
-                self._host_reply(channel, idents, header, "error", False, ("BoxEnded", reason))
+                self.host_reply(channel, idents, header, "error", False, ("BoxEnded", reason))
             else:
                 self._answer_without_box(channel, idents, {"header": header, "content": {}})
-        self.kernel = None
-        self.busy_here.clear()
+        self.box_kernel = None
         self.stdin.box_ended()
         self.cells.box_ended()
         if self.nb.box is not None and self.nb.box.ended:
             try:
                 self.nb.stop(reason)
             except TkboxError as e:
-                self._log(str(e))
+                self.log(str(e))
 
-    def _check_deadlines(self) -> None:
-        if self.nb.live and self.kernel is not None:
-            self.nb.box.watch(list(self.kernel.cells.values()))
+    def check_deadlines(self) -> None:
+        if self.nb.live and self.box_kernel is not None:
+            self.nb.box.watch(list(self.box_kernel.cells.values()))
 
     def close(self) -> None:
         self.comms.end_run()
         try:
             self.nb.stop("kernel shutdown")
         except TkboxError as e:
-            self._log(str(e))
+            self.log(str(e))
         for s in self.sockets.values():
             s.close(linger=1000)
 

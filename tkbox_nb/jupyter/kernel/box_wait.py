@@ -5,26 +5,22 @@ slow to start, or one that does not start")."""
 
 from __future__ import annotations
 
+from tkbox_nb.jupyter.kernel.port import KernelPort
 
-def wait_for_box(kernel, channel: str, idents: list[bytes], header: dict, silent: bool) -> bool:
+
+def wait_for_box(port: KernelPort, channel: str, idents: list[bytes], header: dict, silent: bool) -> bool:
     """The cell waits for the box still starting in the background (a signer slow to answer, a VM), the control
     channel answered meanwhile: an interrupt, or a shutdown, ends the waiting cell, which then runs nothing (never
     decided, so not in the run). False when the cell was ended here. The cell's `busy` was published already."""
-    control = kernel.sockets["control"]
-    while kernel.nb.starting():
-        if not control.poll(10):  # the start's end is seen within 10 ms: the cell goes on at once
+    while port.nb.starting():
+        if not port.ready(("control",), 10):  # the start's end is seen within 10 ms: the cell goes on at once
             continue
-        got = kernel.receive(control)
-        if got is None:  # malformed, or a bad signature: not from our frontend
+        handled = port.serve_control()  # an interrupt is answered there, a shutdown handled
+        if handled is None:  # malformed, or a bad signature: not from our frontend
             continue
-        c_idents, msg = got
-        interrupt = msg["header"]["msg_type"] == "interrupt_request"
-        if interrupt:
-            kernel.send("control", "interrupt_reply", {"status": "ok"}, msg["header"], c_idents)
-        else:
-            kernel._dispatch("control", c_idents, msg)
-        if interrupt or not kernel.running:
-            kernel._host_reply(channel, idents, header, "error", silent, (
+        interrupt = handled == "interrupt_request"
+        if interrupt or not port.running:
+            port.host_reply(channel, idents, header, "error", silent, (
                 "KeyboardInterrupt" if interrupt else "BoxEnded",
                 f"{'interrupted' if interrupt else 'the kernel shut down'} while the box was starting: "
                 "the cell did not run"))

@@ -23,29 +23,57 @@ from pathlib import Path
 from typing import Any
 
 from tkbox_nb.rules.jupyter_messages import user_expressions_request
-from tkbox_nb.rules.refusal_notices import watch
+from tkbox_nb.rules.refusal_notices import Shown, watch
 from tkbox_nb.core.errors import DoorRefused, TkboxError
-from tkbox_nb.box.notebook_box import split_host_magics
+from tkbox_nb.box.notebook_box import HostMagics, split_host_magics
 from tkbox_nb.jupyter.kernel.box_wait import wait_for_box
+from tkbox_nb.jupyter.kernel.comms import CommGate
+from tkbox_nb.jupyter.kernel.port import KernelPort
+from tkbox_nb.jupyter.kernel.relay import host_notice
+from tkbox_nb.jupyter.kernel.stdin import Stdin
 
 
 class Cells:
-    def __init__(self, kernel):
-        self.k = kernel  # the TkboxKernel (app.py)
+    def __init__(self, port: KernelPort, comms: CommGate, stdin: Stdin):
+        self.port = port  # the kernel (app.py), only through KernelPort
+        self.comms = comms  # comm faults signed as a cell takes its box; the run view's host comms
+        self.stdin = stdin  # the host's prompt of a magic (%box_secret), answered for the cell running it
+        self.magics = HostMagics(port.nb, self._read_secret)
         self.queue: deque[tuple[str, list[bytes], dict]] = deque()
         # the cell in the box now: msg_id, and whether its reply and its idle have reached the frontend
         self.current: dict[str, Any] | None = None
         self.asked: dict[str, frozenset[str]] = {}  # user_expressions keys each box cell's request asked for
         self._host_status: tuple[Any, Any] | None = None  # (msg_id, status) of the last reply the host made itself
+        self.host: tuple[list[bytes], dict, bool] | None = None  # (idents, header, allow_stdin) whose magics run now
+        self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
+        self.refusals_shown = Shown()  # refusals said in each cell: a flood is not shown as one
 
     def enqueue(self, channel: str, idents: list[bytes], msg: dict) -> None:
         self.queue.append((channel, idents, msg))
 
     def pump(self) -> None:
         """Start queued cells while none is in the box (called by the main loop, never from inside a handler)."""
-        while self.current is None and self.queue and self.k.running:
+        while self.current is None and self.queue and self.port.running:
             channel, idents, msg = self.queue.popleft()
             self._start(channel, idents, msg)
+
+    def _read_secret(self, prompt: str) -> str:
+        return self.stdin.read_secret(prompt, self.host)
+
+    def show_refusal(self, line: str) -> None:
+        """A crossing refused while a cell runs (rules/refusal_notices.py; on a door's thread): shown in that cell as
+        the host's notice, the first few of each cell."""
+        cur, host = self.current, self.host
+        header = cur["header"] if cur is not None else host[1] if host is not None else None
+        if header is not None and (line := self.refusals_shown.admit(header.get("msg_id"), line)) is not None:
+            self.port.send("iopub", "display_data", host_notice([line]), header)
+
+    def took_busy(self, msg_id: str) -> bool:
+        """Whether the host published `busy` as it took this cell (the box's own `busy` for it is then dropped)."""
+        if msg_id not in self.busy_here:
+            return False
+        self.busy_here.discard(msg_id)
+        return True
 
     # -- the end of a cell -----------------------------------------------------------------------------------------
     def replied(self, msg_id: Any, status: Any, idle: bool = False) -> None:
@@ -75,10 +103,11 @@ class Cells:
 
     def box_ended(self) -> None:
         """The box's kernel is gone (its requests answered by app._box_kernel_ended): the cell in it ends, idle too."""
+        self.busy_here.clear()
         cur = self.current
         if cur is not None:
             if not cur["idle"]:
-                self.k.publish_status("idle", cur["header"])
+                self.port.publish_status("idle", cur["header"])
             if not cur["reply"] and cur["stop_on_error"]:
                 self.abort_queued()
             cur["reply"] = cur["idle"] = True
@@ -90,10 +119,10 @@ class Cells:
         queued, self.queue = self.queue, deque()
         for channel, idents, msg in queued:
             header = msg["header"]
-            self.k.publish_status("busy", header)
-            self.k.send(channel, "execute_reply", {"status": "aborted"}, header, idents,
+            self.port.publish_status("busy", header)
+            self.port.send(channel, "execute_reply", {"status": "aborted"}, header, idents,
                         metadata={"status": "aborted"})
-            self.k.publish_status("idle", header)
+            self.port.publish_status("idle", header)
 
     # -- the start of a cell ---------------------------------------------------------------------------------------
     def _start(self, channel: str, idents: list[bytes], msg: dict) -> None:
@@ -102,80 +131,80 @@ class Cells:
         stops = not silent and content.get("stop_on_error", True) is not False
         self.asked[header["msg_id"]] = frozenset()  # the user_expressions keys, once read (_run)
         self._host_status = None
-        self.k.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
+        self.port.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
         try:
             self._run(channel, idents, msg, silent, stops)
         except Exception as e:  # a bug of ours: the cell still gets its reply and idle
-            self.k._log(f"error in an execute_request: {e}\n{traceback.format_exc()}")
+            self.port.log(f"error in an execute_request: {e}\n{traceback.format_exc()}")
             forwarded = self.current is not None and self.current["msg_id"] == header["msg_id"]
             if not forwarded and (self._host_status or (None,))[0] != header["msg_id"]:
-                self.k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+                self.port.host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
         host = self._host_status
         if self.current is None and stops and host is not None and host[0] == header["msg_id"] and host[1] == "error":
             self.abort_queued()
 
     def _run(self, channel: str, idents: list[bytes], msg: dict, silent: bool, stops: bool) -> None:
         """Do the cell's host magics and forward the rest to the box (or answer it here)."""
-        k = self.k
+        port = self.port
         header, content = msg["header"], msg["content"]
         code = content.get("code", "")
         try:
             expressions = user_expressions_request(content.get("user_expressions"))
         except TkboxError as e:  # nothing of the request runs
-            k._host_reply(channel, idents, header, "error", silent, ("UserExpressionsRefused", str(e)))
+            port.host_reply(channel, idents, header, "error", silent, ("UserExpressionsRefused", str(e)))
             return
         self.asked[header["msg_id"]] = frozenset(expressions)
         magics, remainder = split_host_magics(code)
         if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
-            k.parent = (idents, header, bool(content.get("allow_stdin")))
+            self.host = (idents, header, bool(content.get("allow_stdin")))
             try:
                 for name, line, body in magics:
-                    text = k.magics.run(name, line, body)
+                    text = self.magics.run(name, line, body)
                     if isinstance(text, Path):  # %box_view: the run view, live widgets of the host process
                         if not silent:
-                            k._show_view(text, header)
+                            self.comms.show_view(text, header)
                         continue
                     if text and not silent:
-                        k.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
+                        port.send("iopub", "stream", {"name": "stdout", "text": text.rstrip("\n") + "\n"}, header)
             except Exception as e:  # TkboxError, or anything a magic raised: the cell ends in error all the same
                 if not isinstance(e, TkboxError):
-                    k._log(f"host magic failed: {e}\n{traceback.format_exc()}")
-                k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+                    port.log(f"host magic failed: {e}\n{traceback.format_exc()}")
+                port.host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
                 return
             finally:
-                k.parent = None
+                self.host = None
             if not remainder.strip():
-                k._host_reply(channel, idents, header, "ok", silent)
+                port.host_reply(channel, idents, header, "ok", silent)
                 return
             msg = dict(msg, content=dict(content, code=remainder))
             code = remainder
         try:
-            k.nb.start_for_cell()  # in the background, unless a box runs or is starting already
-            while k.nb.starting():
-                if not wait_for_box(k, channel, idents, header, silent):
+            port.nb.start_for_cell()  # in the background, unless a box runs or is starting already
+            while port.nb.starting():
+                if not wait_for_box(port, channel, idents, header, silent):
                     return
-                k.nb.start_for_cell()  # the box that was starting no longer fits: the next one
-            box = k.nb.ensure_box()
+                port.nb.start_for_cell()  # the box that was starting no longer fits: the next one
+            box = port.nb.ensure_box()
             if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (refusal_notices);
                 # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
-                watch(box.recorder, k.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
-            k.comms.flush(box)  # comm faults seen while no run was open
+                watch(box.recorder, self.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
+            self.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:
-            k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+            port.host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
         # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
         # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed
-        sent = k.parents.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
+        sent = port.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
         try:
-            k._ensure_kernel(box)
-            k.kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
+            box_kernel = port.attach(box)
+            box_kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
         except Exception as e:
             box.recorder.complete(crossing, "error", {"ended": str(e)[:300]})
-            k._host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
+            port.host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
-        k.requests[sent["header"]["msg_id"]] = (channel, idents, header)
-        k.busy_here.add(header["msg_id"])
+        port.open_request(sent["header"]["msg_id"], channel, idents, header)
+        self.busy_here.add(header["msg_id"])
         self.current = {"msg_id": header["msg_id"], "header": header, "reply": False, "idle": False,
                         "status": None, "stop_on_error": stops}
-        k.kernel.send("shell", sent)
+        box_kernel.send("shell", sent)

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
+
+from tkbox_nb.jupyter.kernel.host_comms import HostComms
+from tkbox_nb.jupyter.kernel.port import KernelPort
 
 MAX_PENDING = 64  # faults held for the next run; past this, only counted
 MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
 
 
 class CommGate:
-    def __init__(self, kernel):
-        self.k = kernel  # the TkboxKernel (app.py)
+    def __init__(self, port: KernelPort):
+        self.port = port  # the kernel (app.py), only through KernelPort
+        self.host = HostComms(self._publish_host)  # the host process's comms (app.py installs it as `comm`'s)
+        self.host_parent: dict | None = None  # the frontend message a host comm's messages answer
         self.pending: list[dict] = []
         self.unrecorded: dict[str, int] = {}  # faults counted, not each signed, by the side they came from
         self._run = None  # the box whose run `signed` counts faults for
@@ -33,14 +39,25 @@ class CommGate:
         self._lock = threading.Lock()
 
     def box_comms(self) -> dict[str, str]:
-        k = self.k.kernel
-        return k.comms if k is not None and not k.ended else {}
+        box_kernel = self.port.box_kernel
+        return box_kernel.comms if box_kernel is not None and not box_kernel.ended else {}
+
+    def _publish_host(self, msg_type: str, content: dict, metadata: dict, buffers: list) -> None:
+        self.port.send("iopub", msg_type, content, self.host_parent, metadata=metadata, buffers=buffers)
+
+    def show_view(self, bundle: Path, header: dict) -> None:
+        """%box_view: the run view of `bundle`, live widgets of the host process, shown in the cell `header`."""
+        from tkbox_nb.jupyter.run_view import view
+        self.host_parent = header
+        widget = view(bundle)
+        data = widget._repr_mimebundle_()
+        self.port.send("iopub", "display_data", {"data": data, "metadata": {}}, header)
 
     # -- faults ----------------------------------------------------------------------------------------------------
     def fault(self, facts: dict) -> None:
         """Sign a refused comm message as a fault in the run in force (its first `MAX_SIGNED`), or hold it for the
         next run (the first `MAX_PENDING`); count it otherwise, for `flush` to sign the count."""
-        box = self.k.nb.box if self.k.nb.live else None
+        box = self.port.nb.box if self.port.nb.live else None
         with self._lock:
             if box is not None and box is not self._run:
                 self._run, self.signed = box, 0
@@ -57,7 +74,7 @@ class CommGate:
         if sign:
             box.recorder.decide("exec", "comm_fault", facts)
         what = "refused" if sign or hold else "refused (further faults only counted until the next cell)"
-        self.k._log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
+        self.port.log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
 
     def flush(self, box) -> None:
         """Sign, in `box`'s run, the faults held while no run was open and the count of those not signed one by
@@ -70,8 +87,8 @@ class CommGate:
         for side, n in sorted(counted.items()):
             box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
                                                        "fault": f"{n} more, not each signed"})
-        kernel = self.k.kernel
-        late = kernel.take_late() if kernel is not None and kernel.box is box else 0
+        box_kernel = self.port.box_kernel
+        late = box_kernel.take_late() if box_kernel is not None and box_kernel.box is box else 0
         if late:  # what the box sent naming cells already signed: dropped, never shown, counted here (doors/cell.py)
             box.recorder.decide("exec", "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
                                                        "fault": f"{late} messages naming cells already signed"})
@@ -79,24 +96,24 @@ class CommGate:
     def end_run(self) -> None:
         """The kernel stops the box: the count of faults not yet signed goes into its run while it is open."""
         try:
-            if self.k.nb.live:
-                self.flush(self.k.nb.box)
+            if self.port.nb.live:
+                self.flush(self.port.nb.box)
         except Exception as e:  # stopping the box goes on; what was not signed is logged
-            self.k._log(f"comm faults not signed as the box stopped: {e}")
+            self.port.log(f"comm faults not signed as the box stopped: {e}")
 
     # -- from the frontend -----------------------------------------------------------------------------------------
     def from_frontend(self, channel: str, msg: dict) -> None:
         """A comm message from the frontend: to a host comm (handled here), to a comm the box holds (decided by the
         exec door, then forwarded), a comm_open (for the box), or else refused and signed as a fault."""
-        k = self.k
+        port = self.port
         t, content = msg["header"]["msg_type"], msg["content"]
         comm_id = content.get("comm_id")
-        if k.host_comms.owns(comm_id) and t != "comm_open":
-            k._comm_parent = msg["header"]
-            k.host_comms.handle(msg)
+        if self.host.owns(comm_id) and t != "comm_open":
+            self.host_parent = msg["header"]
+            self.host.handle(msg)
             return
         comm_id = str(comm_id or "")[:128]
-        if t == "comm_open" and k.host_comms.owns(comm_id):
+        if t == "comm_open" and self.host.owns(comm_id):
             why = "a host comm's id"
         elif t != "comm_open" and comm_id not in self.box_comms():
             why = "a comm the box does not hold"
@@ -104,25 +121,23 @@ class CommGate:
             why = None
         if why is not None:
             return self.fault({"msg_type": t, "comm_id": comm_id, "from": "frontend", "fault": why})
-        if not k.nb.live or k.kernel is None or k.kernel.ended:
+        box_kernel = port.box_kernel
+        if not port.nb.live or box_kernel is None or box_kernel.ended:
             return  # a comm_open with no box to take it, as with a kernel that has no such target
         data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
-        k.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
-        crossing = k.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
+        port.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
+        crossing = port.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
-            k.kernel.send(channel, k.parents.into_box(msg), msg.get("buffers") or [])  # under a header made here
+            box_kernel.send(channel, port.into_box(msg), msg.get("buffers") or [])  # under a header made here
 
     # -- from the box ----------------------------------------------------------------------------------------------
     def from_box(self, msg) -> bool:
         """Whether a comm message from the box goes on to the frontend. One naming a host comm is a protocol
         violation and ends the box (signed as its last word); a comm_msg or comm_close naming a comm the box does
         not hold is refused and signed as a fault."""
-        k = self.k
         comm_id = msg.content.get("comm_id")
-        if k.host_comms.owns(comm_id):
-            k.box_violated = True
-            if k.nb.box is not None:
-                k.nb.box.fail_closed(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
+        if self.host.owns(comm_id):
+            self.port.protocol_violation(f"door protocol violation: a {msg.msg_type} from the box names a host comm")
             return False
         if msg.unknown_comm:
             self.fault({"msg_type": msg.msg_type, "comm_id": comm_id[:128], "from": "box",

@@ -6,8 +6,9 @@ naming a comm of this manager is handled here and never reaches the box; one nam
 box; any other is refused and signed as a fault. The box never sees a host comm's messages (they go out on the
 frontend's iopub only), and a box message naming a host comm ends the box.
 
-ipywidgets makes its comms through the `comm` package's `create_comm` and `get_comm_manager`, which this module
-points at its own manager when the kernel starts (the host process runs no IPython kernel of its own).
+ipywidgets makes its comms through the `comm` package's `create_comm` and `get_comm_manager`, which `install` points
+at this manager when the kernel starts (the host process runs no IPython kernel of its own); making a HostComms
+changes nothing of the process.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class HostComms:
     def __init__(self, publish: Publish):
         self.manager = CommManager()
         self._publish = publish
+
+    def install(self) -> None:
         comm.create_comm = self.create
         comm.get_comm_manager = lambda: self.manager
 

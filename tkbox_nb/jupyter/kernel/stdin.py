@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import time
 
-import zmq
-
 from tkbox_nb.rules.output_sanitiser import BOX_PROMPT
 from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.jupyter.kernel.port import KernelPort
 
 PROMPT_TIMEOUT_S = 300.0
 MAX_HOST_PROMPTS = 4096
 
 
 class Stdin:
-    def __init__(self, kernel):
-        self.k = kernel  # the TkboxKernel (app.py)
+    def __init__(self, port: KernelPort):
+        self.port = port  # the kernel (app.py), only through KernelPort
         self.host_prompts: set[str] = set()  # msg_ids of the host's own input_requests, never the box's business
         self.box_prompts: dict[str, tuple[dict, str]] = {}  # msg_id the frontend saw -> (the box's header, request)
         self.unanswered = False  # a host prompt ended unanswered: the next parentless reply may be its answer
@@ -50,7 +49,7 @@ class Stdin:
     def _pending(self) -> list[str]:
         """The box's prompts still pending: of a request the box has not answered yet."""
         for sent_id, (_, request_id) in list(self.box_prompts.items()):
-            if request_id not in self.k.requests:
+            if not self.port.request_open(request_id):
                 del self.box_prompts[sent_id]
         return list(self.box_prompts)
 
@@ -71,27 +70,27 @@ class Stdin:
         if not isinstance(parent, str) or parent not in pending:
             return
         box_header = self.box_prompts.pop(parent)[0]
-        k = self.k
-        if k.kernel is not None and not k.kernel.ended:
+        port = self.port
+        box_kernel = port.box_kernel
+        if box_kernel is not None and not box_kernel.ended:
             value = str(msg["content"].get("value", ""))
             reply = {"header": msg["header"], "metadata": {}, "content": {"value": value}}
-            k.kernel.send("stdin", k.parents.into_box(reply, parent_header=box_header, keep=False))  # header made here
+            box_kernel.send("stdin", port.into_box(reply, parent_header=box_header, keep=False))  # header made here
 
     # -- the host's prompt -----------------------------------------------------------------------------------------
-    def read_secret(self, prompt: str) -> str:
-        k = self.k
-        if k.parent is None or not k.parent[2]:
+    def read_secret(self, prompt: str, cell: tuple[list[bytes], dict, bool] | None) -> str:
+        """The host's password prompt for the cell whose magic asks (Cells.host: idents, header, allow_stdin)."""
+        if cell is None or not cell[2]:
             raise TkboxError("%box_secret: this frontend takes no input (allow_stdin is false); "
                              "use --env VAR to read the value from the host's environment")
-        idents, header, _ = k.parent
+        idents, header, _ = cell
         while prompt.startswith(BOX_PROMPT):  # the box's mark: a host prompt never wears it
             prompt = prompt[len(BOX_PROMPT):]
-        request = k.session.msg("input_request", {"prompt": prompt, "password": True}, parent=header)
-        own = request["header"]["msg_id"]
+        request = self.port.send("stdin", "input_request", {"prompt": prompt, "password": True}, header, idents)
+        own = request["header"]["msg_id"]  # kept before any reply is read (_wait)
         self.host_prompts.add(own)
         if len(self.host_prompts) > MAX_HOST_PROMPTS:  # a frontend's replies to the oldest come no more
             self.host_prompts.discard(next(iter(self.host_prompts)))
-        k.session.send(k.sockets["stdin"], request, ident=idents)
         try:
             value = self._wait(own, time.monotonic() + PROMPT_TIMEOUT_S)
         except BaseException:
@@ -101,22 +100,19 @@ class Stdin:
         return value
 
     def _wait(self, own: str, deadline: float) -> str:
-        k = self.k
-        poller = zmq.Poller()
-        poller.register(k.sockets["stdin"], zmq.POLLIN)
-        poller.register(k.sockets["control"], zmq.POLLIN)
+        port = self.port
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TkboxError("%box_secret: no answer to the prompt")
-            ready = dict(poller.poll(min(left, 0.5) * 1000))
-            if not k.running:  # SIGTERM: the kernel is ending
+            ready = port.ready(("stdin", "control"), min(left, 0.5) * 1000)
+            if not port.running:  # SIGTERM: the kernel is ending
                 raise TkboxError("%box_secret: the kernel shut down; no secret was bound")
-            k._check_deadlines()
-            if k.sockets["control"] in ready:
+            port.check_deadlines()
+            if "control" in ready:
                 self._control()
-            if k.sockets["stdin"] in ready:
-                got = k.receive(k.sockets["stdin"])
+            if "stdin" in ready:
+                got = port.receive("stdin")
                 if got is None:
                     continue
                 reply = got[1]
@@ -127,14 +123,10 @@ class Stdin:
 
     def _control(self) -> None:
         """A control message while the host's prompt waits: an interrupt or a shutdown ends the wait."""
-        k = self.k
-        got = k.receive(k.sockets["control"])
-        if got is None:
+        handled = self.port.serve_control()  # an interrupt answered there: no cell runs in the box meanwhile
+        if handled is None:
             return
-        idents, msg = got
-        if msg["header"]["msg_type"] == "interrupt_request":  # no cell runs in the box meanwhile: nothing to signal
-            k.send("control", "interrupt_reply", {"status": "ok"}, msg["header"], idents)
+        if handled == "interrupt_request":
             raise TkboxError("%box_secret: interrupted; no secret was bound")
-        k._dispatch("control", idents, msg)
-        if not k.running:
+        if not self.port.running:
             raise TkboxError("%box_secret: the kernel shut down; no secret was bound")
