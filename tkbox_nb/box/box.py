@@ -36,6 +36,7 @@ from tkbox_nb.signing.central import signer_for
 from tkbox_nb.core.tree_digest import tree_digest
 from tkbox_nb.backends import mounts as mounts_
 from tkbox_nb.box.workspace_seed import check_size, copy_seed
+from tkbox_nb.rules.door_table import SECRETS
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Box:
                 mounts=mounts_.binds(self.mounts), devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
             for b in self.bindings:  # each binding is a signed record; its value and placeholder never are
-                c = self.recorder.decide("secrets", "bind", {
+                c = self.recorder.decide(SECRETS, "bind", {
                     "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,
                     "source": b.source, "placeholder": b.placeholder_digest})
                 if not c.allowed:

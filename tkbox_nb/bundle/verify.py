@@ -20,6 +20,7 @@ from tkbox_nb.core.errors import BundleError, PolicyError
 from tkbox_nb.bundle.mount_digest import check_disclosed
 from tkbox_nb.policy import Policy, policy_hash
 from tkbox_nb.bundle.verify_recount import connection_totals, model_totals, unstated_fetches
+from tkbox_nb.rules.door_table import PATCH
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -352,7 +353,7 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
     connection_totals(events, disclosed, fail_record)
     # the readable diff is exactly what the last patch summary committed to
     summaries = [d for (seq, kind), d in sorted(disclosed.items()) if kind == "policy.decision"
-                 and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
+                 and isinstance(d.get("args"), dict) and d["args"].get("door") == PATCH
                  and d["args"].get("kind") == "summary" and report.record_status.get(seq) == "valid"]
     if "box/patch.diff" in b.files:
         want = summaries[-1]["args"].get("diff") if summaries else None

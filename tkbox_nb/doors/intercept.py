@@ -26,6 +26,7 @@ import h11
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream
 from tkbox_nb.rules.secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
+from tkbox_nb.rules.door_table import SECRETS
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -296,7 +297,7 @@ def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Bindin
             facts = {"name": name, "binding_hosts": b.hosts, "binding_header": b.header,
                      "binding_misuse": b.misuse, "host": host, "tls": tls}
             facts.update({"where": detail} if kind == "misuse" else {"header": detail})
-            crossing = box.recorder.decide("secrets", kind, facts)
+            crossing = box.recorder.decide(SECRETS, kind, facts)
             if not crossing.allowed:
                 return f"{crossing.verdict.rule}: {crossing.verdict.reason or crossing.reason}"
             box.recorder.complete(crossing, "ok", {})

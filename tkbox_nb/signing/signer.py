@@ -109,6 +109,8 @@ def _private_dir(path: Path) -> Path:
 class MachineSigner:
     """The per-user signer under `home` (default $TKBOX_HOME, else $XDG_STATE_HOME/tkbox)."""
 
+    pack = BOX_PACK  # the pack it runs: the doors' tools (a test of a longer door table runs that table's)
+
     def __init__(self, home: str | Path | None = None):
         self.home = Path(home) if home else default_home()
         self.dir = self.home / "signer"
@@ -142,7 +144,7 @@ class MachineSigner:
             "posture: {network: enforced, tool_calls: enforced}\n"
         )
         changed = False
-        for path, text in ((self.pack_path, BOX_PACK), (self.config_path, config)):
+        for path, text in ((self.pack_path, self.pack), (self.config_path, config)):
             if not path.exists() or path.read_text() != text:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(text)

@@ -27,6 +27,7 @@ from tkbox_nb.rules.refusal_notices import watch
 from tkbox_nb.core.errors import DoorRefused, TkboxError
 from tkbox_nb.box.notebook_box import split_host_magics
 from tkbox_nb.jupyter.kernel.box_wait import wait_for_box
+from tkbox_nb.rules.door_table import PATCH
 
 
 class Cells:
@@ -158,7 +159,7 @@ class Cells:
             box = k.nb.ensure_box()
             if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (refusal_notices);
                 # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
-                watch(box.recorder, k.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
+                watch(box.recorder, k.show_refusal, skip=frozenset({(PATCH, "file"), (PATCH, "summary")}))
             k.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:

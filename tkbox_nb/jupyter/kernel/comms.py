@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import threading
 
+from tkbox_nb.rules.door_table import EXEC
+
 MAX_PENDING = 64  # faults held for the next run; past this, only counted
 MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
 
@@ -55,7 +57,7 @@ class CommGate:
                 if sum(self.unrecorded.values()) > 1:
                     return
         if sign:
-            box.recorder.decide("exec", "comm_fault", facts)
+            box.recorder.decide(EXEC, "comm_fault", facts)
         what = "refused" if sign or hold else "refused (further faults only counted until the next cell)"
         self.k._log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
 
@@ -66,14 +68,14 @@ class CommGate:
             pending, self.pending = self.pending, []
             counted, self.unrecorded = self.unrecorded, {}
         for facts in pending:
-            box.recorder.decide("exec", "comm_fault", facts)
+            box.recorder.decide(EXEC, "comm_fault", facts)
         for side, n in sorted(counted.items()):
-            box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
+            box.recorder.decide(EXEC, "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
                                                        "fault": f"{n} more, not each signed"})
         kernel = self.k.kernel
         late = kernel.take_late() if kernel is not None and kernel.box is box else 0
         if late:  # what the box sent naming cells already signed: dropped, never shown, counted here (doors/cell.py)
-            box.recorder.decide("exec", "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
+            box.recorder.decide(EXEC, "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
                                                        "fault": f"{late} messages naming cells already signed"})
 
     def end_run(self) -> None:
@@ -108,7 +110,7 @@ class CommGate:
             return  # a comm_open with no box to take it, as with a kernel that has no such target
         data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
         k.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
-        crossing = k.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
+        crossing = k.nb.box.recorder.decide(EXEC, "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
             k.kernel.send(channel, k.parents.into_box(msg), msg.get("buffers") or [])  # under a header made here
 
