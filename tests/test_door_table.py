@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import short_tmp
 
+from tkbox_nb.audit import compare
 from tkbox_nb.audit.compare import coverage, facts
 from tkbox_nb.bundle import read_back
 from tkbox_nb.bundle.read_back import open_run
@@ -56,6 +57,8 @@ def test_each_door_is_signed_as_it_always_was():
     assert read_back.DOOR_OF_TOOL == door_of_tool() and set(read_back.DOOR_OF_TOOL) == set(tools())
     assert COUNTED_DOORS == ("exec", "egress", "secrets", "model")
     assert run_view.DOORS == names()
+    assert set(compare.DOORS) == {"exec cells", "exec commands", "egress", "secrets", "host magics", "model calls",
+                                  "patch files"}
 
 
 def test_a_door_added_to_the_table_is_signed_read_back_shown_and_compared(tmp_path):
