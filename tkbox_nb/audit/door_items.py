@@ -215,10 +215,12 @@ def table_item(door: Door, c: Crossing) -> Item:
 Reader = Callable[[Run, Crossing, list[tuple[str, str]], dict[int, list[str]]], "Item | None"]
 ITEMS: dict[str, Reader] = {EXEC: _exec_item, EGRESS: _egress_item, SECRETS: _secrets_item, HOST: _host_item,
                             MODEL: _model_item, PATCH: _patch_item}
+if set(ITEMS) - {d.name for d in TABLE}:  # a reader of a door the table no longer has
+    raise RuntimeError(f"audit/door_items.py reads doors not in the door table: {sorted(set(ITEMS) - set(SECTION))}")
 
 
 def item_of(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[int, list[str]],
-         table: tuple[Door, ...] = TABLE) -> Item | None:
+            table: tuple[Door, ...] = TABLE) -> Item | None:
     """What the audit compares of crossing `c` (None: nothing, or its door is not compared one by one)."""
     door = next((d for d in table if d.name == c.door), None)
     if door is None or door.audit is None or not door.counted:
