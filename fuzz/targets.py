@@ -46,7 +46,9 @@ from tkbox_nb.rules.secrets import Binding, Scrubber, encoded_forms, host_matche
 from tkbox_nb.core.errors import BundleError, PolicyError, TkboxError
 from tkbox_nb.guest.agent import command_request
 from tkbox_nb.policy import _SCHEMA, Policy, Verdict, policy_hash
-from tkbox_nb.audit.compare import _facts, _sanitize, parse_sanitizers
+from tkbox_nb.audit.compare import _facts, parse_sanitizers
+from tkbox_nb.audit.door_items import _sanitize
+from tkbox_nb.rules.door_table import names
 from tkbox_nb.audit.replay import to_notebook
 from tkbox_nb.bundle.read_back import Run
 from tkbox_nb.bundle.verify import verify_bytes
@@ -980,14 +982,15 @@ def policy_parse(data: bytes) -> None:
         _check_verdict(pol.decide(facts))
 
 
-DOORS = ["box", "exec", "egress", "secrets", "host", "model", "patch"]
+DOORS = [*names(), "other"]  # every door of the table, and one it does not have
 KINDS = ["start", "stop", "cell", "comm", "command", "connect", "bind", "swap", "misuse", "magic", "other"]
 FACT_KEYS = ["argv", "host", "port", "addresses", "address", "host_error", "resolve_error", "name", "binding_hosts",
              "binding_header", "binding_misuse", "header", "tls", "where", "magic", "line", "door", "kind"]
 DECIDE_POLICIES = [Policy.from_toml(x.decode()) for x in seeds.POLICIES] + [WIDE]
 
 
-@target("policy-decide", lambda: [bytes([i, d, k, 0]) for i in range(6) for d in range(7) for k in (0, 4, 5, 7, 8)])
+@target("policy-decide",
+        lambda: [bytes([i, d, k, 0]) for i in range(6) for d in range(len(DOORS)) for k in (0, 4, 5, 7, 8)])
 def policy_decide(data: bytes) -> None:
     """Policy.decide on any facts (as a verifier reads them from a hostile bundle): a verdict, the same every time,
     never an exception."""

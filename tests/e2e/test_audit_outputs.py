@@ -86,7 +86,7 @@ def test_a_different_html_or_png_behind_the_same_text_is_different(runs, name, m
 def test_a_binary_value_is_decoded_strictly_so_bytes_outside_base64_are_not_dropped_from_the_comparison():
     """Found by a review: a lenient base64 decode skips characters outside the alphabet, so a value with extra
     ones compared equal to the value without them. Line breaks (how nbformat may wrap base64) are not a difference."""
-    from tkbox_nb.audit.compare import _mime_value
+    from tkbox_nb.audit.door_items import _mime_value
     png = "iVBORw0KGgoAAAANSUhEUg=="
     assert _mime_value("image/png", png, []) == _mime_value("image/png", "iVBORw0KGgoAAAA\nNSUhEUg==\n", [])
     for other in ("iVBORw0KGgo<AAAANSUhEUg==>", "iVBORw0KGgo AAAANSUhEUg==!", {png: None}):

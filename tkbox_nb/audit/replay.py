@@ -25,6 +25,7 @@ import nbformat
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.read_back import Run, open_run
 from tkbox_nb.core.visible import visible
+from tkbox_nb.rules.door_table import BOX, EXEC, HOST, MODEL
 
 # host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
 # audit leaves them out of its comparison, and says how many it left out
@@ -68,7 +69,7 @@ def late_outputs(run: Run) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for c in run.crossings():
         a = c.args or {}
-        if c.door == "exec" and a.get("kind") == "late_output" and c.decision == "allow" \
+        if c.door == EXEC and a.get("kind") == "late_output" and c.decision == "allow" \
                 and isinstance(a.get("cell_seq"), int) and isinstance(a.get("outputs"), str):
             out.setdefault(a["cell_seq"], []).append(a["outputs"])
     return out
@@ -147,7 +148,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
         a = c.args or {}
         meta = {"run_id": run.run_id, "decision_seq": c.seq, "result_seq": c.result_seq, "decision": c.decision,
                 "rule_ids": c.rule_ids}
-        if c.door == "exec" and a.get("kind") == "cell":
+        if c.door == EXEC and a.get("kind") == "cell":
             code = (run.content(a.get("code", "")) or b"").decode("utf-8", "replace")
             cell = nbformat.v4.new_code_cell(code)
             cell.metadata["tkbox"] = dict(meta, code_digest=a.get("code"),
@@ -165,12 +166,12 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
             else:
                 cell.metadata["tags"] = ["tkbox-refused"]
             nb.cells.append(cell)
-        elif c.door == "host":
+        elif c.door == HOST:
             cell = nbformat.v4.new_code_cell(_host_source(run, c))
             cell.metadata["tkbox"] = dict(meta, host_event=True)
             cell.metadata["tags"] = ["tkbox-host"]
             nb.cells.append(cell)
-        elif c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
+        elif c.door == EXEC and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             stdout = run.content((c.result or {}).get("stdout", "")) or b""
             cell = nbformat.v4.new_markdown_cell(
                 "Command, as recorded (its argv, decision, exit status and stdout):\n\n" + _fenced(
@@ -248,7 +249,7 @@ def _steps(run: Run) -> list:
     out = []
     for c in run.crossings():
         a = c.args or {}
-        if c.door == "host" or c.door == "exec" and (a.get("kind") == "cell" or a.get("kind") == "command"
+        if c.door == HOST or c.door == EXEC and (a.get("kind") == "cell" or a.get("kind") == "command"
                                                      and isinstance(a.get("argv"), list) and a["argv"]):
             out.append(c)
     return out
@@ -258,7 +259,7 @@ def _data_differences(run: Run, policy: Any, home: str | Path | None) -> dict[st
     """mounts.rerun_differences for the run's signed box.start and disclosed mount lists."""
     from tkbox_nb.backends.mounts import rerun_differences
     from tkbox_nb.core.home import default_home
-    start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
+    start = next((c for c in run.crossings() if c.door == BOX and (c.args or {}).get("kind") == "start"), None)
     signed = (start.args or {}).get("mounts") if start else None
     if not signed and not policy.data.get("mounts"):
         return {}
@@ -280,7 +281,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     from tkbox_nb.policy import Policy
     from tkbox_nb.core.tree_digest import digest_version, tree_digest
     run = open_run(bundle)
-    models_replayed = any(c.door == "model" for c in run.crossings())  # then served from recordings, as below
+    models_replayed = any(c.door == MODEL for c in run.crossings())  # then served from recordings, as below
     if policy is None:
         source = run._b.policies.get((run.box.get("policy") or {}).get("hash", ""))
         if source is None:
@@ -288,7 +289,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         policy = Policy.from_toml(source, f"the policy of run {run.run_id}")
         _from_bundle(policy, "the bundle's starting policy", models_replayed)
     steps = _steps(run)
-    if not any(c.door == "exec" for c in steps):
+    if not any(c.door == EXEC for c in steps):
         raise TkboxError("the run has no cell or command to execute")
     env = dict(env or {})
     names = sorted({str(n) for c in steps if isinstance((c.args or {}).get("env_names"), list)
@@ -322,13 +323,13 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     nb.mounts_original = data_diffs or None
     nb.policy_guard = lambda p: _from_bundle(p, f"the policy {p.name} the run's %box_policy sets", models_replayed)
     nb.replay_of = run.run_id
-    if any(c.door == "model" for c in run.crossings()):  # model calls are answered from the run's recordings
+    if any(c.door == MODEL for c in run.crossings()):  # model calls are answered from the run's recordings
         from tkbox_nb.doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
     magics = _rerun_magics(nb)
     for c in steps:
         a = c.args or {}
-        if c.door == "host":
+        if c.door == HOST:
             magics.disclosed = run._b.policies.get(a.get("policy")) if isinstance(a.get("policy"), str) else None
             for name, line, body in split_host_magics(_host_source(run, c))[0]:
                 if name not in RERUN_SKIPS:

@@ -23,6 +23,8 @@ import json
 from html.parser import HTMLParser
 from typing import Any
 
+from tkbox_nb.rules.door_table import BOX
+
 MAX_RENDER = 200_000
 DIFF_LINES = 40
 MAX_LINES = 2000
@@ -182,7 +184,7 @@ def explain(ra, rb) -> list[str]:
 
 
 def _workspace(run) -> str:
-    start = next((c for c in run.crossings() if c.door == "box" and (c.args or {}).get("kind") == "start"), None)
+    start = next((c for c in run.crossings() if c.door == BOX and (c.args or {}).get("kind") == "start"), None)
     return str(((start.args if start else None) or {}).get("workspace_digest") or "none (empty)")
 
 

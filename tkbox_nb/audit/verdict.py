@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.rules.door_table import HOST
 
 MAGIC = "tkbox_audit"
 VERDICT_BOX = {"backend": "none", "isolation": "none (an audit: no box ran)", "image_digest": "none"}
@@ -49,7 +50,7 @@ def sign(report, ra, rb, out: str | Path, trust: str | None = None, sanitizer_te
     facts = {"magic": MAGIC, "a": _side(ra, trust), "b": _side(rb, trust), "tolerance": report.tolerance.as_dict(),
              "tolerance_text": report.tolerance.describe(), "audit_verdict": report.status,
              "differences": len(report.differences), "coverage": report.covered()[:2000]}
-    c = rec.decide("host", "magic", facts, {"report": body, "sanitizers": sanitizer_text.encode()})
+    c = rec.decide(HOST, "magic", facts, {"report": body, "sanitizers": sanitizer_text.encode()})
     if not c.allowed:
         rec.close("the signer refused the audit's verdict")
         raise TkboxError(f"the signer refused the audit's verdict: {c.reason or c.rule_ids}")
@@ -62,7 +63,7 @@ def read(run) -> tuple[dict, dict] | None:
     """(the verdict's signed facts, its report) if `run` is a signed audit verdict, else None."""
     for c in run.crossings():
         a = c.args or {}
-        if c.door == "host" and a.get("magic") == MAGIC and isinstance(a.get("a"), dict) \
+        if c.door == HOST and a.get("magic") == MAGIC and isinstance(a.get("a"), dict) \
                 and isinstance(a.get("b"), dict):
             try:
                 report = json.loads(run.content(a.get("report")) or b"{}")

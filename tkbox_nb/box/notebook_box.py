@@ -27,6 +27,7 @@ from tkbox_nb.bundle.environment import status_line
 from tkbox_nb.box.early_box import EarlyBox
 from tkbox_nb.core.errors import PolicyError, TkboxError
 from tkbox_nb.policy import Policy
+from tkbox_nb.rules.door_table import HOST
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
 # the Tracekit Box kernel's also move files (box/notebook_files.py); the IPython extension's %box_pull and %box_push,
@@ -236,15 +237,14 @@ class NotebookBox:
 
     # -- host events ---------------------------------------------------------------------------------------------
     def host_event(self, magic: str, line: str, body: str | None = None) -> None:
-        facts = {"magic": magic, "line": line[:2000]}
-        content = {"body": body.encode("utf-8")} if body else {}
+        facts, content = {"magic": magic, "line": line[:2000]}, ({"body": body.encode("utf-8")} if body else {})
         if self.live:
             self._record(facts, content)
         else:
             self._pending.append((facts, content))
 
     def _record(self, facts: dict, content: dict[str, bytes]) -> None:
-        crossing = self.box.recorder.decide("host", "magic", facts, content)
+        crossing = self.box.recorder.decide(HOST, "magic", facts, content)
         if crossing.allowed:
             self.box.recorder.complete(crossing, "ok", {})
 

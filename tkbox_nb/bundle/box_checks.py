@@ -19,6 +19,7 @@ from tkbox_nb.bundle.archive import BOX_FORMAT, BundleContents, opens
 from tkbox_nb.bundle.mount_digest import check_disclosed
 from tkbox_nb.bundle.verify_recount import connection_totals, model_totals, unstated_fetches
 from tkbox_nb.bundle.verify_report import VerifyReport
+from tkbox_nb.rules.door_table import PATCH
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy, policy_hash
 
@@ -301,7 +302,7 @@ def _connection_totals(s: BoxLayer) -> bool:
 def _patch_diff_signed(s: BoxLayer) -> bool:
     """I34: the readable diff is exactly what the last signed patch summary committed to."""
     summaries = [d for (seq, kind), d in sorted(s.disclosed.items()) if kind == "policy.decision"
-                 and isinstance(d.get("args"), dict) and d["args"].get("door") == "patch"
+                 and isinstance(d.get("args"), dict) and d["args"].get("door") == PATCH
                  and d["args"].get("kind") == "summary" and s.report.record_status.get(seq) == "valid"]
     if "box/patch.diff" in s.b.files:
         want = summaries[-1]["args"].get("diff") if summaries else None

@@ -16,10 +16,9 @@ from typing import Any, ClassVar
 
 from tkbox_nb.bundle.archive import BundleContents, parse, read_bundle_bytes, read_entries
 from tkbox_nb.core.errors import BundleError, TkboxError
+from tkbox_nb.rules.door_table import BOX, EXEC, MODEL, PATCH, door_of_tool
 
-DOOR_OF_TOOL = {"box.start": "box", "box.stop": "box", "box.exec": "exec", "box.connect": "egress",
-                "box.secret": "secrets", "box.model": "model", "box.patch": "patch", "box.host": "host",
-                "box.packages": "packages"}
+DOOR_OF_TOOL = door_of_tool()  # a crossing whose statement names no door: its tool's (rules/door_table.py)
 COLUMNS = ["seq", "time", "door", "tool", "kind", "decision", "rule_ids", "box_rule", "status", "summary", "content"]
 
 
@@ -140,29 +139,29 @@ class Run:
 
     def summary_of(self, c: Crossing) -> str:
         a = c.args or {}
-        if c.door == "exec" and a.get("kind") == "cell":
+        if c.door == EXEC and a.get("kind") == "cell":
             code = (self.content(a.get("code", "")) or b"").decode("utf-8", "replace").strip()
             return (code.splitlines() or [""])[0][:120]
-        if c.door == "exec" and a.get("kind") == "command" and isinstance(a.get("argv"), list):
+        if c.door == EXEC and a.get("kind") == "command" and isinstance(a.get("argv"), list):
             return shlex.join(str(x) for x in a["argv"])[:120]
-        if c.door == "exec" and a.get("kind") == "late_output":  # a cell's thread, after the cell's end was signed
+        if c.door == EXEC and a.get("kind") == "late_output":  # a cell's thread, after the cell's end was signed
             dropped = f", {a.get('dropped')} dropped past the cap" if a.get("dropped") else ""
             return f"late output of cell #{a.get('cell_seq')}: {a.get('messages')} messages{dropped}"[:120]
-        if c.door == "model" and a.get("kind") == "call":
+        if c.door == MODEL and a.get("kind") == "call":
             usage = (c.result or {}).get("usage") or {}
             tokens = f" {usage.get('input_tokens', '?')}+{usage.get('output_tokens', '?')} tokens" if usage else ""
             return (f"{a.get('provider')}:{a.get('model', '?')} {a.get('endpoint', '')}"
                     f"{' stream' if a.get('stream') else ''} ({a.get('mode', '')}){tokens}")[:120]
-        if c.door == "patch" and a.get("kind") == "file":
+        if c.door == PATCH and a.get("kind") == "file":
             src = f"{a.get('from')} -> " if a.get("op") == "rename" else ""
             return f"{a.get('op')} {src}{a.get('path')} ({a.get('size')} bytes, mode {a.get('mode', 0):o})"[:120]
-        if c.door == "patch" and a.get("kind") == "summary":
+        if c.door == PATCH and a.get("kind") == "summary":
             return f"patch: {a.get('allowed')} allowed, {a.get('refused')} refused, apply = {a.get('apply')}"[:120]
         if a.get("kind") == "refused_count":  # refusals past [box] max_refusals, counted (signing/refusal_caps.py)
             rules = ", ".join(f"{k} {v}" for k, v in (a.get("rules") or {}).items()) if isinstance(a.get("rules"),
                                                                                                 dict) else ""
             return f"{a.get('count')} more refused, counted, not each signed ({rules})"[:120]
-        if c.door == "box":
+        if c.door == BOX:
             if a.get("kind") == "start":
                 return box_summary(a)
             return f"stop: {a.get('reason', '')}"[:120]

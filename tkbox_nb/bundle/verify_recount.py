@@ -8,12 +8,14 @@ states the provider-side fetches its request body names, so the decision covered
 
 from __future__ import annotations
 
+from tkbox_nb.rules.door_table import EGRESS, MODEL
+
 
 def unstated_fetches(args: dict, content: dict) -> str:
     """For a model call whose request body is in the bundle: "" when the server-side tools, MCP servers and URLs it
     states (`fetches`) are those the body names (rules/model_fetches.py), else why not, so a door that left one out
     of the decision fails verification."""
-    if args.get("door") != "model" or args.get("kind") != "call" or args.get("request") not in content:
+    if args.get("door") != MODEL or args.get("kind") != "call" or args.get("request") not in content:
         return ""
     from tkbox_nb.rules.model_fetches import provider_fetches
     from tkbox_nb.guest.protocol import loads_one_reading
@@ -35,7 +37,7 @@ def connection_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], 
     for seq in sorted(events):
         args = (disclosed.get((seq, "policy.decision")) or {}).get("args")
         if events[seq].get("type") != "policy.decision" or not isinstance(args, dict) \
-                or args.get("door") != "egress" or args.get("kind") != "connect" or "run_connections" not in args:
+                or args.get("door") != EGRESS or args.get("kind") != "connect" or "run_connections" not in args:
             continue
         if args.get("run_connections") != allowed:
             fail_record(seq, "connection totals", f"the connection states {str(args.get('run_connections'))[:20]} "
@@ -54,7 +56,7 @@ def model_totals(events: dict[int, dict], disclosed: dict[tuple[int, str], dict]
         e, data = events[seq], events[seq].get("data") or {}
         if e.get("type") == "policy.decision" and (seq, "policy.decision") in disclosed:
             args = disclosed[(seq, "policy.decision")].get("args")
-            if not isinstance(args, dict) or args.get("door") != "model" or args.get("kind") != "call" \
+            if not isinstance(args, dict) or args.get("door") != MODEL or args.get("kind") != "call" \
                     or "run_calls" not in args:
                 continue
             want = {"run_calls": calls, "run_input_tokens": used_in,

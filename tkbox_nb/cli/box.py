@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tkbox_nb.backends import BACKENDS
 from tkbox_nb.core.errors import DoorRefused, TkboxError
+from tkbox_nb.rules.door_table import EXEC
 
 
 def _cmd_run(a) -> int:
@@ -30,7 +31,7 @@ def _cmd_run(a) -> int:
         from tkbox_nb.rules.refusal_notices import Shown, watch
         shown = Shown()  # each refusal on stderr as it happens, the first few (the command's own: below)
         watch(box.recorder, lambda line: (said := shown.admit("run", line)) and print(
-            f"tkbox: {said}", file=sys.stderr, flush=True), skip=frozenset({("exec", "command")}))
+            f"tkbox: {said}", file=sys.stderr, flush=True), skip=frozenset({(EXEC, "command")}))
         try:
             result = box.run(argv, stdin=stdin)
             sys.stdout.buffer.write(result.stdout)

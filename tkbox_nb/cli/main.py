@@ -10,6 +10,7 @@ import sys
 
 from tkbox_nb.core.errors import SignerError, TkboxError
 from tkbox_nb.core.visible import visible, visible_lines
+from tkbox_nb.rules.door_table import names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="the crossings of a .tkb")
     s.add_argument("bundle")
-    s.add_argument("--door", choices=["box", "exec", "egress", "secrets", "model", "patch", "packages"])
+    s.add_argument("--door", choices=names())  # every door of the table (rules/door_table.py), host too
     s.add_argument("--format", choices=["table", "csv", "json"], default="table")
     s.add_argument("--environment", action="store_true",
                    help="what the box ran (interpreter, distributions, Debian packages), as its box.start committed")

@@ -12,6 +12,7 @@ from pathlib import Path
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.core.visible import visible
 from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, apply_changes
+from tkbox_nb.rules.door_table import PATCH
 
 
 def planned_changes(run) -> list[tuple[dict, FileChange | None]]:
@@ -19,7 +20,7 @@ def planned_changes(run) -> list[tuple[dict, FileChange | None]]:
     last: dict[str, tuple[dict, FileChange | None]] = {}
     for c in run.crossings():
         a = c.args or {}
-        if c.door != "patch" or a.get("kind") != "file" or not isinstance(a.get("path"), str):
+        if c.door != PATCH or a.get("kind") != "file" or not isinstance(a.get("path"), str):
             continue
         change = None
         if c.decision == "allow" and a.get("verdict") == "allow":

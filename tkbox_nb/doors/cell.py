@@ -44,6 +44,7 @@ from tkbox_nb.rules.late_outputs import FLUSH_S, Batch, LateOutputs
 from tkbox_nb.rules.jupyter_messages import BoxMessage, check_box_message
 from tkbox_nb.rules.widget_state import REFUSED, control_kind, widget_kind
 from tkbox_nb.stream.events import Close, Data, Lost
+from tkbox_nb.rules.door_table import EXEC
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -300,7 +301,7 @@ class BoxKernel(Door):
                         self._tell(msg)
             strays = self.take_strays() if boundary else 0
             if strays:  # dropped, never shown: their count is signed (as jupyter/kernel/comms.py signs faults)
-                self.box.recorder.decide("exec", "comm_fault", {
+                self.box.recorder.decide(EXEC, "comm_fault", {
                     "msg_type": "stray", "comm_id": "", "from": "box",
                     "fault": f"{strays} messages naming no request the host sent into the box"})
 
@@ -311,7 +312,7 @@ class BoxKernel(Door):
         content = {"outputs": json.dumps([o for _, o in batch.items], sort_keys=True).encode("utf-8")} \
             if batch.items else {}
         recorder = self.box.recorder
-        crossing = recorder.decide("exec", "late_output", facts, content)
+        crossing = recorder.decide(EXEC, "late_output", facts, content)
         if not crossing.allowed:
             return False
         sanitised = sorted({d for msg, _ in batch.items for d in msg.dropped})[:50]

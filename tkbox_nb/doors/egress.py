@@ -27,6 +27,7 @@ from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyR
 from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.egress_env import egress_env, secrets_env
 from tkbox_nb.doors.spliced import SplicePipe
+from tkbox_nb.rules.door_table import EGRESS
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -232,7 +233,7 @@ class EgressDoor(Door):
         self._answer(stream, 502, f"tkbox egress door: {why}\n")
         try:
             if crossing is None:
-                crossing = self.box.recorder.decide("egress", "connect", {
+                crossing = self.box.recorder.decide(EGRESS, "connect", {
                     "host": "", "port": 0, "method": "", "tunnel": False, "addresses": [], "address": "",
                     "address_class": "ok", "host_error": why})
             if crossing.allowed:
@@ -264,7 +265,7 @@ class EgressDoor(Door):
             name, port, policy.get("egress", "nameservers"), policy.get("egress", "connect_timeout_s")))
         with self._connections_lock:  # one at a time, so each states the allowed ones signed before it (verify)
             facts["run_connections"] = self.connections
-            crossing = self.box.recorder.decide("egress", "connect", facts)
+            crossing = self.box.recorder.decide(EGRESS, "connect", facts)
             self.connections += crossing.allowed
         if not crossing.allowed and self.box.recorder.broken:
             self.box.fail_closed(f"signer lost: {self.box.recorder.broken}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.core.errors import BoxEnded, DoorRefused, TkboxError
 from tkbox_nb.doors.door import Door
+from tkbox_nb.rules.door_table import EXEC
 
 if TYPE_CHECKING:
     from tkbox_nb.signing.recorder import Crossing
@@ -45,7 +46,7 @@ class ExecDoor(Door):
     def decide(self, kind: str, facts: dict, content: dict[str, bytes]) -> "Crossing":
         """A signed allow for one crossing, or DoorRefused; a refusal because the signer is gone ends the box."""
         box = self.box
-        crossing = box.recorder.decide("exec", kind, facts, content)
+        crossing = box.recorder.decide(EXEC, kind, facts, content)
         if not crossing.allowed:
             if box.recorder.broken:  # the signer is gone: the box goes too
                 box.fail_closed(f"signer lost: {box.recorder.broken}")

@@ -29,6 +29,7 @@ from tkbox_nb.guest import protocol as p
 from tkbox_nb.stream.connection import Stream
 from tkbox_nb.stream.events import Data
 from tkbox_nb.rules.secrets import Binding, Rewrite, Scrubber, error_text, misuses_in, rewrite_request
+from tkbox_nb.rules.door_table import SECRETS
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -293,7 +294,7 @@ def bind_secrets(box: "DoorContext") -> None:
     """At the box's start, before any connection: each binding is a signed record (its hosts, header, misuse rule,
     source and the placeholder's digest), never its value or its placeholder; a refused one stops the start."""
     for b in box.bindings:
-        c = box.recorder.decide("secrets", "bind", {
+        c = box.recorder.decide(SECRETS, "bind", {
             "name": b.name, "binding_hosts": b.hosts, "binding_header": b.header, "binding_misuse": b.misuse,
             "source": b.source, "placeholder": b.placeholder_digest})
         if not c.allowed:
@@ -311,7 +312,7 @@ def record_secret_crossings(box: "DoorContext", host: str, bindings: list[Bindin
             facts = {"name": name, "binding_hosts": b.hosts, "binding_header": b.header,
                      "binding_misuse": b.misuse, "host": host, "tls": tls}
             facts.update({"where": detail} if kind == "misuse" else {"header": detail})
-            crossing = box.recorder.decide("secrets", kind, facts)
+            crossing = box.recorder.decide(SECRETS, kind, facts)
             if not crossing.allowed:
                 return f"{crossing.verdict.rule}: {crossing.verdict.reason or crossing.reason}"
             box.recorder.complete(crossing, "ok", {})

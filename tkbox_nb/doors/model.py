@@ -30,6 +30,7 @@ from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.model_replay import Recordings
 from tkbox_nb.rules.model_request import ModelRequest, ModelRequestError, ModelRequestParser
 from tkbox_nb.rules.model_usage import UsageReader
+from tkbox_nb.rules.door_table import MODEL
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -112,7 +113,7 @@ class ModelDoor(Door):
                 req = self._read(stream, parser)
             except ModelRequestError as e:
                 if e.provider:  # a call to a known provider that is malformed: a signed refusal
-                    self.box.recorder.decide("model", "call", {"provider": e.provider, "endpoint": e.endpoint,
+                    self.box.recorder.decide(MODEL, "call", {"provider": e.provider, "endpoint": e.endpoint,
                                                                "request_error": str(e)[:300]})
                 return self._answer(stream, parser, e.provider, e.status, f"tkbox model door: {e}",
                                     "invalid_request_error")
@@ -153,7 +154,7 @@ class ModelDoor(Door):
                 facts["fetches"] = req.fetches
             if mode == "replay":
                 facts["recorded"] = self.recordings is not None and self.recordings.has(req.key)
-            crossing = recorder.decide("model", "call", facts, {"request": req.body})
+            crossing = recorder.decide(MODEL, "call", facts, {"request": req.body})
             if crossing.allowed:
                 self.calls += 1
                 self.reserved += req.max_output or 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.read_back import Run, open_run
+from tkbox_nb.rules.door_table import MODEL
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def recordings_from_run(run: Run) -> Recordings:
     entries: dict[tuple[str, str, str], list[Recorded]] = defaultdict(list)
     for c in run.crossings():
         a, r = c.args or {}, c.result or {}
-        if a.get("door") != "model" or a.get("kind") != "call" or c.decision != "allow":
+        if a.get("door") != MODEL or a.get("kind") != "call" or c.decision != "allow":
             continue
         body = run.content(r.get("response", "")) if isinstance(r.get("response"), str) else None
         status = r.get("status_code")

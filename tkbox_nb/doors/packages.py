@@ -38,6 +38,7 @@ import h11
 from tkbox_nb.doors.door import Door
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
+from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
                                           parse_page, project_of, render_page)
 from tkbox_nb.stream.connection import Stream, StreamClosed
@@ -115,7 +116,7 @@ class _Refused(Exception):
 class PackagesDoor(Door):
     """The package door of one box: its index pages and files, decided, signed and served from the host cache."""
 
-    name = "packages"
+    name = PACKAGES
 
     def __init__(self, box: "DoorContext", cache_root: Path):
         self.box = box
@@ -224,7 +225,7 @@ class PackagesDoor(Door):
                 facts["index_error"] = str(e)[:300]
             except Exception as e:  # a fault of this door on this page: refused, signed, never half served
                 facts["index_error"] = f"the package door failed reading the page ({type(e).__name__})"
-        crossing = recorder.decide("packages", "project", facts)
+        crossing = recorder.decide(PACKAGES, "project", facts)
         if not crossing.allowed:
             raise self._refused(crossing)
         with self.lock:
@@ -289,7 +290,7 @@ class PackagesDoor(Door):
         try:
             with self.lock:  # one at a time, so each states the allowed bytes signed before it
                 facts["run_bytes"] = self.run_bytes
-                crossing = self.box.recorder.decide("packages", "file", facts)
+                crossing = self.box.recorder.decide(PACKAGES, "file", facts)
                 if crossing.allowed:
                     self.run_bytes += size
             if not crossing.allowed:

@@ -26,6 +26,7 @@ from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, Staging, current_digest
 from tkbox_nb.rules import patch_rules as rules
 from tkbox_nb.rules.patch_reader import Entry, PatchReader
+from tkbox_nb.rules.door_table import PATCH
 
 if TYPE_CHECKING:
     from tkbox_nb.doors.context import DoorContext
@@ -220,14 +221,14 @@ class PatchDoor(Door):
             if old_mode is not None and e.op != "add":
                 facts["old_mode"] = old_mode  # what the box started with: only the execute bits it changes apply
             content = {"content": e.content} if e.content is not None and e.op != "delete" else {}
-            if e.op != "delete" and rec.verdict("patch", "file", facts, content).allowed:
+            if e.op != "delete" and rec.verdict(PATCH, "file", facts, content).allowed:
                 total += e.size
             index += 1
             seen.add(e.path)
             if key is not None:
                 seen_folds.setdefault(key, e.path)
             stated.append((e, digest, facts, content))
-        crossings = rec.decide_many([("patch", "file", facts, content) for _, _, facts, content, *_ in stated])
+        crossings = rec.decide_many([(PATCH, "file", facts, content) for _, _, facts, content, *_ in stated])
         if rec.broken:
             box.fail_closed(f"signer lost: {rec.broken}")
             raise TkboxError(f"the box has ended: {box.ended}")
@@ -261,7 +262,7 @@ class PatchDoor(Door):
             patch.diff = render(list(self.accepted.values()))
             if not patch.files:  # nothing new since the last patch (or nothing at all): no record to add
                 return patch
-            s = rec.decide("patch", "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
+            s = rec.decide(PATCH, "summary", {"files": len(patch.files), "allowed": len(patch.allowed),
                                                 "refused": len(patch.refused), "apply": mode},
                            {"diff": patch.diff})
             if not s.allowed:

@@ -25,9 +25,10 @@ from typing import Any
 
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.read_back import Run, open_run
+from tkbox_nb.rules.door_table import BOX, TABLE, Door, names
 
 PAGE_SIZE = 25
-DOORS = ("box", "exec", "egress", "secrets", "model", "patch", "host", "packages")
+DOORS = names()  # in the table's order (rules/door_table.py): the timeline's rows, the door filter's choices
 DOOR_COLORS = {"allow": "#2e7d32", "deny": "#c62828", "ask": "#ef6c00"}
 STATIC_ROWS = 200
 
@@ -70,9 +71,11 @@ def summary_html(s: dict[str, Any]) -> str:
             + "</div>")
 
 
-def timeline_svg(df, width: int = 720, row: int = 18) -> str:
-    """Crossings per door over the run's time: one row per door, one tick per crossing, refusals red."""
-    doors = [d for d in DOORS if (df["door"] == d).any()] or ["box"]
+def timeline_svg(df, width: int = 720, row: int = 18, table: tuple[Door, ...] = TABLE) -> str:
+    """Crossings per door over the run's time: one row per door of `table` (named by its label), one tick per
+    crossing, refusals red."""
+    labels = {d.name: d.label for d in table}
+    doors = [d for d in labels if (df["door"] == d).any()] or [BOX]
     height = row * len(doors) + 24
     if len(df):
         t0, t1 = df["time"].min(), df["time"].max()
@@ -80,7 +83,7 @@ def timeline_svg(df, width: int = 720, row: int = 18) -> str:
     parts = [f"<svg class='tkbox-timeline' xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"]
     for i, door in enumerate(doors):
         y = i * row + 4
-        parts.append(f"<text x='0' y='{y + 12}' font-size='11'>{_esc(door)}</text>")
+        parts.append(f"<text x='0' y='{y + 12}' font-size='11'>{_esc(labels.get(door, door))}</text>")
         parts.append(f"<line x1='60' x2='{width - 5}' y1='{y + 8}' y2='{y + 8}' stroke='#ddd'/>")
     step = max(1, len(df) // 4000)  # at most ~4000 ticks; refusals are always drawn
     for k, r in enumerate(df.itertuples(index=False)):

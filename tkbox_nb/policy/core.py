@@ -17,14 +17,29 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import box, egress, host, models, mounts, packages, patch, refusals, secrets, signer, workspace
 from tkbox_nb.policy import exec as exec_
 from tkbox_nb.policy.base import MAX_LIST, Verdict, tname
+from tkbox_nb.rules.door_table import BOX, EGRESS, EXEC, HOST, MODEL, PACKAGES, PATCH, SECRETS, TABLE, Door
 
 MAX_POLICY_BYTES = 256 * 1024
+
+# each door's decide function (rules/door_table.py lists the doors): a door of the table without one fails at import
+Decider = Callable[["Policy", Any, dict[str, Any]], Verdict]
+DECIDERS: dict[str, Decider] = {
+    BOX: lambda policy, kind, facts: box.decide(kind, facts),
+    EXEC: exec_.decide,
+    EGRESS: egress.decide,
+    SECRETS: lambda policy, kind, facts: secrets.decide(kind, facts),
+    MODEL: models.decide,
+    PATCH: patch.decide,
+    HOST: lambda policy, kind, facts: host.decide(kind, facts),  # a host-side magic: the user's own act
+    PACKAGES: packages.decide,
+}
 
 DEFAULT_SOURCE = """\
 # tkbox-nb default policy: cells and commands run; nothing else leaves the box.
@@ -46,6 +61,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "box": box.DEFAULTS, "exec": exec_.DEFAULTS, "egress": egress.DEFAULTS, "patch": patch.DEFAULTS,
     "signer": signer.DEFAULTS, "workspace": workspace.DEFAULTS, "packages": packages.DEFAULTS}
 _LATER: dict[str, str] = {}  # sections a later door will enforce (none now)
+SECTIONS = (*_SCHEMA, "models", "mounts", "secrets")
+
+
+def check_deciders(deciders: dict[str, Decider], table: tuple[Door, ...] = TABLE) -> None:
+    """Every door of `table` has a decide function here and reads a section a policy may have; a door decided here
+    is in the table. RuntimeError naming each that is not, in one line: a door without a decider would refuse every
+    crossing of it as `door.unknown`, quietly."""
+    wrong = [f"{d.name} (no decide function)" for d in table if d.name not in deciders] + \
+        [f"{d.name} (reads [{d.section}], which no policy has)" for d in table
+         if d.section is not None and d.section not in SECTIONS] + \
+        [f"{n} (decided but not in the door table)" for n in deciders if n not in {d.name for d in table}]
+    if wrong:
+        raise RuntimeError(f"policy/core.py DECIDERS and rules/door_table.py disagree: {', '.join(wrong)}")
+
+
+check_deciders(DECIDERS)
 
 
 @dataclass(frozen=True)
@@ -116,22 +147,9 @@ class Policy:
         door, kind = facts.get("door"), facts.get("kind")
         if kind == refusals.KIND:  # the count a door signs of the refusals it did not sign one by one
             return refusals.decide(door, facts)
-        if door == "box":
-            return box.decide(kind, facts)
-        if door == "exec":
-            return exec_.decide(self, kind, facts)
-        if door == "egress":
-            return egress.decide(self, kind, facts)
-        if door == "secrets":
-            return secrets.decide(kind, facts)
-        if door == "model":
-            return models.decide(self, kind, facts)
-        if door == "patch":
-            return patch.decide(self, kind, facts)
-        if door == "packages":
-            return packages.decide(self, kind, facts)
-        if door == "host":  # a host-side magic (policy, secret binding, status, bundle, restart): the user's own act
-            return host.decide(kind, facts)
+        decider = DECIDERS.get(door) if isinstance(door, str) else None
+        if decider is not None:
+            return decider(self, kind, facts)
         return Verdict("deny", "door.unknown", f"no door {door!r} in this version")
 
     # -- what the doors ask of a policy besides a decision -------------------------------------------------------
@@ -186,7 +204,7 @@ def _validate(data: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
             raise PolicyError(f"{name}: [{section}] is not enforced by this version ({_LATER[section]} is not built "
                               "yet); remove it rather than rely on it")
         if section not in _SCHEMA:
-            known = ', '.join(sorted([*_SCHEMA, "models", "mounts", "secrets"]))
+            known = ', '.join(sorted(SECTIONS))
             raise PolicyError(f"{name}: unknown section [{section}] (known: {known})")
         if not isinstance(body, dict):
             raise PolicyError(f"{name}: [{section}] must be a table")

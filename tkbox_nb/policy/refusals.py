@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from tkbox_nb.policy.base import Verdict
+from tkbox_nb.rules.door_table import capped
 
 KIND = "refused_count"
 MAX_NAMES = 17  # kinds or rules named in one count (16 by name and "other", signing/refusal_caps.py)
 MAX_NAME = 120
-# the doors a box drives (patch, host and box are not capped)
-COUNTED_DOORS = ("exec", "egress", "secrets", "model", "packages")
+COUNTED_DOORS = capped()  # the doors a box drives (rules/door_table.py; patch, host and box are not capped)
 
 
 def _tally(v: Any, count: int) -> bool:

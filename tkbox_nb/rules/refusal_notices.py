@@ -19,10 +19,11 @@ import threading
 from typing import Any
 
 from tkbox_nb.core.visible import visible
+from tkbox_nb.rules.door_table import BOX, EGRESS, EXEC, HOST, MODEL, PACKAGES, PATCH, SECRETS
 
 MAX_SHOWN = 5
 # refusals a cell shows already (its own decision, an error) or that are not the box's reaching out
-NOT_SHOWN = {("exec", "cell"), ("exec", "late_output"), ("exec", "comm_fault"), ("secrets", "bind")}
+NOT_SHOWN = {(EXEC, "cell"), (EXEC, "late_output"), (EXEC, "comm_fault"), (SECRETS, "bind")}
 
 
 def _cut(value: Any, n: int = 120) -> str:
@@ -32,20 +33,20 @@ def _cut(value: Any, n: int = 120) -> str:
 
 def refusal_line(door: str, kind: str, args: dict[str, Any], seq: Any) -> str | None:
     """One line for a refused crossing (its signed statement `args`), or None for one not shown."""
-    if (door, kind) in NOT_SHOWN or door in ("host", "box"):
+    if (door, kind) in NOT_SHOWN or door in (HOST, BOX):
         return None
-    if door == "egress":
+    if door == EGRESS:
         what = f"egress to {_cut(args.get('host'))}:{_cut(args.get('port'), 8)}"
-    elif door == "secrets":
+    elif door == SECRETS:
         what = f"the secret {_cut(args.get('name'), 64)} ({_cut(kind, 16)}) toward {_cut(args.get('host'))}"
-    elif door == "model":
+    elif door == MODEL:
         what = f"a model call to {_cut(args.get('provider'), 40)} ({_cut(args.get('model'), 60)})"
-    elif door == "patch":
+    elif door == PATCH:
         what = f"the patch file {_cut(args.get('path'))}" if kind == "file" else f"the patch ({_cut(kind, 16)})"
-    elif door == "packages":
+    elif door == PACKAGES:
         what = f"the package file {_cut(args.get('filename'))}" if kind == "file" else \
             f"the package {_cut(args.get('project'), 100)}"
-    elif door == "exec":
+    elif door == EXEC:
         argv = args.get("argv")
         what = f"the command {_cut(' '.join(map(str, argv)) if isinstance(argv, list) else argv)}"
     else:

@@ -28,6 +28,7 @@ from tkbox_nb._version import __version__
 from tkbox_nb.core.errors import SignerError
 from tkbox_nb.policy import Policy, Verdict
 from tkbox_nb.policy.refusals import KIND as COUNT_KIND
+from tkbox_nb.rules.door_table import BOX, TABLE, Door, tool_of
 from tkbox_nb.signing.refusal_caps import COUNTED_RULE, FULL_RULE, RECORD_BYTES, RunBounds
 from tkbox_nb.signing.signer import MachineSigner
 from tkbox_nb.signing.lanes import RunLanes, lanes_for as _lanes, together
@@ -65,6 +66,8 @@ class Crossing:
 
 class RunRecorder(RunBounds):
     """Opens one run on the machine signer for one box and records its crossings."""
+
+    doors: tuple[Door, ...] = TABLE  # the tool each door's crossings are signed as (rules/door_table.py)
 
     def __init__(self, signer: "MachineSigner | CentralSigner", policy: Policy, box: dict[str, Any],
                  agent: str = "tkbox", replay_of: str | None = None):
@@ -116,7 +119,7 @@ class RunRecorder(RunBounds):
         self.box.setdefault("box_id", uuid.uuid4().hex)
         self.box.update(run_id=self.run_id, tkbox_version=__version__, started=_now())
         self._keep_policy(self.policy)
-        start = self.decide("box", "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box},
+        start = self.decide(BOX, "start", {k: self.box[k] for k in BOX_FIELDS + BOX_OBJECTS if k in self.box},
                             self.start_content or None)
         if not start.allowed:
             self.close("the signer refused the box start")
@@ -167,7 +170,7 @@ class RunRecorder(RunBounds):
             self._sign_counts(final=True)  # the refusals counted since the last count record, before the stop
             with self._settled:  # and any count a timer took as the box began to stop
                 self._settled.wait_for(lambda: self._in_flight == 0, timeout=STOP_WAIT_S)
-            stop = self.decide("box", "stop", {"reason": reason[:500], **(stop_facts or {})})  # all the manifest shows
+            stop = self.decide(BOX, "stop", {"reason": reason[:500], **(stop_facts or {})})  # all the manifest shows
             if stop.allowed:
                 self.complete(stop, "ok", {})
         self.box.update(ended=_now(), end_reason=reason[:500], broken=self.broken, **(stop_facts or {}))
@@ -200,9 +203,7 @@ class RunRecorder(RunBounds):
         args = dict(facts, policy=self.policy.hash, verdict=verdict.verdict, rule=verdict.rule)
         if verdict.reason:
             args["verdict_reason"] = verdict.reason[:500]
-        tool = "box." + ("start" if (door, kind) == ("box", "start") else "stop" if door == "box" else
-                         {"exec": "exec", "egress": "connect", "secrets": "secret", "model": "model",
-                          "patch": "patch", "host": "host", "packages": "packages"}.get(door, door))
+        tool = tool_of(door, kind, self.doors)
         with self._lock:
             self._seq += 1
             call_id = f"{door}-{self._seq}"

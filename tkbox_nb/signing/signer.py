@@ -30,6 +30,7 @@ from tkbox_nb.core.atomic_file import reserve_beside
 from tkbox_nb.core.errors import SignerError
 from tkbox_nb.core.home import default_home, trust_path
 from tkbox_nb.core.processes import pid_alive
+from tkbox_nb.rules.door_table import EGRESS, SECRETS, TABLE, Door, tool_of, tools
 
 ORIGIN_PREFIX = "tkbox.local"
 TENANT = "default"
@@ -40,25 +41,18 @@ GRACE_S = 0.0  # the recorder settles every crossing before close_run: nothing o
 ENSURED_S = 2.0
 POLL_S = 0.01  # how often an export reads the checkpoint note while it waits for one
 
-# The box pack: compiled by the signer into its policy v2. Tools are the doors; any other tool is denied.
-BOX_PACK = """\
+# The box pack: compiled by the signer into its policy v2. Tools are the doors' (rules/door_table.py, in its order);
+# any other tool is denied. For the doors of today its text is the one every bundle so far was signed under.
+_PACK = """\
 # tkbox-nb box pack (policy v2): the signer's own rules for box doors.
 version: 'tkbox-pack-1'
 description: tkbox-nb doors; the box policy's verdict is stated by the door and re-derived by tkbox verify
 tools:
-  'box.start': app
-  'box.stop': app
-  'box.exec': app
-  'box.connect': app
-  'box.secret': app
-  'box.model': app
-  'box.patch': app
-  'box.host': app
-  'box.packages': app
+@TOOLS@
 unknown_tools: deny
 flag:
   - id: TKB-FLAG-SECRET-MISUSE
-    tool: 'box\\.secret'
+    tool: '@SECRET@'
     field: kind
     pattern: '^misuse$'
     reason: a secret's placeholder outside its bound header and hosts (never swapped)
@@ -76,18 +70,28 @@ deny:
     reason: a crossing that names no box policy
     remedy: Name the box policy hash in every crossing.
   - id: TKB-ALWAYS-REFUSED
-    tool: 'box\\.connect'
+    tool: '@CONNECT@'
     field: address_class
     pattern: '^always$'
     reason: an address no box may reach (loopback, private, link-local, metadata, ...), whatever the box policy says
     remedy: Reach public hosts only; see tkbox_nb/rules/addresses.py for the table.
   - id: TKB-METADATA-ADDR
-    tool: 'box\\.connect'
+    tool: '@CONNECT@'
     field: address
     pattern: '^(169\\.254\\.|100\\.100\\.100\\.200$|fd00:ec2::|0\\.|127\\.|::1$|::ffff:)'
     reason: a link-local, loopback or cloud metadata address, refused whatever the box policy says
     remedy: Reach public hosts only; these addresses are never reachable from a box.
 """
+
+
+def box_pack(table: tuple[Door, ...] = TABLE) -> str:
+    """The box pack's text: the tools of `table`, and its rules naming the egress and secrets doors' tools."""
+    return _PACK.replace("@TOOLS@\n", "".join(f"  '{t}': app\n" for t in tools(table))).replace(
+        "@CONNECT@", re.escape(tool_of(EGRESS, None, table))).replace(
+        "@SECRET@", re.escape(tool_of(SECRETS, None, table)))
+
+
+BOX_PACK = box_pack()
 
 
 def origin_name() -> str:
@@ -104,6 +108,8 @@ def _private_dir(path: Path) -> Path:
 
 class MachineSigner:
     """The per-user signer under `home` (default $TKBOX_HOME, else $XDG_STATE_HOME/tkbox)."""
+
+    pack = BOX_PACK  # the pack it runs: the doors' tools (a test of a longer door table runs that table's)
 
     def __init__(self, home: str | Path | None = None):
         self.home = Path(home) if home else default_home()
@@ -138,7 +144,7 @@ class MachineSigner:
             "posture: {network: enforced, tool_calls: enforced}\n"
         )
         changed = False
-        for path, text in ((self.pack_path, BOX_PACK), (self.config_path, config)):
+        for path, text in ((self.pack_path, self.pack), (self.config_path, config)):
             if not path.exists() or path.read_text() != text:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(text)

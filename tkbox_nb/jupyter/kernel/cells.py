@@ -31,6 +31,7 @@ from tkbox_nb.jupyter.kernel.comms import CommGate
 from tkbox_nb.jupyter.kernel.port import KernelPort
 from tkbox_nb.jupyter.kernel.relay import host_notice
 from tkbox_nb.jupyter.kernel.stdin import Stdin
+from tkbox_nb.rules.door_table import PATCH
 
 
 class Cells:
@@ -187,7 +188,7 @@ class Cells:
             box = port.nb.ensure_box()
             if box.recorder.on_refused is None:  # each refusal shown in the cell it happens in (refusal_notices);
                 # a patch file's comes only from %box_patch or %box_pull, which say each file's decision themselves
-                watch(box.recorder, self.show_refusal, skip=frozenset({("patch", "file"), ("patch", "summary")}))
+                watch(box.recorder, self.show_refusal, skip=frozenset({(PATCH, "file"), (PATCH, "summary")}))
             self.comms.flush(box)  # comm faults seen while no run was open
             crossing = box.decide_cell(code, expressions)  # the expressions are decided with the code
         except (DoorRefused, TkboxError) as e:

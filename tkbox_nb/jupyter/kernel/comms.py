@@ -23,6 +23,8 @@ from pathlib import Path
 from tkbox_nb.jupyter.kernel.host_comms import HostComms
 from tkbox_nb.jupyter.kernel.port import KernelPort
 
+from tkbox_nb.rules.door_table import EXEC
+
 MAX_PENDING = 64  # faults held for the next run; past this, only counted
 MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
 
@@ -72,7 +74,7 @@ class CommGate:
                 if sum(self.unrecorded.values()) > 1:
                     return
         if sign:
-            box.recorder.decide("exec", "comm_fault", facts)
+            box.recorder.decide(EXEC, "comm_fault", facts)
         what = "refused" if sign or hold else "refused (further faults only counted until the next cell)"
         self.port.log(f"{what} {facts['msg_type']} naming {facts['fault']} ({facts['comm_id'][:40]})")
 
@@ -83,14 +85,14 @@ class CommGate:
             pending, self.pending = self.pending, []
             counted, self.unrecorded = self.unrecorded, {}
         for facts in pending:
-            box.recorder.decide("exec", "comm_fault", facts)
+            box.recorder.decide(EXEC, "comm_fault", facts)
         for side, n in sorted(counted.items()):
-            box.recorder.decide("exec", "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
+            box.recorder.decide(EXEC, "comm_fault", {"msg_type": "comm_msg", "comm_id": "", "from": side,
                                                        "fault": f"{n} more, not each signed"})
         box_kernel = self.port.box_kernel
         late = box_kernel.take_late() if box_kernel is not None and box_kernel.box is box else 0
         if late:  # what the box sent naming cells already signed: dropped, never shown, counted here (doors/cell.py)
-            box.recorder.decide("exec", "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
+            box.recorder.decide(EXEC, "comm_fault", {"msg_type": "late_output", "comm_id": "", "from": "box",
                                                        "fault": f"{late} messages naming cells already signed"})
 
     def end_run(self) -> None:
@@ -126,7 +128,7 @@ class CommGate:
             return  # a comm_open with no box to take it, as with a kernel that has no such target
         data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
         port.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
-        crossing = port.nb.box.recorder.decide("exec", "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
+        crossing = port.nb.box.recorder.decide(EXEC, "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
             box_kernel.send(channel, port.into_box(msg), msg.get("buffers") or [])  # under a header made here
 
