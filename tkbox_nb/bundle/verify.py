@@ -29,7 +29,8 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "rerun_of",  # a rerun's original run
               "unenforced",  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
               "memory_limit", "gpus",  # what held memory_mib (memory_limit.py); the GPUs a box was given (gpus.py)
-              "environment")  # the digest of the environment manifest box.start commits to (bundle/environment.py)
+              "environment",  # the digest of the environment manifest box.start commits to (bundle/environment.py)
+              "notebook", "notebook_dropped")  # the kernel's notebook as its frontend named it, or why not recorded
 BOX_OBJECTS = ("mounts",)  # box.start facts that are objects: each dataset mount's target, digest, files, bytes
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
 WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
@@ -73,6 +74,9 @@ class VerifyReport:
     trust_source: str = ""
     record_status: dict[int, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # Tracekit's warn-level checks (a signed gap, ...), shown
+    records: int = 0  # the run's records the box layer read, for the plain line
+    decisions: int = 0  # decisions re-derived from the disclosed policy
+    signed_by: str = ""  # the log whose checkpoint Tracekit's verifier checked under the pinned key (its origin)
 
     @property
     def valid(self) -> bool:
@@ -87,15 +91,32 @@ class VerifyReport:
         return ok
 
     def summary(self) -> str:
+        """The verdict in plain words: what was checked, for a valid bundle (`detail()` is Tracekit's terms), or the
+        first check that failed."""
+        if not self.valid:
+            return self.detail()
+        opened = "" if self.integrity == "VERIFIED" else \
+            "; the run is still open: what it holds so far is checked, not that it is complete"
+        n, d = self.records, self.decisions
+        return (f"VALID: {n} record{'s' * (n != 1)} signed by {self.signed_by or 'the pinned signer'}, the chain "
+                "intact, every disclosed cell and file matches its signed digest, "
+                f"{'all' if d != 1 else 'its'} {d} decision{'s' * (d != 1)} follow{'s' * (d == 1)} from the run's "
+                f"policy{opened}") + self._warned()
+
+    def detail(self) -> str:
+        """The verdict in Tracekit's terms (integrity and assurance: `tkbox verify --verbose`, and `--json`'s
+        summary), or the first check that failed."""
         if self.valid:
-            warned = f"; WARNING: {'; '.join(self.warnings)}"[:400] if self.warnings else ""
-            return f"VALID: {self.integrity}; {self.assurance}".rstrip("; ") + warned
+            return f"VALID: {self.integrity}; {self.assurance}".rstrip("; ") + self._warned()
         bad = self.first_failure
         word = "UNREADABLE" if self.exit_code == EXIT_UNREADABLE else "INVALID"
         return f"{word}: {bad.name}: {bad.detail}" if bad else word
 
+    def _warned(self) -> str:
+        return f"; WARNING: {'; '.join(self.warnings)}"[:400] if self.warnings else ""
+
     def as_dict(self) -> dict[str, Any]:
-        return {"bundle": self.path, "valid": self.valid, "exit_code": self.exit_code, "summary": self.summary(),
+        return {"bundle": self.path, "valid": self.valid, "exit_code": self.exit_code, "summary": self.detail(),
                 "integrity": self.integrity, "assurance": self.assurance, "trust": self.trust_path,
                 "trust_source": self.trust_source, "checks": [c.as_dict() for c in self.checks],
                 "tracekit_checks": self.tracekit, "warnings": self.warnings,
@@ -136,6 +157,8 @@ def verify_bytes(data: bytes, report: VerifyReport) -> VerifyReport:
         report.add("bundle readable", False, str(e))
         return report
     report.add("bundle readable", True, f"{len(contents.files)} entries")
+    report.signed_by = next((body.split(b"\n", 1)[0].decode("utf-8", "replace")[:200] for name, body in
+                             sorted(contents.files.items()) if re.fullmatch(r"checkpoints/.*\.note", name)), "")
     _tracekit(report, io.BytesIO(data), report.trust_path)
     _box_layer(report, contents)
     report.exit_code = EXIT_VALID if all(c.ok for c in report.checks) else EXIT_INVALID
@@ -241,6 +264,7 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
         return
     for seq in events:
         report.record_status[seq] = "valid"
+    report.records = len(events)
 
     def fail_record(seq: Any, check: str, detail: str) -> None:
         report.add(check, False, f"record {seq}: {detail}")
@@ -390,6 +414,7 @@ def _box_checks(report: VerifyReport, b: BundleContents) -> None:
                 report.warnings.append("data changed under a mount while the box ran: " + "; ".join(
                     f"{n}: {', '.join(map(str, p[:3] if isinstance(p, list) else []))}" for n, p in changed.items()))
     n_dec = sum(1 for k in disclosed if k[1] == "policy.decision")
+    report.decisions = n_dec
     if all(c.ok for c in report.checks):
         report.add("disclosures", True, f"{len(disclosed)} item(s) open their commitments; {n_dec} decision(s) "
                                         "re-derived from the disclosed policy")
