@@ -32,6 +32,34 @@ def test_bundle_verifies_with_tkbox_verify(bundle, signer):
     assert "pinned trust" in r.stderr  # says which trust it used
 
 
+def test_the_verdict_says_in_plain_words_what_was_checked_with_tracekit_s_terms_behind_verbose(bundle, signer):
+    """Before, the line was Tracekit's jargon (`VALID: VERIFIED; dev; records ed25519; checkpoint Ed25519 only ...`)."""
+    origin = open_run(bundle).origin
+    n, d = len(open_run(bundle).records), len(open_run(bundle).crossings())  # box start and stop, a cell, a command
+    r = run_cli("verify", str(bundle))
+    assert r.stdout == (f"VALID: {n} records signed by {origin}, the chain intact, every disclosed cell and file "
+                        f"matches its signed digest, all {d} decisions follow from the run's policy\n"), r.stdout
+    assert d == 4 and origin.startswith("tkbox.local/") and "ed25519" not in r.stdout
+    v = run_cli("verify", "--verbose", str(bundle))
+    lines = v.stdout.splitlines()
+    assert v.returncode == 0 and lines[0] == r.stdout.strip() and lines[1].startswith("VALID: VERIFIED; "), v.stdout
+    assert "records ed25519" in lines[1] and "  ok   disclosures: " in v.stdout and "    pass signatures: " in v.stdout
+    data = json.loads(run_cli("verify", "--json", str(bundle)).stdout)  # --json as before: Tracekit's terms
+    assert data["summary"] == lines[1] and set(data) == {"bundle", "valid", "exit_code", "summary", "integrity",
+                                                          "assurance", "trust", "trust_source", "checks",
+                                                          "tracekit_checks", "warnings", "records"}
+
+
+def test_an_invalid_bundle_says_its_first_failing_check_and_verbose_lists_every_check(bundle, tmp_path):
+    from conftest import tamper_content
+    bad = tamper_content(bundle, tmp_path / "bad.tkb")
+    r = run_cli("verify", str(bad))
+    assert r.returncode == 1 and r.stdout.startswith("INVALID: content") and len(r.stdout.splitlines()) == 1
+    v = run_cli("verify", "-v", str(bad))
+    assert v.returncode == 1 and v.stdout.splitlines()[0] == r.stdout.strip()
+    assert "  FAIL content: " in v.stdout and "  ok   tracekit: " in v.stdout, v.stdout
+
+
 def test_bundle_verifies_with_tracekit_verify_unchanged(bundle, signer):
     r = subprocess.run([str(VENV_BIN / "tracekit"), "verify", str(bundle), "--trust", str(signer.trust_path)],
                        capture_output=True, text=True)

@@ -92,6 +92,10 @@ def only_bundle(bundles: Path) -> Path:
 def test_kernelspec_is_listed_with_its_display_name_and_logos(kernel_env):
     from jupyter_client.kernelspec import KernelSpecManager
     spec = KernelSpecManager().get_kernel_spec("tkbox")
+    # the checkout's own: once kernels/tkbox pointed at a folder the layers' move left empty, and the tests started
+    # whichever tkbox kernel was installed elsewhere (another checkout's code), passing or failing for it
+    assert Path(spec.resource_dir).resolve() == (ROOT / "tkbox_nb/jupyter/kernel/spec").resolve(), spec.resource_dir
+    assert spec.argv[0] == "python"  # jupyter_client runs it with the tests' own interpreter
     assert spec.display_name == "Python 3 (Tracekit Box)" and spec.interrupt_mode == "message"
     assert {"logo-32x32.png", "logo-64x64.png", "logo-svg.svg"} <= {p.name for p in Path(spec.resource_dir).iterdir()}
 

@@ -4,6 +4,7 @@ for a box: real kernels through jupyter_client, started in a folder as every fro
 from __future__ import annotations
 
 import pytest
+from conftest import run_cli
 
 from tkbox_nb import open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
@@ -200,8 +201,44 @@ def test_a_kernel_s_bundles_go_beside_the_notebook_named_after_it_and_box_status
         reply, outs = c.run("%box_status")
         text = "".join(x.get("text", "") for t, x in outs if t == "stream")
         assert f"its bundle at the end: {folder}/.tkbox/runs/my_analysis-" in text, text
-        assert f"folder   {folder}\n" in text
+        assert f"folder   {folder}\n" in text and f"notebook {folder}/my analysis.ipynb" in text
     finally:
         c.stop()
     found = list((folder / ".tkbox" / "runs").glob("my_analysis-*.tkb"))
     assert len(found) == 1 and open_run(found[0]).crossings()
+    # the bundle names its notebook, signed in its box.start (before, nothing linked a bundle to its notebook)
+    run = open_run(found[0])
+    start = next(x for x in run.crossings() if x.door == "box" and x.args.get("kind") == "start")
+    assert run.notebook == start.args["notebook"] == str(folder / "my analysis.ipynb") and run.verify().valid
+    shown = run_cli("show", str(found[0]))
+    assert shown.returncode == 0 and f"\nnotebook {folder}/my analysis.ipynb\n" in shown.stdout, shown.stdout
+
+
+def test_a_kernel_no_frontend_names_writes_a_box_bundle_that_names_no_notebook(kernel_env, tmp_path, monkeypatch):
+    """nbclient and papermill set no JPY_SESSION_NAME: nothing is guessed (not the folder, not a file in it)."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "other.ipynb").write_text("{}")
+    monkeypatch.delenv("TKBOX_BUNDLE_DIR")
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    c = Client(folder)
+    try:
+        reply, outs = c.run("print(1)")
+        assert reply["status"] == "ok", reply
+        reply, outs = c.run("%box_status")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert reply["status"] == "ok" and "notebook none named by the frontend\n" in text, text
+        # %box_bundle says in plain words what it checked of the run so far, and that the run is still open
+        reply, outs = c.run(f"%box_bundle {tmp_path / 'so-far.tkb'}")
+        text = "".join(x.get("text", "") for t, x in outs if t == "stream")
+        assert reply["status"] == "ok" and "\nVALID: " in text and " records signed by tkbox.local/" in text, text
+        assert "every disclosed cell and file matches its signed digest" in text and "the run is still open" in text
+        assert "VERIFIED TO HEAD" not in text and "ed25519" not in text
+    finally:
+        c.stop()
+    found = list((folder / ".tkbox" / "runs").glob("*.tkb"))
+    assert len(found) == 1 and found[0].name.startswith("box-"), found
+    run = open_run(found[0])
+    assert run.notebook is None and "notebook" not in run.box and run.verify().valid
+    shown = run_cli("show", str(found[0]))
+    assert shown.returncode == 0 and "\nnotebook " not in shown.stdout, shown.stdout

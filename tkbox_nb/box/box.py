@@ -59,6 +59,7 @@ class Box:
 
     kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
     mounts_original: dict[str, str] | None = None  # a rerun that went on with changed data: mount -> first difference
+    notebook: dict[str, str] = {}  # the kernel's notebook as its frontend named it (NotebookBox.notebook): signed
 
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
                  workspace: str | Path | None = None, bundle_path: str | Path | None = None,
@@ -135,7 +136,7 @@ class Box:
             if check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib")) is not None:
                 boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
         self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
-        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original))
+        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original), **self.notebook)
         env = box_environment(self.backend, self.signer.home)
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,

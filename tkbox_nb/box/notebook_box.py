@@ -26,8 +26,10 @@ from tkbox_nb.box.box import Box
 from tkbox_nb.bundle.environment import status_line
 from tkbox_nb.box.early_box import EarlyBox
 from tkbox_nb.core.errors import PolicyError, TkboxError
+from tkbox_nb.core.visible import visible
 from tkbox_nb.policy import Policy
 from tkbox_nb.rules.door_table import HOST
+from tkbox_nb.rules.notebook_name import bundle_name, describe, notebook_facts
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
 # the Tracekit Box kernel's also move files (box/notebook_files.py); the IPython extension's %box_pull and %box_push,
@@ -175,7 +177,7 @@ class NotebookBox:
         bundle_dir = self.bundle_dir or self._runs_dir()
         if bundle_dir is not None:
             bundle_dir.mkdir(parents=True, exist_ok=True)
-            bundle = bundle_dir / f"{self._stem()}-{time.strftime('%Y%m%d-%H%M%S')}-{len(self.bundles) + 1}.tkb"
+            bundle = bundle_dir / bundle_name(self.notebook(), time.strftime("%Y%m%d-%H%M%S"), len(self.bundles) + 1)
         early, self._early = self._early, None
         box = early.take(self._wants()) if early else None
         if box is not None:
@@ -194,14 +196,10 @@ class NotebookBox:
 
     mounts_original: dict[str, str] | None = None  # a rerun that goes on with changed data (replay.rerun)
 
-    def notebook(self) -> str | None:
-        """The notebook's path as its frontend tells the kernel (JPY_SESSION_NAME: JupyterLab, Notebook 7, VS Code)."""
-        name = os.environ.get("JPY_SESSION_NAME", "")
-        return name[:1000] if self.folder is not None and name and "\x00" not in name else None
-
-    def _stem(self) -> str:
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(self.notebook() or "box").stem)[:80].lstrip(".")
-        return stem or "box"
+    def notebook(self) -> dict[str, str]:
+        """The kernel's notebook as its frontend names it (JPY_SESSION_NAME: JupyterLab, Notebook 7, VS Code), as its
+        box.start signs it (rules/notebook_name.py): never guessed, none for the extension's box."""
+        return notebook_facts(os.environ.get("JPY_SESSION_NAME")) if self.folder is not None else {}
 
     def _runs_dir(self) -> Path | None:
         """The kernel's bundles go beside the notebook ([workspace] runs_dir, under its folder; left out of the
@@ -213,7 +211,7 @@ class NotebookBox:
     def _new_box(self, bundle: Path | None) -> Box:
         box = Box(policy=self.policy, backend=self.backend, workspace=self.box_workspace(), bundle_path=bundle,
                   home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
-        box.mounts_original = self.mounts_original
+        box.mounts_original, box.notebook = self.mounts_original, self.notebook()
         return box
 
     def stop(self, reason: str = "box stopped") -> Path | None:
@@ -277,6 +275,8 @@ class NotebookBox:
                       f"run      {rec.run_id}, its bundle at the end: {b.bundle_path or 'the signer home'}",
                       f"env      {status_line(rec.start_content.get('environment'))}",
                       f"folder   {b.workspace or 'none (an empty workspace)'}"]
+            if self.folder is not None:  # as its box.start signed it (the frontend's text, escaped)
+                lines.append(f"notebook {visible(describe(rec.box))}")
             doors: dict[str, dict[str, int]] = {}
             for (door, decision), n in sorted(rec.counts.items()):
                 doors.setdefault(door, {})[decision] = n

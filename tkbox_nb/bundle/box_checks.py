@@ -30,7 +30,8 @@ BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version",
               "rerun_of",  # a rerun's original run
               "unenforced",  # policy limits the box could not enforce, comma-separated (bwrap with no pids cgroup)
               "memory_limit", "gpus",  # what held memory_mib (memory_limit.py); the GPUs a box was given (gpus.py)
-              "environment")  # the digest of the environment manifest box.start commits to (bundle/environment.py)
+              "environment",  # the digest of the environment manifest box.start commits to (bundle/environment.py)
+              "notebook", "notebook_dropped")  # the kernel's notebook as its frontend named it, or why not recorded
 BOX_OBJECTS = ("mounts",)  # box.start facts that are objects: each dataset mount's target, digest, files, bytes
 SIGNED_SINCE = {"rerun_of": (0, 2, 0)}  # fields a box.start of an older tkbox did not sign (its manifest had them)
 WHOLE_END_REASON_SINCE = (0, 2, 1)  # before, box.stop signed the first 200 characters of a longer end_reason
@@ -158,6 +159,7 @@ def _one_run(s: BoxLayer) -> bool:
     if not report.add("run", len(run_ids) == 1 and b.box.get("run_id") in run_ids,
                       f"box/manifest.json names run {b.box.get('run_id')!r}; records hold {sorted(map(str, run_ids))}"):
         return False
+    report.records = len(s.events)
     for seq in s.events:
         report.record_status[seq] = "valid"
     return True
@@ -361,6 +363,7 @@ def check_box_layer(report: VerifyReport, b: BundleContents) -> None:
         if not check(s):
             return
     n_dec = sum(1 for k in s.disclosed if k[1] == "policy.decision")
+    report.decisions = n_dec
     if all(c.ok for c in report.checks):
         report.add("disclosures", True, f"{len(s.disclosed)} item(s) open their commitments; {n_dec} decision(s) "
                                         "re-derived from the disclosed policy")

@@ -74,6 +74,14 @@ class Run:
         return any(e.get("type") == "run.final" for e in self.records)
 
     @property
+    def notebook(self) -> str | None:
+        """The notebook the run's kernel ran, as its frontend named it (`JPY_SESSION_NAME`, signed in box.start;
+        `verify()` checks the manifest says what was signed), or None: not named, or not recorded
+        (`box["notebook_dropped"]` says why). The frontend's text: escape it to show it (core/visible.py)."""
+        name = self.box.get("notebook")
+        return name if isinstance(name, str) else None
+
+    @property
     def origin(self) -> str:
         """The signing log's origin, from the bundle's checkpoint note (first line)."""
         for name, body in sorted(self._b.files.items()):

@@ -10,6 +10,7 @@ records say. The first failing check is the reason (bundle/verify_report.py).
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 from tkbox_nb.bundle.archive import BundleContents, parse, read_bundle_bytes, read_entries
@@ -52,6 +53,8 @@ def verify_bytes(data: bytes, report: VerifyReport) -> VerifyReport:
         report.add("bundle readable", False, str(e))
         return report
     report.add("bundle readable", True, f"{len(contents.files)} entries")
+    report.signed_by = next((body.split(b"\n", 1)[0].decode("utf-8", "replace")[:200] for name, body in
+                             sorted(contents.files.items()) if re.fullmatch(r"checkpoints/.*\.note", name)), "")
     _tracekit(report, io.BytesIO(data), report.trust_path)
     _box_layer(report, contents)
     report.exit_code = EXIT_VALID if all(c.ok for c in report.checks) else EXIT_INVALID

@@ -25,6 +25,13 @@ def _cmd_verify(a) -> int:
         print(json.dumps(report.as_dict(), indent=1))
     else:
         print(visible_lines(report.summary()))
+        if a.verbose:  # in Tracekit's terms, then each check (Tracekit's within its own) with what it found
+            if report.valid:
+                print(visible_lines(report.detail()))
+            for c in report.checks:
+                print(visible(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}"))
+                for t in report.tracekit if c.name == "tracekit" else ():
+                    print(visible(f"    {str(t.get('status', '?')):4s} {t.get('check')}: {t.get('detail') or ''}"))
         if report.trust_source != "given":
             print(f"(trust: {report.trust_source}, {report.trust_path})", file=sys.stderr)
     if a.inputs and report.valid:  # a signed audit verdict checked against the two bundles it names
@@ -59,6 +66,9 @@ def _cmd_show(a) -> int:
         gpus = f"  {gpu_names(run.box['gpus'])}" if "gpus" in run.box else ""
         print(visible(f"run {run.run_id}  box {run.box.get('box_id', '?')}  backend {run.box.get('backend', '?')} "
                       f"({run.box.get('isolation', '?')}){gpus}") + f"  {len(df)} crossing(s)")
+        if "notebook" in run.box or "notebook_dropped" in run.box:  # a kernel's run: its notebook, as signed
+            from tkbox_nb.rules.notebook_name import describe
+            print(f"notebook {visible(describe(run.box))}")
         from tkbox_nb.audit.verdict import read as read_verdict, summary as verdict_summary
         verdict = read_verdict(run)
         if verdict:
@@ -163,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle")
     v.add_argument("--trust", help="trust config (default: this machine's pinned trust)")
     v.add_argument("--json", action="store_true", help="every check, as JSON")
+    v.add_argument("-v", "--verbose", action="store_true", help="after the verdict in plain words: Tracekit's "
+                   "integrity and assurance, and each check with what it found")
     v.add_argument("--inputs", nargs=2, metavar=("A", "B"), help="a signed audit verdict: check it names these "
                    "two bundles (by digest)")
     v.add_argument("--reaudit", action="store_true", help="with --inputs: audit them again, expecting the same verdict")
