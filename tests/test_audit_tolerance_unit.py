@@ -1,5 +1,5 @@
 """The pure parts of audit tolerances and nbval marks: what a number is, what stays exact, and a hostile output's
-bound (audit_tolerance.numbers_equal, audit_conventions.marks)."""
+bound (tolerance.numbers_equal, conventions.marks)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_a_batch_refuses_a_bad_tolerance_before_any_rerun(tmp_path):
 
 
 def test_cutting_the_common_start_and_end_never_changes_the_answer(monkeypatch):
-    """numbers_equal compares only the middle of two values (audit_tolerance._middle): on many small random pairs,
+    """numbers_equal compares only the middle of two values (tolerance._middle): on many small random pairs,
     with the cut window made tiny so it cuts everywhere it may, its answer is the uncut comparison's."""
     import random
 

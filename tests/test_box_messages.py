@@ -433,7 +433,7 @@ def test_the_frontend_never_sees_the_box_s_headers_parents_or_display_ids():
         "user_expressions": {"asked": {"status": "ok", "data": {"text/plain": "1"}},
                              "not_asked": {"status": "ok", "data": {"text/plain": "2"}}}}))
     wire = rebuilt(reply, dict(host_header, msg_type="execute_reply"), parents, "B1", frozenset({"asked", "lost"}))
-    # only the keys asked: the result kept (rebuilt, and signed by box_kernel), one with none answered as an error
+    # only the keys asked: the result kept (rebuilt, and signed by doors/cell.py), one with none answered as an error
     exprs = wire["content"]["user_expressions"]
     assert set(exprs) == {"asked", "lost"}
     assert exprs["asked"] == {"status": "ok", "data": {"text/plain": "1"}, "metadata": {}}
@@ -514,7 +514,7 @@ def test_the_control_comm_s_update_states_is_sanitised_as_each_widget_s_comm_ope
 
 
 def test_the_widget_key_table_is_ipywidgets_own():
-    """box_widgets.KEYS, checked in, is every standard model's synced keys as the installed ipywidgets defines them
+    """widget_state.KEYS, checked in, is every standard model's synced keys as the installed ipywidgets defines them
     (its Widget subclasses' traits with sync=True, by `_model_name`), links left out."""
     from ipywidgets.widgets.widget import Widget
 

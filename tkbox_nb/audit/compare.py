@@ -72,7 +72,7 @@ class Audit:
     not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
     tolerance: Tolerance = field(default_factory=Tolerance)
     marks: dict[str, tuple[int, int]] = field(default_factory=dict)  # nbval marks: cells per mark in A/B
-    explained: list[str] = field(default_factory=list)  # what else differed between the runs (audit_report.explain)
+    explained: list[str] = field(default_factory=list)  # what else differed between the runs (report.explain)
 
     @property
     def status(self) -> str:
@@ -257,7 +257,7 @@ def _images(run: Run) -> dict[str, bytes]:
 
 def audit(a: str | Path | Run, b: str | Path | Run, sanitizer_file: str | Path | None = None, *,
           rtol: float | None = None, atol: float | None = None, image_tolerance: float | None = None) -> Audit:
-    """Compare two runs (audit_tolerance says what rtol, atol and image_tolerance loosen; the defaults: exact)."""
+    """Compare two runs (tolerance says what rtol, atol and image_tolerance loosen; the defaults: exact)."""
     from tkbox_nb.core.atomic_file import read_capped
     tolerance = Tolerance(rtol or 0.0, atol or 0.0, image_tolerance)  # checked before any bundle is read
     extra: list[tuple[str, str]] = []

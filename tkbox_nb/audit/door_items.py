@@ -48,7 +48,7 @@ class Item:
     seq: int | None
     kind: str  # cell | command | egress | ...
     fields: dict[str, tuple[str, str]]
-    marks: frozenset[str] = frozenset()  # a cell's nbval marks (audit_conventions): its outputs not compared
+    marks: frozenset[str] = frozenset()  # a cell's nbval marks (conventions): its outputs not compared
 
 
 def _field(value: str, large: bool = False) -> tuple[str, str]:

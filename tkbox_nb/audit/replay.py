@@ -124,7 +124,7 @@ def _code(value: Any) -> str:
 
 
 def _shown(items: list) -> tuple[list, list[str]]:
-    """Replayed outputs as the notebook shows them: through the sanitiser live outputs pass (box_outputs), since a
+    """Replayed outputs as the notebook shows them: through the sanitiser live outputs pass (output_sanitiser), since a
     notebook opened in JupyterLab renders them the same way; what it removed or changed is named (`dropped`). The
     audit compares the recorded outputs, unsanitised."""
     from tkbox_nb.rules.output_sanitiser import outputs

@@ -1,7 +1,7 @@
 """The Firecracker backend: each box is a Firecracker micro-VM with no network interface, on a KVM host.
 
 Firecracker is driven through its API socket (httpx over a Unix socket): machine config, boot source (the image's
-kernel as the uncompressed ELF Firecracker boots, made once from its bzImage by kernel_image.py), the image's root
+kernel as the uncompressed ELF Firecracker boots, made once from its bzImage by linux_kernel.py), the image's root
 disk and the box's config disk (both read-only), a vsock device, then InstanceStart. No network interface is ever
 configured, so the guest has none. The door is hybrid vsock: the guest agent connects to CID 2 on DOOR_PORT, and
 Firecracker connects that stream to `<uds_path>_<DOOR_PORT>` on the host, where this process listens before the VM

@@ -320,7 +320,7 @@ class Box:
         return self.exec_door.run(argv, stdin, timeout, cwd, env)
 
     def decide_cell(self, code: str, user_expressions: dict[str, str] | None = None) -> "Crossing":
-        """The exec door for one cell and its user_expressions (decided with its code, box_messages.
+        """The exec door for one cell and its user_expressions (decided with its code, jupyter_messages.
         user_expressions): a signed allow, or DoorRefused (and nothing goes into the box)."""
         self._check_alive()
         expressions = user_expressions_request(user_expressions)

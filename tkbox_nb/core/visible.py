@@ -4,7 +4,8 @@ A path, an op, a reason or a prompt that came from a box (or from a bundle, whoe
 starts a forged row, `\\x1b[1A` moves the cursor up over a real one, a backspace erases, a bidi override reorders,
 a zero-width character hides a difference. Every control character (C0, DEL, C1) and every format character
 (Unicode category Cf: bidi overrides, zero-width ones) is shown as its escape (`\\x1b`, `\\u202e`), the one rule the
-kernel's box prompt (box_outputs.box_prompt, I16) and the CLI (`tkbox apply`, `tkbox show`, every error line) share.
+kernel's box prompt (output_sanitiser.box_prompt, I16) and the CLI (`tkbox apply`, `tkbox show`, every error line)
+share.
 Pure functions; the lowest layer, so anything may use them.
 """
 

@@ -1,7 +1,7 @@
 """The host end of the box's Jupyter kernel: one door stream to a real ipykernel in the box (guest/kernel.py).
 
 Messages in are the frontend's (or `Box.execute`'s), already through the exec door. Messages out are hostile: each
-is decoded by the codec's MessageReader (size limit), checked by `box_messages.check_box_message`, and only then
+is decoded by the codec's MessageReader (size limit), checked by `jupyter_messages.check_box_message`, and only then
 routed: to the cell it belongs to (whose outputs are collected, limited and signed when the cell ends) and to any
 listener (the Tracekit Box kernel, which forwards it to the frontend). A malformed message ends the box.
 
@@ -22,7 +22,7 @@ the box (a cell, a comm message, a shell request; `sent`, the newest `MAX_SENT`)
 signed at the next crossing or as the box stops (`flush_late`, one `comm_fault` record of `msg_type: stray`).
 
 A request's `user_expressions` (decided with the cell's code, box.decide_cell) are evaluated by the box's kernel;
-their results, rebuilt from an allowlist (box_messages), are kept for exactly the keys asked, count against the
+their results, rebuilt from an allowlist (jupyter_messages), are kept for exactly the keys asked, count against the
 cell's output limit, are signed in the cell's end, and the `execute_reply` that carries them is given to the
 listeners only once that end is signed (the messages after it wait behind it, so their order stays).
 """
@@ -127,7 +127,7 @@ class BoxKernel(Door):
         self.cells: dict[str, Cell] = {}
         self.listeners: list[Callable[[BoxMessage], None]] = []
         # the box's comms, opened by its kernel or by the frontend toward it: id -> what the widget is (its model and
-        # view names, box_widgets.widget_kind; REFUSED for a link's), so the state a comm_msg carries is checked for
+        # view names, widget_state.widget_kind; REFUSED for a link's), so the state a comm_msg carries is checked for
         # what it will render
         self.comms: dict[str, str] = {}
         self.requests = _Requests(self)  # the msg_ids of the requests the box was sent: all an Output may capture
@@ -224,7 +224,7 @@ class BoxKernel(Door):
         elif msg_type == "comm_open" or (msg_type == "comm_msg" and comm_id in self.comms):
             known = self.comms.get(comm_id, "") if msg_type == "comm_msg" else ""
             self.comms[comm_id] = widget_kind(known, data.get("state"))
-            if msg_type == "comm_msg" and data.get("method") == "update_states":  # checked: box_widgets.control_states
+            if msg_type == "comm_msg" and data.get("method") == "update_states":  # checked: widget_state.control_states
                 for model_id, entry in data["states"].items():
                     self.comms[model_id] = control_kind(entry, self.comms.get(model_id, ""))
         elif msg_type == "comm_close":
@@ -412,7 +412,7 @@ class BoxKernel(Door):
 class _Requests:
     """The msg_ids of the requests a box was sent (cells running or signed, the newest shell requests: a widget's
     comm_msg, whose handler `interact` runs `with out:`): the only ones an Output widget of the box's may name as its
-    `msg_id` (box_widgets.widget_state). What answers them is the box's (a cell that mixes host magics with box code
+    `msg_id` (widget_state.widget_state). What answers them is the box's (a cell that mixes host magics with box code
     shows its host outputs before the box is sent it)."""
 
     def __init__(self, kernel: BoxKernel):

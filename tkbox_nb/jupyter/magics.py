@@ -73,8 +73,9 @@ def _one_line(fn):
 
 
 def _show(box_id: str, output: dict[str, Any]) -> None:
-    """One box output, shown in place by the host kernel (already checked by box_messages). The box's display ids
-    are namespaced (box_outputs.box_display_id): a box updates only its own displays, never one of this kernel's."""
+    """One box output, shown in place by the host kernel (already checked by jupyter_messages). The box's display ids
+    are namespaced (output_sanitiser.box_display_id): a box updates only its own displays, never one of this
+    kernel's."""
     from IPython.display import display
     t = output["output_type"]
     if t == "stream":

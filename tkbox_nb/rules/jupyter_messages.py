@@ -153,7 +153,7 @@ def _mimebundle(data: Any, what: str, dropped: list[str]) -> dict:
 def check_box_message(raw: Any, comms: dict[str, str] | None = None,
                       requests: Container[str] = ()) -> BoxMessage | None:
     """The checked message, or None when its type is not one a kernel sends on its channel (dropped whole).
-    `comms`: what each comm of the box is (`box_widgets.widget_kind`), for the widget state a comm_msg carries;
+    `comms`: what each comm of the box is (`widget_state.widget_kind`), for the widget state a comm_msg carries;
     `requests`: the msg_ids of the requests the box was sent (the only ones an Output widget may capture)."""
     obj = _dict(raw, "message")
     if set(obj) != MESSAGE_KEYS:

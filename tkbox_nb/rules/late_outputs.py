@@ -2,7 +2,7 @@
 print, a display update), as a plain ipykernel would show it under that cell.
 
 Nothing of it reaches the frontend unsigned: doors/cell.py holds each late output here (already checked and
-sanitised by box_messages, as a cell's outputs are), and signs the outputs held for a cell as one record (exec, kind
+sanitised by jupyter_messages, as a cell's outputs are), and signs the outputs held for a cell as one record (exec, kind
 `late_output`, naming the cell's decision by its seq) at most every `FLUSH_S`, or at the next crossing, or as the box
 stops, whichever comes first; only then are they forwarded. The box gets no unbounded way to make records: per cell
 at most `MAX_CELL_MESSAGES` messages and `MAX_CELL_BYTES` of outputs are kept, per box `MAX_BOX_MESSAGES`; past

@@ -18,12 +18,12 @@ state from the box before the frontend sees it:
 - A Style or Layout model's values are CSS the frontend sets on an element: one naming a CSS function other than
   colours and arithmetic (`url(...)`, `image-set(...)`), or with a CSS escape, is dropped, as a browser would fetch
   its URL with no click, past the egress door.
-- As before: an HTML or HTMLMath widget's `value` is sanitised as HTML outputs are (box_outputs.clean_html), every
+- As before: an HTML or HTMLMath widget's `value` is sanitised as HTML outputs are (output_sanitiser.clean_html), every
   `description_allow_html` is off, an Output widget's `outputs` go through the mimebundle allowlist, no `format:
   "url"` stays, and no binary buffer sets a key the host checks (`widget_buffers`).
 
 Pure functions of their input; which widget a comm message updates, and which requests the box was sent, come from
-the caller (box_kernel tracks the box's comms, `widget_kind`).
+the caller (doors/cell.py tracks the box's comms, `widget_kind`).
 """
 
 from __future__ import annotations

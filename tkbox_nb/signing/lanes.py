@@ -308,7 +308,7 @@ def together(fn: Callable[[Any], Any], items: list, limit: int = LIMIT) -> list:
 
 def lanes_for(signer, run_id: str, run_token: str, client) -> RunLanes:
     """The lanes of a run that `client` registered or adopted. Where the signer has a lane client of its own (the
-    machine signer's Unix socket, signer_lanes.DirectClient) every lane uses one and `client` is closed; else (the
+    machine signer's Unix socket, lanes.DirectClient) every lane uses one and `client` is closed; else (the
     central signer, over HTTPS) lanes are Tracekit clients and `client` is the first."""
     if hasattr(signer, "lane_client"):
         client.close()

@@ -304,7 +304,7 @@ class RunRecorder(RunBounds):
         return True
 
     def decide_many(self, items: list[tuple[str, str, dict[str, Any], dict[str, bytes] | None]]) -> list[Crossing]:
-        """Decide crossings that are ready together, (door, kind, facts, content) each, up to signer_lanes.LIMIT at
+        """Decide crossings that are ready together, (door, kind, facts, content) each, up to lanes.LIMIT at
         once so the signer writes their records under one fsync. Each is `decide` on its own: its own statement, its
         own signed decision (never one shared with another crossing), durable before it is returned. In the order
         given."""

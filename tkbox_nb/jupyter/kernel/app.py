@@ -3,7 +3,7 @@
 To the frontend (JupyterLab, Notebook 7, VS Code, nbclient) this is a kernel like any other: it binds the five
 sockets of its connection file and signs with the frontend's key. Behind it is the notebook's box and, in the box, a
 real ipykernel (guest/kernel.py); messages pass through the door stream, and every one from the box has been checked
-(box_messages) before it is re-signed here with the frontend's key, which the box never learns.
+(jupyter_messages) before it is re-signed here with the frontend's key, which the box never learns.
 
 What happens to each request from the frontend:
 - execute_request: one at a time, in order (cells.py); host-side magics (notebook_box) are done here; any other code
@@ -320,7 +320,7 @@ class TkboxKernel:
         message the host sent into the box under its parent's id; under any other parent, dropped and counted."""
         t, parent = msg.msg_type, msg.parent_id
         front = self.parents.get(parent).get("msg_id")  # what the frontend knows this request as
-        if front is None:  # box_kernel lets through only ids the host sent; one past Parents' limit ends here
+        if front is None:  # doors/cell.py lets through only ids the host sent; one past Parents' limit ends here
             if self.box_kernel is not None:
                 self.box_kernel.stray()
             return

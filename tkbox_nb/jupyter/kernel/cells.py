@@ -9,8 +9,8 @@ before it. With `stop_on_error` (the default), a cell that ends in error aborts 
 A host magic that raises anything still ends its cell: an `execute_reply` with status `error` and the exception's
 name and message, its traceback on the kernel's stderr, and `idle`.
 
-A request's `user_expressions` are read strictly first (box_messages.user_expressions_request: text, at most 64, each
-within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
+A request's `user_expressions` are read strictly first (jupyter_messages.user_expressions_request: text, at most 64,
+each within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
 nothing. They go to the box with the cell's code, decided with it; a cell that is only host magics evaluates none
 (each is answered `NotEvaluated`, relay.unevaluated).
 """

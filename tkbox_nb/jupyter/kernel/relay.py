@@ -3,8 +3,8 @@
 The box is hostile, and its headers are read by the frontend's client: jupyter_client parses a header's `date`, so a
 date the box made up (`2024-13-45`) would crash nbclient, papermill or nbval. So the frontend never sees the box's
 headers: each forwarded message gets a header made here (the host's msg_id, session, username, date and protocol
-version; only the `msg_type`, checked by box_messages, is the box's), and as parent the stored header of the frontend
-request the box's parent names: the box can neither break a client nor invent a parent.
+version; only the `msg_type`, checked by jupyter_messages, is the box's), and as parent the stored header of the
+frontend request the box's parent names: the box can neither break a client nor invent a parent.
 
 Nor does the box ever see the frontend's headers, so it cannot name the frontend's other requests (a host cell's
 `%box_status`, whose jupyter_client msg_id `<session>_<pid>_<counter>` is easy to guess): each request, comm message
@@ -14,7 +14,7 @@ them is dropped and counted (doors/cell.py), never forwarded.
 
 A box's display ids are namespaced (`tkbox-BOX_ID-ID`), so an `update_display_data` from the box updates only that
 box's own displays, never the host's (the run view) nor another box's. An `execute_reply`'s `user_expressions` are
-the results the host kept and signed (box_kernel: rebuilt from an allowlist by box_messages, for exactly the keys
+the results the host kept and signed (doors/cell.py: rebuilt from an allowlist by jupyter_messages, for exactly the keys
 sent, in the cell's signed end), and only for the keys the frontend asked for; a key with no result there is
 answered as an error (`unevaluated`), never with anything else of the box's.
 """
@@ -36,7 +36,7 @@ MAX_PARENTS = 4096  # requests sent into the box whose frontend headers are kept
 HOST_CELL = "not evaluated: this cell ran only host-side magics, nothing in the box"
 
 
-NOTICE_MIME = "application/vnd.tkbox.notice+json"  # never passes the box's mimebundle allowlist (box_outputs.INERT)
+NOTICE_MIME = "application/vnd.tkbox.notice+json"  # never passes the box's mimebundle allowlist (INERT)
 NOTICE_STYLE = ("border-left:4px solid #c77700;background:#fff4e0;color:#222;padding:2px 8px;"
                 "font-family:monospace;white-space:pre-wrap")
 
@@ -86,7 +86,7 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
             asked: frozenset[str] | None = None) -> dict[str, Any]:
     """The message the frontend gets for `msg`: `header` made on the host (its msg_type the box's), the parent the
     frontend sent, the box's display ids namespaced, the user expressions asked for answered with the signed results
-    (box_kernel set them in the reply), any other key dropped."""
+    (doors/cell.py set them in the reply), any other key dropped."""
     content = msg.content
     if msg.msg_type in ("display_data", "update_display_data"):
         transient = content.get("transient")
@@ -106,7 +106,7 @@ def rebuilt(msg: BoxMessage, header: dict, parents: Parents, box_id: str,
 
 
 def output_ids_for_frontend(content: dict, parents: Parents) -> dict:
-    """`content` of a checked widget message with each Output widget's `msg_id` (box_widgets let through only ids of
+    """`content` of a checked widget message with each Output widget's `msg_id` (widget_state let through only ids of
     requests the box was sent, which are the host's ids toward the box) named as the frontend knows that request, so
     `with out:` still captures its outputs in the page; an id the host no longer maps becomes "" (capture nothing)."""
     data = content.get("data")
