@@ -9,7 +9,11 @@ What is compared, each in run order and each difference naming the crossing's re
   timeout, exit status (or the kill, or the end of the box under it), stdout and stderr (sanitized like cell outputs;
   by digest with a short diff when large);
 - egress destinations and decisions, secrets used (names only), host magics, model calls (request and response by
-  digest), and the patch (each file's last decision and content digest, by path).
+  digest), and the patch (each file's last decision and content digest, by path);
+- the environment the box started with (its signed manifest: the interpreter, each distribution by name, version and
+  files digest, each Debian package) and what the package door let in during the run (each project's page and
+  files: version, file, sha256, decision, paired by project), each difference named package by package
+  (audit/packages.py).
 
 Counted and named in the coverage line but not compared (NOT_COMPARED): the host magics a rerun does not make again
 (replay.RERUN_SKIPS: %box_bundle, %box_view, %box_restart, %box_secret), and the exec door's comm messages (widget
@@ -34,6 +38,7 @@ from tkbox_nb.audit.conventions import describe as describe_marks
 from tkbox_nb.audit.tolerance import Tolerance, image_lookup
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.audit.door_items import Item, _field, _one, item_of
+from tkbox_nb.audit.packages import environment_field
 from tkbox_nb.audit.replay import RERUN_SKIPS, _outputs, late_outputs
 from tkbox_nb.bundle.read_back import Crossing, Run, open_run
 from tkbox_nb.rules.door_table import BOX, EXEC, HOST, TABLE, Door
@@ -92,7 +97,7 @@ class Audit:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
         left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
         nbval = describe_marks(self.marks)
-        return f"compared (crossings in A/B): {doors}; the starting policy, workspace and mounts" + \
+        return f"compared (crossings in A/B): {doors}; the starting policy, workspace, mounts and environment" + \
             (f"; not compared: {left}" if left else "") + (f"; {nbval}" if nbval else "") + \
             f"; tolerance: {self.tolerance.describe()}"
 
@@ -173,7 +178,7 @@ def facts(run: Run, extra: list[tuple[str, str]], table: tuple[Door, ...] = TABL
     out[BOX] = [Item(seq0, BOX, {
         "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
         "workspace": _workspace(((start.args if start else None) or {}).get("workspace_digest")),
-        **_mounts(run, start)})]
+        **_mounts(run, start), "environment": environment_field(run)})]
     late = late_outputs(run)
     for c in run.crossings():
         a, door = c.args or {}, next((d for d in doors if d.name == c.door), None)
@@ -226,6 +231,9 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]], tolerance: Tol
     diffs = []
     for section in fa:
         xa, xb = fa[section], fb[section]
+        if any(it.key is not None for it in xa + xb):  # compared key by key (a project), each key's in order
+            diffs += _by_key(section, xa, xb)
+            continue
         pos = (lambda i: "") if section == BOX else (lambda i: f" #{i + 1}")
         for i in range(max(len(xa), len(xb))):
             ia = xa[i] if i < len(xa) else None
@@ -245,6 +253,27 @@ def compare(fa: dict[str, list[Item]], fb: dict[str, list[Item]], tolerance: Tol
                     diff = _short_diff(va, vb) if (shown_a != va or shown_b != vb) else ""
                     notes = tolerance.notes.get((sa, sb, label), []) if tolerance else []
                     diffs.append(Difference(f"{label}{pos(i)}", shown_a, shown_b, label, sa, sb, diff, notes, va, vb))
+    return diffs
+
+
+def _by_key(section: str, xa: list[Item], xb: list[Item]) -> list[Difference]:
+    """The differences of a section whose items have keys (the package door's, by project): the keys in name order,
+    each key's items paired in run order; one run's item with no partner is a difference of its own. Each is named
+    `SECTION KEY` (and `#n` past a key's first item), its whole values kept for the readable report."""
+    keys: dict[str, tuple[list[Item], list[Item]]] = {}
+    for which, items in ((0, xa), (1, xb)):
+        for it in items:
+            keys.setdefault(str(it.key), ([], []))[which].append(it)
+    diffs = []
+    for key in sorted(keys):
+        ka, kb = keys[key]
+        for i in range(max(len(ka), len(kb))):
+            ia, ib = (ka[i] if i < len(ka) else None), (kb[i] if i < len(kb) else None)
+            va, sa_ = next(iter(ia.fields.values())) if ia else ("", "(none)")
+            vb, sb_ = next(iter(ib.fields.values())) if ib else ("", "(none)")
+            if va != vb:
+                diffs.append(Difference(f"{section} {key}" + (f" #{i + 1}" if i else ""), sa_, sb_, section,
+                                        ia.seq if ia else None, ib.seq if ib else None, value_a=va, value_b=vb))
     return diffs
 
 

@@ -2,7 +2,8 @@
 shown value), after sanitizing volatile values.
 
 The doors and their audit sections are the door table's (rules/door_table.py); `ITEMS` holds the doors whose
-crossings are read by a function of their own here (a cell's outputs, a command's streams, a model call's digests),
+crossings are read by a function of their own here (a cell's outputs, a command's streams, a model call's digests,
+a package's version and sha256, compared by project: its items carry a `key`),
 and a door of the table without one is compared by the facts the table names for it (`table_item`), so a new door is
 compared, one line per crossing, from the moment it is in the table. `compare.py` walks a run's crossings with them.
 """
@@ -21,7 +22,8 @@ from typing import Any
 from tkbox_nb.audit.conventions import marks
 from tkbox_nb.audit.replay import _outputs, user_expressions
 from tkbox_nb.bundle.read_back import Crossing, Run
-from tkbox_nb.rules.door_table import EGRESS, EXEC, HOST, MODEL, PATCH, SECRETS, TABLE, Door
+from tkbox_nb.audit.packages import package_shown, package_value
+from tkbox_nb.rules.door_table import EGRESS, EXEC, HOST, MODEL, PACKAGES, PATCH, SECRETS, TABLE, Door
 
 SECTION = {d.name: str(d.audit) for d in TABLE}  # each door's section of the audit's facts, and its items' kind
 LARGE = 400  # a sanitized stdout, stderr or outputs longer than this is shown by digest with a short diff
@@ -49,6 +51,7 @@ class Item:
     kind: str  # cell | command | egress | ...
     fields: dict[str, tuple[str, str]]
     marks: frozenset[str] = frozenset()  # a cell's nbval marks (conventions): its outputs not compared
+    key: str | None = None  # set: compared with the other run's items of the same key (a project), not by position
 
 
 def _field(value: str, large: bool = False) -> tuple[str, str]:
@@ -205,6 +208,16 @@ def _patch_item(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[
         + [f"{c.decision} ({a.get('rule')}) {a.get('content', '')}"]))
 
 
+def _packages_item(run: Run, c: Crossing, extra: list[tuple[str, str]], late: dict[int, list[str]]) -> Item | None:
+    """A project's index page or one of its files, compared by project (audit/packages.py names how they differ)."""
+    a = c.args or {}
+    if a.get("kind") not in ("project", "file"):
+        return None
+    value = package_value(str(a.get("kind")), a, c.decision)
+    return Item(c.seq, SECTION[PACKAGES], {SECTION[PACKAGES]: (value, package_shown(value))},
+                key=str(a.get("project", ""))[:200])
+
+
 def table_item(door: Door, c: Crossing) -> Item:
     """A crossing of a door with no reader of its own here: its kind, the facts the table names, its decision."""
     a = c.args or {}
@@ -214,7 +227,7 @@ def table_item(door: Door, c: Crossing) -> Item:
 
 Reader = Callable[[Run, Crossing, list[tuple[str, str]], dict[int, list[str]]], "Item | None"]
 ITEMS: dict[str, Reader] = {EXEC: _exec_item, EGRESS: _egress_item, SECRETS: _secrets_item, HOST: _host_item,
-                            MODEL: _model_item, PATCH: _patch_item}
+                            MODEL: _model_item, PATCH: _patch_item, PACKAGES: _packages_item}
 if set(ITEMS) - {d.name for d in TABLE}:  # a reader of a door the table no longer has
     raise RuntimeError(f"audit/door_items.py reads doors not in the door table: {sorted(set(ITEMS) - set(SECTION))}")
 

@@ -154,6 +154,12 @@ def readable(d) -> list[str]:
             return _diff(va, vb)
     if d.kind in ("command stdout", "command stderr", "cell user_expressions"):
         return _diff(va, vb)
+    if d.kind == "environment":
+        from tkbox_nb.audit.packages import environment_changes
+        return environment_changes(va, vb)
+    if d.kind == "packages":
+        from tkbox_nb.audit.packages import package_changes
+        return package_changes(d.value_a, d.value_b)
     if d.kind == "patch":
         return [f"file {_path(va) or _path(vb)}: A {d.a[:160]}, B {d.b[:160]}"]
     return []

@@ -217,13 +217,33 @@ class Run:
 
     @property
     def environment(self):
-        """What the box ran, one row per item (kind python, distribution, debian: name, version, location, digest);
-        empty for a run that recorded none. `environment_manifest()` has the whole manifest."""
+        """What the box ran, one row per item (kind python, distribution, debian: name, version, location, digest),
+        then one per file installed during the run (kind installed: the project, its version, the file and its
+        sha256; `installs` has them all, refused ones too); empty for a run that recorded none.
+        `environment_manifest()` has the whole manifest."""
         import pandas as pd
 
         from tkbox_nb.bundle.environment import COLUMNS as ENV_COLUMNS, rows
+        from tkbox_nb.bundle.installs import environment_rows, rows as install_rows
         m = self.environment_manifest()
-        return pd.DataFrame(rows(m) if m else [], columns=ENV_COLUMNS).astype("string")
+        got = (rows(m) if m else []) + environment_rows(install_rows(self.crossings()))
+        return pd.DataFrame(got, columns=ENV_COLUMNS).astype("string")
+
+    @property
+    def installs(self):
+        """What came into the box through the package door during the run (bundle/installs.py): one row per file
+        decided (project, version, filename, sha256 as the index stated it, got_sha256 of the bytes, size, source
+        `index` or `cache`, decision, rule) and per project refused before any file, from the signed crossings."""
+        import pandas as pd
+
+        from tkbox_nb.bundle.installs import COLUMNS as INSTALL_COLUMNS, rows as install_rows
+        df = pd.DataFrame(install_rows(self.crossings()), columns=INSTALL_COLUMNS)
+        df["seq"] = df["seq"].astype("int64")
+        df["size"] = df["size"].astype("int64")
+        for col in INSTALL_COLUMNS[1:]:
+            if col != "size":
+                df[col] = df[col].astype("string")
+        return df
 
     def to_notebook(self):
         """The run as a notebook: each cell's code and recorded outputs, host magics as host events

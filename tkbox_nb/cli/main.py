@@ -81,12 +81,14 @@ def _cmd_show(a) -> int:
 def _show_environment(run, fmt: str) -> int:
     """`tkbox show --environment`: the manifest the box.start committed to (unverified: `tkbox verify` checks it)."""
     from tkbox_nb.bundle.environment import summary
+    from tkbox_nb.bundle.installs import rows as install_rows, summary as installs_summary
     m = run.environment_manifest()
-    if m is None:
+    installs = install_rows(run.crossings())
+    if m is None and not installs:
         print(visible(f"run {run.run_id}: no environment recorded (made before tkbox recorded environments)"))
         return 0
-    if fmt == "json":
-        print(json.dumps(m, indent=1, sort_keys=True))
+    if fmt == "json":  # the manifest as signed at start, and what the package door decided during the run
+        print(json.dumps(dict(m or {}, installed_during_run=installs), indent=1, sort_keys=True))
         return 0
     df = run.environment
     for col in df.columns:
@@ -95,9 +97,14 @@ def _show_environment(run, fmt: str) -> int:
         sys.stdout.write(df.to_csv(index=False))
         return 0
     import pandas as pd
-    print(visible(f"run {run.run_id}  backend {m['backend']}  image {m['image_digest']}: {summary(m)}"))
+    head = summary(m) if m else "no environment recorded at start"
+    print(visible(f"run {run.run_id}  backend {(m or {}).get('backend', '?')}  image "
+                  f"{(m or {}).get('image_digest', '?')}: {head}"))
     with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 80):
         print(df.to_string(index=False))
+        if installs:
+            print(visible(f"package door: {installs_summary(installs)}"))
+            print(visible_lines(run.installs.drop(columns=["got_sha256"]).to_string(index=False)))
     return 0
 
 

@@ -55,7 +55,10 @@ def environment_line(run: Run) -> str:
         m = run.environment_manifest()
     except TkboxError as e:
         return f"unreadable: {e}"
-    return "not recorded (a run made before tkbox recorded environments)" if m is None else env_summary(m)
+    from tkbox_nb.bundle.installs import rows, summary as installs_summary
+    during = installs_summary(rows(run.crossings()))
+    line = "not recorded (a run made before tkbox recorded environments)" if m is None else env_summary(m)
+    return f"{line}; {during}" if during else line
 
 
 def summary_html(s: dict[str, Any]) -> str:
