@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from . import (bench_audit, bench_batch, bench_box, bench_egress, bench_environment, bench_gpu, bench_jobs,
-               bench_kernel, bench_load, bench_mounts, bench_patch, bench_signer)
+               bench_kernel, bench_load, bench_mounts, bench_packages, bench_patch, bench_signer)
 
 TARGETS = {"signer": bench_signer.main, "box": bench_box.main, "kernel": bench_kernel.main,
            "egress": bench_egress.main, "patch": bench_patch.main,
            "load": bench_load.main, "batch": bench_batch.main, "mounts": bench_mounts.main,
            "environment": bench_environment.main, "audit": bench_audit.main, "gpu": bench_gpu.main,
-           "jobs": bench_jobs.main}
+           "jobs": bench_jobs.main, "packages": bench_packages.main}
 
 
 def main(argv: list[str] | None = None) -> int:

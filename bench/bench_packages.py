@@ -1,0 +1,158 @@
+"""Installing packages through the package door (doors/packages.py) against pip straight from the index, and what
+recording the environment costs a warm box start. Needs root (a network namespace for the index, testnet).
+
+The same 20 small wheels, built here (pure Python, fixed times: the same bytes each run), are served as a PEP 503
+index from a network namespace (198.18.38.0/24). In the same run, alternating round by round so the machine's load
+falls on each alike, pip installs all 20 in one command:
+- straight from the index, on the host (`--target` a fresh directory, no pip cache);
+- from a bubblewrap box, through the door with its host cache emptied first (every page and file from the index,
+  each file hashed, decided and signed);
+- from the same box again with the door's cache warm (pages still read from the index, files from the cache).
+- on the host from a local directory of the same wheels, no index at all (`--no-index --find-links`): what pip
+  itself costs, the floor under any of the others.
+Targets: through the door <= 1.5x the direct install; from the warm cache <= 0.7x. Then the environment manifest of
+a warm box start (bundle/environment.box_environment, its cache warm), against its target of 20 ms.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from tkbox_nb import Box, Policy, open_run
+from tkbox_nb.backends.bwrap import BwrapBackend
+from tkbox_nb.bundle.environment import box_environment
+from tkbox_nb.rules.door_table import PACKAGES
+from tkbox_nb.signing.signer import MachineSigner
+from tests.testnet import NamespaceNet, available
+
+NET_INDEX = 38  # 198.18.38.0/24: no test module uses it
+WHEELS = 20
+ROUNDS = 3
+PIP = ["-m", "pip", "install", "--no-cache-dir", "--no-color", "--disable-pip-version-check", "--no-input",
+       "--no-deps"]
+
+
+def wheel(name: str, version: str, module: str) -> bytes:
+    """A pure-Python wheel (module, METADATA, WHEEL, RECORD), with fixed times: the same bytes each time."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": module.encode(),
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-bench\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()}"
+                     f",{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
+    files[f"{info}/RECORD"] = record.encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, data in files.items():
+            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), data)
+    return out.getvalue()
+
+
+def publish(net: NamespaceNet) -> list[str]:
+    """The 20 projects, each a page linking its wheel with its sha256; their names."""
+    names = []
+    for i in range(WHEELS):
+        name = f"benchpkg{i:02d}"
+        data = wheel(name, "1.0", f"VALUE = {i}\nTABLE = {list(range(200 + i))!r}\n")
+        filename = f"{name}-1.0-py3-none-any.whl"
+        net.add_file(f"files/{filename}", data)
+        net.add_file(f"simple/{name}/index.html", (
+            f'<!DOCTYPE html><html><body><a href="../../files/{filename}#sha256={hashlib.sha256(data).hexdigest()}">'
+            f"{filename}</a></body></html>").encode())
+        names.append(name)
+    return names
+
+
+def _direct(url: str, names: list[str], target: Path) -> float:
+    env = dict(os.environ, PIP_CONFIG_FILE="/dev/null", NO_PROXY="*")
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, *PIP, "--index-url", url, "--trusted-host", url.split("/")[2].split(":")[0],
+                        "--target", str(target), *names], capture_output=True, env=env, timeout=600)
+    took = time.perf_counter() - t
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    return took
+
+
+def _floor(files: Path, names: list[str], target: Path) -> float:
+    """pip installing the same wheels from a local directory, no index at all: what pip itself costs."""
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, *PIP, "--no-index", "--find-links", str(files), "--target", str(target),
+                        *names], capture_output=True, env=dict(os.environ, PIP_CONFIG_FILE="/dev/null"), timeout=600)
+    took = time.perf_counter() - t
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    return took
+
+
+def _boxed(box: Box, names: list[str], target: str) -> float:
+    t = time.perf_counter()
+    r = box.run(["python3", *PIP, "--target", target, *names], timeout=600)
+    took = time.perf_counter() - t
+    assert r.exit_code == 0, r.stderr.decode()[-800:]
+    return took
+
+
+def main(n: int | None = None) -> None:
+    ok, why = available()
+    if not ok:
+        print(f"packages: skipped ({why})")
+        return
+    rounds = n or ROUNDS
+    home = Path(tempfile.mkdtemp(prefix="tkb-bench-pkg-", dir="/tmp"))
+    signer = MachineSigner(home).ensure()
+    work = Path(tempfile.mkdtemp(prefix="tkb-bench-pip-", dir="/tmp"))
+    try:
+        with NamespaceNet(index=NET_INDEX) as net:
+            names = publish(net)
+            local = work / "wheels"
+            shutil.copytree(net.root / "www" / "files", local)
+            url = f"http://{net.web}:8080/simple/"
+            policy = Policy.from_toml(f'[packages]\nindex = ["{url}"]\nallow = ["benchpkg*"]\n')
+            direct, cold, warm, floor = [], [], [], []
+            with Box(backend="bwrap", policy=policy, home=home, bundle_path=home / "packages.tkb") as box:
+                _boxed(box, names[:1], "/tmp/first")  # the first pip in a box pays for its imports' page cache
+                for i in range(rounds):
+                    direct.append(_direct(url, names, work / f"direct-{i}"))
+                    shutil.rmtree(home / "packages", ignore_errors=True)  # every file from the index again
+                    cold.append(_boxed(box, names, f"/tmp/cold-{i}"))
+                    warm.append(_boxed(box, names, f"/tmp/warm-{i}"))
+                    floor.append(_floor(local, names, work / f"floor-{i}"))
+            files = sum(1 for c in open_run(home / "packages.tkb").crossings()
+                        if c.door == PACKAGES and (c.args or {}).get("kind") == "file" and c.decision == "allow")
+        d, c, w = statistics.median(direct), statistics.median(cold), statistics.median(warm)
+        print(f"packages: {WHEELS} wheels in one pip install, same index, same run, median of {rounds} "
+              f"({files} files signed allowed)")
+        print(f"  pip straight from the index (host): {d:6.2f} s")
+        print(f"  through the door, cache empty     : {c:6.2f} s   ratio {c / d:.2f} (target <= 1.5; round by round "
+              f"{', '.join(f'{x / y:.2f}' for x, y in zip(cold, direct))})")
+        print(f"  through the door, cache warm      : {w:6.2f} s   ratio {w / d:.2f} (target <= 0.7; round by round "
+              f"{', '.join(f'{x / y:.2f}' for x, y in zip(warm, direct))})")
+        print(f"  (pip from local files, no index:   {statistics.median(floor):6.2f} s, ratio "
+              f"{statistics.median(floor) / d:.2f}: what pip itself costs, a floor for any door)")
+        backend = BwrapBackend()
+        box_environment(backend, home)  # the first start computes it; a warm start reads the cache
+        times = []
+        for _ in range(50):
+            t = time.perf_counter()
+            box_environment(backend, home)
+            times.append((time.perf_counter() - t) * 1000)
+        print(f"  environment manifest, warm start  : {statistics.median(times):6.2f} ms median, {max(times):.2f} ms "
+              f"max of 50 (target <= 20 ms)")
+    finally:
+        signer.stop()
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else None)
