@@ -142,6 +142,26 @@ def test_a_file_is_decided_on_its_hash_its_size_and_the_runs_bytes():
     assert decide("what", **ok).rule == "packages.kind"
 
 
+def test_the_host_the_door_reached_is_decided_on_its_name_and_every_address_of_its_lookup():
+    """verify re-derives the door's refusal from the stated answer: one refused address refuses it, in any form."""
+    ok = {"project": "numpy", "source": "index", "host": "pypi.example.org", "addresses": ["151.101.0.223"],
+          "address": "151.101.0.223", "files": 1}
+    assert decide("project", **ok).allowed
+    for addresses, rule in ((["151.101.0.223", "127.0.0.1"], "packages.always"),
+                            (["::ffff:169.254.169.254"], "packages.always"), (["10.1.2.3"], "packages.always"),
+                            (["198.18.0.9"], "packages.special"), (["not an address"], "packages.resolve"),
+                            ("151.101.0.223", "packages.resolve")):
+        assert decide("project", **{**ok, "addresses": addresses}).rule == rule, addresses
+    assert decide("project", **{**ok, "host": "metadata.google.internal"}).rule == "packages.always"
+    assert decide("project", **{**ok, "address": "127.0.0.1"}).rule == "packages.resolve"  # dialled unchecked
+    assert decide("project", **{k: v for k, v in ok.items() if k != "host"}).rule == "packages.host"
+    opened = Policy.from_toml('[packages]\nindex = ["https://pypi.example.org/simple/"]\nallow = ["*"]\n'
+                              'allow_cidrs = ["198.18.0.0/15", "127.0.0.0/8"]\n')
+    facts = {"door": "packages", "kind": "project", **ok}
+    assert opened.decide({**facts, "addresses": ["198.18.0.9"], "address": "198.18.0.9"}).allowed
+    assert opened.decide({**facts, "addresses": ["127.0.0.1"], "address": "127.0.0.1"}).rule == "packages.always"
+
+
 @pytest.mark.parametrize("body, why", [
     ('index = ["pypi.org/simple"]', "must be an http:// or https:// URL"),
     ('index = ["https://user:token@pypi.example.org/simple/"]', "must not carry a user name or password"),
@@ -152,6 +172,8 @@ def test_a_file_is_decided_on_its_hash_its_size_and_the_runs_bytes():
     ("max_file_bytes = 0", "packages.max_file_bytes must be from 1"),
     ("max_total_bytes = -1", "packages.max_total_bytes must be from 1"),
     ("mirror = true", "unknown key packages.mirror"),
+    ('allow_cidrs = ["198.18.0.0/33"]', "packages.allow_cidrs entry"),
+    ('nameservers = ["dns.example.org"]', "packages.nameservers entry"),
 ])
 def test_a_bad_packages_section_is_one_line_naming_it(body, why):
     with pytest.raises(PolicyError, match=why) as e:

@@ -10,6 +10,7 @@ import http.server
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -77,8 +78,11 @@ def index():
         yield n
 
 
+OPEN_TEST_NET = 'allow_cidrs = ["198.18.0.0/15"]\n'  # the test network's range is special-purpose (benchmarking)
+
+
 def policy(net: NamespaceNet) -> Policy:
-    return Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\n'
+    return Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\n{OPEN_TEST_NET}'
                             f'allow = ["TinyPkg", "BigPkg*", "badpkg", "hostpkg"]\nmax_file_bytes = {MAX_FILE}\n')
 
 
@@ -194,7 +198,7 @@ def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         hostile = Policy.from_toml(f'[packages]\nindex = ["http://{index.gateway}:{server.server_port}/simple/"]\n'
-                                   'allow = ["*"]\ntimeout_s = 1\n')
+                                   'allow = ["*"]\ntimeout_s = 1\n' + OPEN_TEST_NET)
         with Box(backend="bwrap", policy=hostile, home=private_signer.home, bundle_path=tmp_path / "h.tkb") as b:
             for project in ("redirpkg", "silentpkg", "stallpkg"):
                 assert pip(b, project).exit_code != 0, project
@@ -210,3 +214,52 @@ def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused
     cache = private_signer.home / "packages"
     assert not (cache / "files").exists() and list((cache / "tmp").iterdir()) == []  # nothing half kept
     assert verify_bundle(tmp_path / "h.tkb", trust_path(private_signer.home)).valid
+
+
+@pytest.fixture
+def loopback_listener():
+    """A service on the host's loopback: the package door must never connect to it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("where, why", [
+    ("http://127.0.0.1:{port}/simple/", "127.0.0.1 is loopback"),
+    ("http://169.254.169.254/simple/", "169.254.169.254 is cloud metadata"),
+    ("http://meta.tkb.test:8080/simple/", "169.254.169.254 is cloud metadata"),  # a name that resolves there
+    ("http://localhost:{port}/simple/", "localhost is a local or cloud metadata name"),  # never even looked up
+    ("http://198.18.37.2:8080/simple/", "198.18.37.2 is benchmarking (allow it with packages.allow_cidrs)"),
+])
+def test_an_index_at_a_private_or_metadata_address_is_refused_signed_and_never_connected_to(
+        signer, index, tmp_path, loopback_listener, where, why):
+    url = where.format(port=loopback_listener.getsockname()[1])
+    opened = "" if "198.18.37.2" in url else OPEN_TEST_NET  # even with the test range open, these are refused
+    bad = Policy.from_toml(f'[packages]\nindex = ["{url}"]\nallow = ["*"]\nnameservers = ["{index.web}"]\n{opened}')
+    with Box(backend="bwrap", policy=bad, bundle_path=tmp_path / "m.tkb") as b:
+        r = pip(b, "tinypkg")
+        assert r.exit_code != 0
+    with pytest.raises(socket.timeout):
+        loopback_listener.accept()  # nothing connected to the host's loopback
+    [row] = package_rows(tmp_path / "m.tkb")
+    assert row.decision == "deny" and row.args["kind"] == "project" and why in row.args["verdict_reason"]
+    assert row.args["rule"] == ("packages.special" if not opened else "packages.always") and row.rule_ids
+    assert "source" not in row.args and "files" not in row.args  # nothing fetched, nothing served
+    assert row.args["index"] == url and row.args["address"] == ""
+    assert verify_bundle(tmp_path / "m.tkb").valid
+
+
+def test_an_index_named_by_a_host_name_is_reached_only_at_the_address_the_door_resolved(signer, index, tmp_path):
+    """web.tkb.test is known only to the policy's nameserver (in the test namespace): httpx looking it up again
+    with the system resolver would fail, so an install shows the door dialled the address it checked."""
+    named = Policy.from_toml(f'[packages]\nindex = ["http://web.tkb.test:8080/simple/"]\nallow = ["tinypkg"]\n'
+                             f'nameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=named, bundle_path=tmp_path / "n.tkb") as b:
+        r = pip(b, "tinypkg")
+        assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
+    page, file = package_rows(tmp_path / "n.tkb")
+    for row in (page, file):
+        assert row.decision == "allow" and row.args["host"] == "web.tkb.test"
+        assert row.args["addresses"] == [index.web] and row.args["address"] == index.web
+    assert verify_bundle(tmp_path / "n.tkb").valid
