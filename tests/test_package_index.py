@@ -9,8 +9,8 @@ import pytest
 
 from tkbox_nb import Policy
 from tkbox_nb.core.errors import PolicyError
-from tkbox_nb.rules.package_index import (IndexPageError, file_request, file_version, parse_html, parse_json,
-                                          parse_page, project_of, render_page)
+from tkbox_nb.rules.package_index import (IndexFile, IndexPageError, file_request, file_version, parse_html, parse_json,
+                                          parse_page, pin_files, project_of, render_page)
 
 PAGE = "http://198.18.37.2:8080/simple/tinypkg/"
 A, B = "a" * 64, "B" * 64
@@ -160,6 +160,20 @@ def test_the_host_the_door_reached_is_decided_on_its_name_and_every_address_of_i
     facts = {"door": "packages", "kind": "project", **ok}
     assert opened.decide({**facts, "addresses": ["198.18.0.9"], "address": "198.18.0.9"}).allowed
     assert opened.decide({**facts, "addresses": ["127.0.0.1"], "address": "127.0.0.1"}).rule == "packages.always"
+
+
+def test_a_rerun_is_offered_only_the_files_its_run_installed_and_refuses_other_bytes_naming_the_file():
+    now = [IndexFile("numpy-2.0-py3-none-any.whl", "https://i.example/n2.whl", "b" * 64, ">=3.9"),
+           IndexFile("numpy-2.1-py3-none-any.whl", "https://i.example/n21.whl", "c" * 64)]
+    pinned = pin_files(now, {"numpy-2.0-py3-none-any.whl": A, "numpy-1.0.tar.gz": "d" * 64})
+    assert pinned == [IndexFile("numpy-1.0.tar.gz", "", "d" * 64),  # on the page no more: the cache alone has it
+                      IndexFile("numpy-2.0-py3-none-any.whl", "https://i.example/n2.whl", A, ">=3.9")]
+    ok = {"project": "numpy", "filename": "numpy-2.0-py3-none-any.whl", "sha256": A, "got_sha256": A, "size": 1,
+          "run_bytes": 0, "pinned": A}
+    assert decide("file", **ok).allowed
+    refused = decide("file", **{**ok, "got_sha256": "b" * 64})
+    assert refused.rule == "packages.rerun" and refused.reason.startswith("numpy-2.0-py3-none-any.whl: ")
+    assert decide("file", **{**ok, "pinned": "b" * 64}).rule == "packages.rerun"
 
 
 @pytest.mark.parametrize("body, why", [

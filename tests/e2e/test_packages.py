@@ -9,6 +9,7 @@ import hashlib
 import http.server
 import io
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -263,3 +264,40 @@ def test_an_index_named_by_a_host_name_is_reached_only_at_the_address_the_door_r
         assert row.decision == "allow" and row.args["host"] == "web.tkb.test"
         assert row.args["addresses"] == [index.web] and row.args["address"] == index.web
     assert verify_bundle(tmp_path / "n.tkb").valid
+
+
+REPLACED = wheel("tinypkg", "1.0", "VALUE = 'replaced'\n")  # the same name and version, other bytes
+
+
+def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the_file_the_index_replaced(
+        private_signer, index, tmp_path):
+    from tkbox_nb.audit.replay import rerun
+    home, name = private_signer.home, "tinypkg-1.0-py3-none-any.whl"
+    with Box(backend="bwrap", policy=policy(index), home=home, bundle_path=tmp_path / "a.tkb") as b:
+        assert pip(b, "tinypkg").exit_code == 0
+        b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE)"])
+    publish(index, "tinypkg", name, REPLACED)  # the index moved on: its page now states the new bytes' sha256
+
+    def outs(path):
+        run = open_run(path)
+        return [run.content(c.result["stdout"]) for c in run.crossings() if c.door == "exec"]
+
+    rerun(tmp_path / "a.tkb", tmp_path / "kept.tkb", home=home, backend="bwrap")  # the host cache has the bytes
+    page, file = package_rows(tmp_path / "kept.tkb")
+    assert page.decision == "allow" and page.args["source"] == "index"
+    assert (file.decision, file.args["source"], file.args["pinned"], file.args["got_sha256"]) == (
+        "allow", "cache", sha(TINY), sha(TINY))
+    assert outs(tmp_path / "kept.tkb")[-1] == b"42\n"
+    assert verify_bundle(tmp_path / "kept.tkb", trust_path(home)).valid
+
+    shutil.rmtree(home / "packages" / "files")  # the host cache cleared
+    rerun(tmp_path / "a.tkb", tmp_path / "gone.tkb", home=home, backend="bwrap")  # fetched again: other bytes
+    page, file = package_rows(tmp_path / "gone.tkb")
+    assert page.decision == "allow"
+    assert (file.decision, file.args["rule"], file.args["source"]) == ("deny", "packages.rerun", "index")
+    assert file.args["got_sha256"] == sha(REPLACED) and file.args["pinned"] == sha(TINY)
+    why = file.args["verdict_reason"]
+    assert "\n" not in why and why.startswith(name) and sha(TINY) in why and file.rule_ids
+    assert outs(tmp_path / "gone.tkb")[-1] == b""  # nothing installed: the import prints nothing
+    assert not (home / "packages" / "files" / sha(REPLACED)[:2] / sha(REPLACED)).exists()
+    assert verify_bundle(tmp_path / "gone.tkb", trust_path(home)).valid

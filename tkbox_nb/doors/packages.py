@@ -43,7 +43,7 @@ from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
-                                          parse_page, project_of, render_page)
+                                          parse_page, pin_files, project_of, render_page)
 from tkbox_nb.stream.connection import Stream, StreamClosed
 from tkbox_nb.stream.events import Data
 
@@ -121,8 +121,9 @@ class PackagesDoor(Door):
 
     name = PACKAGES
 
-    def __init__(self, box: "DoorContext", cache_root: Path):
+    def __init__(self, box: "DoorContext", cache_root: Path, pins: dict[str, dict[str, str]] | None = None):
         self.box = box
+        self.pins = pins or {}  # a rerun's: project -> file name -> the sha256 the original run signed
         self.cache = Cache(cache_root)
         self.offered: dict[str, tuple[str, IndexFile, str]] = {}  # sha256 -> (project, file, index): served pages
         self.run_bytes = 0     # bytes of files allowed in this run, stated in each next file's decision
@@ -229,6 +230,7 @@ class PackagesDoor(Door):
         if project_verdict(policy, project).allowed:  # a refused name is never asked of any index
             try:
                 files, where = self._fetch_page(project)
+                files = pin_files(files, self.pins[project]) if project in self.pins else files
                 facts.update(where, files=len(files))
             except IndexPageError as e:
                 facts["index_error"] = str(e)[:300]
@@ -297,10 +299,14 @@ class PackagesDoor(Door):
         limit = self.box.policy.get("packages", "max_file_bytes")
         facts = {"project": project, "filename": name, "version": file_version(project, name) or "",
                  "sha256": sha, "index": index}
+        if self.pins.get(project, {}).get(name) == sha:  # a rerun's: only these bytes may be installed
+            facts["pinned"] = sha
         handle, source = self._cached(sha), "cache"
         if handle is None:
             source = "index"
             try:
+                if not f.url:
+                    raise _FetchError(f"{name} is on the index's page no more, and not in the host cache")
                 dialled, address = checked(self.box.policy, f.url)
                 facts.update(dialled)
                 handle = self._download(f, limit, address)

@@ -159,6 +159,11 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
         return Verdict("deny", "packages.hash", "the index gives no sha256 for the file")
     if facts.get("fetch_error"):
         return Verdict("deny", "packages.fetch", str(facts["fetch_error"])[:300])
+    pinned = facts.get("pinned")  # a rerun's file: the sha256 its original run signed, and no other bytes
+    if pinned is not None and (pinned != stated or got != pinned):
+        return Verdict("deny", "packages.rerun", f"{str(facts.get('filename'))[:200]}: the run this reruns installed "
+                                                 f"sha256 {str(pinned)[:64]}, the bytes to be had now are "
+                                                 f"{str(got)[:64] or 'none'}")
     if not _count(size) or not _count(before):
         return Verdict("deny", "packages.size", "the file's size or the run's bytes are not stated")
     limit = policy.get("packages", "max_file_bytes")
