@@ -176,6 +176,15 @@ def test_a_rerun_is_offered_only_the_files_its_run_installed_and_refuses_other_b
     assert decide("file", **{**ok, "pinned": "b" * 64}).rule == "packages.rerun"
 
 
+def test_the_door_sends_each_request_to_the_checked_address_naming_the_host_in_host_and_sni():
+    from tkbox_nb.doors.package_fetch import pinned_request
+    assert pinned_request("https://pypi.example.org/simple/numpy/", "151.101.0.223") == (
+        "https://151.101.0.223/simple/numpy/", {"Host": "pypi.example.org"}, {"sni_hostname": "pypi.example.org"})
+    assert pinned_request("http://files.example.org:8080/f/x.whl?a=1", "2001:db8::5") == (
+        "http://[2001:db8::5]:8080/f/x.whl?a=1", {"Host": "files.example.org:8080"}, {})
+    assert pinned_request("https://[2001:db8::5]/simple/", "2001:db8::5")[1:] == ({"Host": "[2001:db8::5]"}, {})
+
+
 @pytest.mark.parametrize("body, why", [
     ('index = ["pypi.org/simple"]', "must be an http:// or https:// URL"),
     ('index = ["https://user:token@pypi.example.org/simple/"]', "must not carry a user name or password"),

@@ -301,3 +301,22 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
     assert outs(tmp_path / "gone.tkb")[-1] == b""  # nothing installed: the import prints nothing
     assert not (home / "packages" / "files" / sha(REPLACED)[:2] / sha(REPLACED)).exists()
     assert verify_bundle(tmp_path / "gone.tkb", trust_path(home)).valid
+
+
+def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_never_connected_to(
+        signer, index, tmp_path, loopback_listener):
+    port = loopback_listener.getsockname()[1]  # loop.tkb.test answers 127.0.0.1 from the test network's dnsmasq
+    index.add_file("simple/loopfile/index.html", (
+        f'<a href="http://loop.tkb.test:{port}/files/loopfile-1.0-py3-none-any.whl#sha256={sha(TINY)}">x</a>').encode())
+    hosts = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\nallow = ["loopfile"]\n'
+                             f'file_hosts = ["loop.tkb.test:{port}"]\nnameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=hosts, bundle_path=tmp_path / "l.tkb") as b:
+        assert pip(b, "loopfile").exit_code != 0
+    with pytest.raises(socket.timeout):
+        loopback_listener.accept()
+    page, file = package_rows(tmp_path / "l.tkb")
+    assert page.decision == "allow" and page.args["host"] == index.web and page.args["address"] == index.web
+    assert (file.decision, file.args["rule"], file.args["host"], file.args["addresses"]) == (
+        "deny", "packages.always", "loop.tkb.test", ["127.0.0.1"])
+    assert "127.0.0.1 is loopback" in file.args["verdict_reason"] and file.args["size"] == 0
+    assert verify_bundle(tmp_path / "l.tkb").valid
