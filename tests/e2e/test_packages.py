@@ -306,8 +306,9 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
 def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_never_connected_to(
         signer, index, tmp_path, loopback_listener):
     port = loopback_listener.getsockname()[1]  # loop.tkb.test answers 127.0.0.1 from the test network's dnsmasq
+    fresh = sha(os.urandom(32))  # no cache holds it: the door must fetch it
     index.add_file("simple/loopfile/index.html", (
-        f'<a href="http://loop.tkb.test:{port}/files/loopfile-1.0-py3-none-any.whl#sha256={sha(TINY)}">x</a>').encode())
+        f'<a href="http://loop.tkb.test:{port}/files/loopfile-1.0-py3-none-any.whl#sha256={fresh}">x</a>').encode())
     hosts = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\nallow = ["loopfile"]\n'
                              f'file_hosts = ["loop.tkb.test:{port}"]\nnameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
     with Box(backend="bwrap", policy=hosts, bundle_path=tmp_path / "l.tkb") as b:
