@@ -307,13 +307,14 @@ class PackagesDoor(Door):
             try:
                 if not f.url:
                     raise _FetchError(f"{name} is on the index's page no more, and not in the host cache")
-                dialled, address = checked(self.box.policy, f.url)
+                try:
+                    dialled, address = checked(self.box.policy, f.url)
+                except OSError as e:
+                    raise _FetchError(f"{name}: its host did not resolve ({str(e)[:200]})") from None
                 facts.update(dialled)
                 handle = self._download(f, limit, address)
             except AddressRefused as e:  # nothing sent: the decision re-derives the refusal from the stated answer
                 facts.update(e.facts)
-            except OSError as e:
-                facts["fetch_error"] = f"{f.filename}: its host did not resolve ({str(e)[:200]})"
             except _FetchError as e:
                 facts["fetch_error"] = str(e)[:300]
         got, size = ("", 0) if handle is None else _digest(handle, limit)
