@@ -20,7 +20,9 @@ from tkbox_nb.policy import Policy
 from tkbox_nb.signing.recorder import RunRecorder
 
 POLICY = '[exec]\ncells = true\n[packages]\nindex = ["http://198.18.37.2:8080/simple/"]\nallow = ["*"]\n' \
-         'deny = ["evilpkg"]\n'
+         'deny = ["evilpkg"]\nallow_cidrs = ["198.18.0.0/15"]\n'
+# where the door reached the index, as it states it (doors/package_fetch.py)
+REACHED = {"host": "198.18.37.2", "addresses": ["198.18.37.2"], "address": "198.18.37.2"}
 
 
 def sha(data: bytes) -> str:
@@ -54,14 +56,14 @@ def record(signer, out: Path, env: bytes, installs: list[tuple[str, str, bytes]]
     n = 0
     for project, version, data in installs:
         page = rec.decide("packages", "project", {"project": project, "index": "http://198.18.37.2:8080/simple/",
-                                                   "source": "index", "files": 1})
+                                                   "source": "index", "files": 1, **REACHED})
         if not page.allowed:
             continue
         rec.complete(page, "ok", {"bytes": 100})
         f = rec.decide("packages", "file", {
             "project": project, "filename": f"{project}-{version}-py3-none-any.whl", "version": version,
             "sha256": sha(data), "got_sha256": sha(data), "size": len(data), "source": "index",
-            "index": "http://198.18.37.2:8080/simple/", "run_bytes": n})
+            "index": "http://198.18.37.2:8080/simple/", "run_bytes": n, **REACHED})
         rec.complete(f, "ok", {"bytes": len(data)})
         n += len(data)
     rec.close("test done")

@@ -9,8 +9,8 @@ import pytest
 
 from tkbox_nb import Policy
 from tkbox_nb.core.errors import PolicyError
-from tkbox_nb.rules.package_index import (IndexPageError, file_request, file_version, parse_html, parse_json,
-                                          parse_page, project_of, render_page)
+from tkbox_nb.rules.package_index import (IndexFile, IndexPageError, file_request, file_version, parse_html, parse_json,
+                                          parse_page, pin_files, project_of, render_page)
 
 PAGE = "http://198.18.37.2:8080/simple/tinypkg/"
 A, B = "a" * 64, "B" * 64
@@ -142,6 +142,49 @@ def test_a_file_is_decided_on_its_hash_its_size_and_the_runs_bytes():
     assert decide("what", **ok).rule == "packages.kind"
 
 
+def test_the_host_the_door_reached_is_decided_on_its_name_and_every_address_of_its_lookup():
+    """verify re-derives the door's refusal from the stated answer: one refused address refuses it, in any form."""
+    ok = {"project": "numpy", "source": "index", "host": "pypi.example.org", "addresses": ["151.101.0.223"],
+          "address": "151.101.0.223", "files": 1}
+    assert decide("project", **ok).allowed
+    for addresses, rule in ((["151.101.0.223", "127.0.0.1"], "packages.always"),
+                            (["::ffff:169.254.169.254"], "packages.always"), (["10.1.2.3"], "packages.always"),
+                            (["198.18.0.9"], "packages.special"), (["not an address"], "packages.resolve"),
+                            ("151.101.0.223", "packages.resolve")):
+        assert decide("project", **{**ok, "addresses": addresses}).rule == rule, addresses
+    assert decide("project", **{**ok, "host": "metadata.google.internal"}).rule == "packages.always"
+    assert decide("project", **{**ok, "address": "127.0.0.1"}).rule == "packages.resolve"  # dialled unchecked
+    assert decide("project", **{k: v for k, v in ok.items() if k != "host"}).rule == "packages.host"
+    opened = Policy.from_toml('[packages]\nindex = ["https://pypi.example.org/simple/"]\nallow = ["*"]\n'
+                              'allow_cidrs = ["198.18.0.0/15", "127.0.0.0/8"]\n')
+    facts = {"door": "packages", "kind": "project", **ok}
+    assert opened.decide({**facts, "addresses": ["198.18.0.9"], "address": "198.18.0.9"}).allowed
+    assert opened.decide({**facts, "addresses": ["127.0.0.1"], "address": "127.0.0.1"}).rule == "packages.always"
+
+
+def test_a_rerun_is_offered_only_the_files_its_run_installed_and_refuses_other_bytes_naming_the_file():
+    now = [IndexFile("numpy-2.0-py3-none-any.whl", "https://i.example/n2.whl", "b" * 64, ">=3.9"),
+           IndexFile("numpy-2.1-py3-none-any.whl", "https://i.example/n21.whl", "c" * 64)]
+    pinned = pin_files(now, {"numpy-2.0-py3-none-any.whl": A, "numpy-1.0.tar.gz": "d" * 64})
+    assert pinned == [IndexFile("numpy-1.0.tar.gz", "", "d" * 64),  # on the page no more: the cache alone has it
+                      IndexFile("numpy-2.0-py3-none-any.whl", "https://i.example/n2.whl", A, ">=3.9")]
+    ok = {"project": "numpy", "filename": "numpy-2.0-py3-none-any.whl", "sha256": A, "got_sha256": A, "size": 1,
+          "run_bytes": 0, "pinned": A}
+    assert decide("file", **ok).allowed
+    refused = decide("file", **{**ok, "got_sha256": "b" * 64})
+    assert refused.rule == "packages.rerun" and refused.reason.startswith("numpy-2.0-py3-none-any.whl: ")
+    assert decide("file", **{**ok, "pinned": "b" * 64}).rule == "packages.rerun"
+
+
+def test_the_door_sends_each_request_to_the_checked_address_naming_the_host_in_host_and_sni():
+    from tkbox_nb.doors.package_fetch import pinned_request
+    assert pinned_request("https://pypi.example.org/simple/numpy/", "151.101.0.223") == (
+        "https://151.101.0.223/simple/numpy/", {"Host": "pypi.example.org"}, {"sni_hostname": "pypi.example.org"})
+    assert pinned_request("http://files.example.org:8080/f/x.whl?a=1", "2001:db8::5") == (
+        "http://[2001:db8::5]:8080/f/x.whl?a=1", {"Host": "files.example.org:8080"}, {})
+    assert pinned_request("https://[2001:db8::5]/simple/", "2001:db8::5")[1:] == ({"Host": "[2001:db8::5]"}, {})
+
+
 @pytest.mark.parametrize("body, why", [
     ('index = ["pypi.org/simple"]', "must be an http:// or https:// URL"),
     ('index = ["https://user:token@pypi.example.org/simple/"]', "must not carry a user name or password"),
@@ -152,6 +195,8 @@ def test_a_file_is_decided_on_its_hash_its_size_and_the_runs_bytes():
     ("max_file_bytes = 0", "packages.max_file_bytes must be from 1"),
     ("max_total_bytes = -1", "packages.max_total_bytes must be from 1"),
     ("mirror = true", "unknown key packages.mirror"),
+    ('allow_cidrs = ["198.18.0.0/33"]', "packages.allow_cidrs entry"),
+    ('nameservers = ["dns.example.org"]', "packages.nameservers entry"),
 ])
 def test_a_bad_packages_section_is_one_line_naming_it(body, why):
     with pytest.raises(PolicyError, match=why) as e:

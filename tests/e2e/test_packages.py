@@ -9,7 +9,9 @@ import hashlib
 import http.server
 import io
 import os
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -77,8 +79,11 @@ def index():
         yield n
 
 
+OPEN_TEST_NET = 'allow_cidrs = ["198.18.0.0/15"]\n'  # the test network's range is special-purpose (benchmarking)
+
+
 def policy(net: NamespaceNet) -> Policy:
-    return Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\n'
+    return Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\n{OPEN_TEST_NET}'
                             f'allow = ["TinyPkg", "BigPkg*", "badpkg", "hostpkg"]\nmax_file_bytes = {MAX_FILE}\n')
 
 
@@ -194,7 +199,7 @@ def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         hostile = Policy.from_toml(f'[packages]\nindex = ["http://{index.gateway}:{server.server_port}/simple/"]\n'
-                                   'allow = ["*"]\ntimeout_s = 1\n')
+                                   'allow = ["*"]\ntimeout_s = 1\n' + OPEN_TEST_NET)
         with Box(backend="bwrap", policy=hostile, home=private_signer.home, bundle_path=tmp_path / "h.tkb") as b:
             for project in ("redirpkg", "silentpkg", "stallpkg"):
                 assert pip(b, project).exit_code != 0, project
@@ -210,3 +215,109 @@ def test_a_redirect_an_index_that_never_answers_and_a_file_cut_short_are_refused
     cache = private_signer.home / "packages"
     assert not (cache / "files").exists() and list((cache / "tmp").iterdir()) == []  # nothing half kept
     assert verify_bundle(tmp_path / "h.tkb", trust_path(private_signer.home)).valid
+
+
+@pytest.fixture
+def loopback_listener():
+    """A service on the host's loopback: the package door must never connect to it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("where, why", [
+    ("http://127.0.0.1:{port}/simple/", "127.0.0.1 is loopback"),
+    ("http://169.254.169.254/simple/", "169.254.169.254 is cloud metadata"),
+    ("http://meta.tkb.test:8080/simple/", "169.254.169.254 is cloud metadata"),  # a name that resolves there
+    ("http://localhost:{port}/simple/", "localhost is a local or cloud metadata name"),  # never even looked up
+    ("http://198.18.37.2:8080/simple/", "198.18.37.2 is benchmarking (allow it with packages.allow_cidrs)"),
+])
+def test_an_index_at_a_private_or_metadata_address_is_refused_signed_and_never_connected_to(
+        signer, index, tmp_path, loopback_listener, where, why):
+    url = where.format(port=loopback_listener.getsockname()[1])
+    opened = "" if "198.18.37.2" in url else OPEN_TEST_NET  # even with the test range open, these are refused
+    bad = Policy.from_toml(f'[packages]\nindex = ["{url}"]\nallow = ["*"]\nnameservers = ["{index.web}"]\n{opened}')
+    with Box(backend="bwrap", policy=bad, bundle_path=tmp_path / "m.tkb") as b:
+        r = pip(b, "tinypkg")
+        assert r.exit_code != 0
+    with pytest.raises(socket.timeout):
+        loopback_listener.accept()  # nothing connected to the host's loopback
+    [row] = package_rows(tmp_path / "m.tkb")
+    assert row.decision == "deny" and row.args["kind"] == "project" and why in row.args["verdict_reason"]
+    assert row.args["rule"] == ("packages.special" if not opened else "packages.always") and row.rule_ids
+    assert "source" not in row.args and "files" not in row.args  # nothing fetched, nothing served
+    assert row.args["index"] == url and row.args["address"] == ""
+    assert verify_bundle(tmp_path / "m.tkb").valid
+
+
+def test_an_index_named_by_a_host_name_is_reached_only_at_the_address_the_door_resolved(signer, index, tmp_path):
+    """web.tkb.test is known only to the policy's nameserver (in the test namespace): httpx looking it up again
+    with the system resolver would fail, so an install shows the door dialled the address it checked."""
+    named = Policy.from_toml(f'[packages]\nindex = ["http://web.tkb.test:8080/simple/"]\nallow = ["tinypkg"]\n'
+                             f'nameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=named, bundle_path=tmp_path / "n.tkb") as b:
+        r = pip(b, "tinypkg")
+        assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
+    page, file = package_rows(tmp_path / "n.tkb")
+    for row in (page, file):
+        assert row.decision == "allow" and row.args["host"] == "web.tkb.test"
+        assert row.args["addresses"] == [index.web] and row.args["address"] == index.web
+    assert verify_bundle(tmp_path / "n.tkb").valid
+
+
+REPLACED = wheel("tinypkg", "1.0", "VALUE = 'replaced'\n")  # the same name and version, other bytes
+
+
+def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the_file_the_index_replaced(
+        private_signer, index, tmp_path):
+    from tkbox_nb.audit.replay import rerun
+    home, name = private_signer.home, "tinypkg-1.0-py3-none-any.whl"
+    with Box(backend="bwrap", policy=policy(index), home=home, bundle_path=tmp_path / "a.tkb") as b:
+        assert pip(b, "tinypkg").exit_code == 0
+        b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE)"])
+    publish(index, "tinypkg", name, REPLACED)  # the index moved on: its page now states the new bytes' sha256
+
+    def outs(path):
+        run = open_run(path)
+        return [run.content(c.result["stdout"]) for c in run.crossings() if c.door == "exec"]
+
+    rerun(tmp_path / "a.tkb", tmp_path / "kept.tkb", home=home, backend="bwrap")  # the host cache has the bytes
+    page, file = package_rows(tmp_path / "kept.tkb")
+    assert page.decision == "allow" and page.args["source"] == "index"
+    assert (file.decision, file.args["source"], file.args["pinned"], file.args["got_sha256"]) == (
+        "allow", "cache", sha(TINY), sha(TINY))
+    assert outs(tmp_path / "kept.tkb")[-1] == b"42\n"
+    assert verify_bundle(tmp_path / "kept.tkb", trust_path(home)).valid
+
+    shutil.rmtree(home / "packages" / "files")  # the host cache cleared
+    rerun(tmp_path / "a.tkb", tmp_path / "gone.tkb", home=home, backend="bwrap")  # fetched again: other bytes
+    page, file = package_rows(tmp_path / "gone.tkb")
+    assert page.decision == "allow"
+    assert (file.decision, file.args["rule"], file.args["source"]) == ("deny", "packages.rerun", "index")
+    assert file.args["got_sha256"] == sha(REPLACED) and file.args["pinned"] == sha(TINY)
+    why = file.args["verdict_reason"]
+    assert "\n" not in why and why.startswith(name) and sha(TINY) in why and file.rule_ids
+    assert outs(tmp_path / "gone.tkb")[-1] == b""  # nothing installed: the import prints nothing
+    assert not (home / "packages" / "files" / sha(REPLACED)[:2] / sha(REPLACED)).exists()
+    assert verify_bundle(tmp_path / "gone.tkb", trust_path(home)).valid
+
+
+def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_never_connected_to(
+        signer, index, tmp_path, loopback_listener):
+    port = loopback_listener.getsockname()[1]  # loop.tkb.test answers 127.0.0.1 from the test network's dnsmasq
+    fresh = sha(os.urandom(32))  # no cache holds it: the door must fetch it
+    index.add_file("simple/loopfile/index.html", (
+        f'<a href="http://loop.tkb.test:{port}/files/loopfile-1.0-py3-none-any.whl#sha256={fresh}">x</a>').encode())
+    hosts = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\nallow = ["loopfile"]\n'
+                             f'file_hosts = ["loop.tkb.test:{port}"]\nnameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=hosts, bundle_path=tmp_path / "l.tkb") as b:
+        assert pip(b, "loopfile").exit_code != 0
+    with pytest.raises(socket.timeout):
+        loopback_listener.accept()
+    page, file = package_rows(tmp_path / "l.tkb")
+    assert page.decision == "allow" and page.args["host"] == index.web and page.args["address"] == index.web
+    assert (file.decision, file.args["rule"], file.args["host"], file.args["addresses"]) == (
+        "deny", "packages.always", "loop.tkb.test", ["127.0.0.1"])
+    assert "127.0.0.1 is loopback" in file.args["verdict_reason"] and file.args["size"] == 0
+    assert verify_bundle(tmp_path / "l.tkb").valid

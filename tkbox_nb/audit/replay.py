@@ -25,7 +25,7 @@ import nbformat
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.read_back import Run, open_run
 from tkbox_nb.core.visible import visible
-from tkbox_nb.rules.door_table import BOX, EXEC, HOST, MODEL
+from tkbox_nb.rules.door_table import BOX, EXEC, HOST, MODEL, PACKAGES
 
 # host magics a rerun does not make again (they write or show the run, restart its box, or prompt for a secret); the
 # audit leaves them out of its comparison, and says how many it left out
@@ -212,6 +212,18 @@ class Rerun:
     notes: list[str]  # what the rerun could not make the same (a different starting workspace)
 
 
+def package_pins(run: Run) -> dict[str, dict[str, str]]:
+    """The package files the run installed, as its records signed them: project -> file name -> sha256."""
+    pins: dict[str, dict[str, str]] = {}
+    for c in run.crossings():
+        a = c.args or {}
+        project, name, got = a.get("project"), a.get("filename"), a.get("got_sha256")
+        if c.door == PACKAGES and a.get("kind") == "file" and c.decision == "allow" and isinstance(project, str) \
+                and isinstance(name, str) and isinstance(got, str) and re.fullmatch(r"[0-9a-f]{64}", got):
+            pins.setdefault(project, {})[name] = got
+    return pins
+
+
 def _from_bundle(policy, what: str, models_replayed: bool = False) -> None:
     """A policy a bundle's author chose never reads this host's secrets or keys nor sends its signer token: refused
     (one line, naming the section) unless the user passes the policy themselves (--policy). A model key is no read
@@ -326,6 +338,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
     if any(c.door == MODEL for c in run.crossings()):  # model calls are answered from the run's recordings
         from tkbox_nb.doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
+    nb.package_pins = package_pins(run) or None  # the package door serves the same bytes, or refuses naming the file
     magics = _rerun_magics(nb)
     for c in steps:
         a = c.args or {}

@@ -59,6 +59,7 @@ class Box:
 
     kernel_early = False  # a notebook's box (NotebookBox.start_early): its kernel is wanted from the start
     mounts_original: dict[str, str] | None = None  # a rerun that went on with changed data: mount -> first difference
+    package_pins: dict[str, dict[str, str]] | None = None  # a rerun's package files: project -> name -> sha256
     notebook: dict[str, str] = {}  # the kernel's notebook as its frontend named it (NotebookBox.notebook): signed
 
     def __init__(self, policy: Policy | str | Path | None = None, backend: str = "auto",
@@ -194,7 +195,7 @@ class Box:
             from tkbox_nb.doors.model import ModelDoor
             self.model = ModelDoor(self, self.model_replay)
         if self.policy.get("packages", "index"):  # its host cache is shared by the boxes of this $TKBOX_HOME
-            self.packages = PackagesDoor(self, self.signer.home / "packages")
+            self.packages = PackagesDoor(self, self.signer.home / "packages", self.package_pins)
         return [d for d in (self.exec_door, self.egress, self.patch_door, self.model, self.packages) if d is not None]
 
     def _box_opened(self, stream, body: dict) -> bool:

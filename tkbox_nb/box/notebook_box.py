@@ -80,7 +80,7 @@ class NotebookBox:
         self.secrets: dict[str, SecretBinding] = {}
         self.bundles: list[Path] = []
         self.replay_of: str | None = None  # a rerun names the run it replays
-        self.model_replay = None  # a rerun's model calls: Recordings of the original run (doors/model_replay.py)
+        self.model_replay = self.package_pins = None  # a rerun's model calls (doors/model_replay.py), package files
         self.policy_guard: Callable[[Policy], None] | None = None  # a rerun: refuses a policy a bundle chose
         self._pending: list[tuple[dict, dict[str, bytes]]] = []
         self._early: EarlyBox | None = None
@@ -211,7 +211,7 @@ class NotebookBox:
     def _new_box(self, bundle: Path | None) -> Box:
         box = Box(policy=self.policy, backend=self.backend, workspace=self.box_workspace(), bundle_path=bundle,
                   home=self.home, secrets=self.secrets, replay_of=self.replay_of, model_replay=self.model_replay)
-        box.mounts_original, box.notebook = self.mounts_original, self.notebook()
+        box.mounts_original, box.notebook, box.package_pins = self.mounts_original, self.notebook(), self.package_pins
         return box
 
     def stop(self, reason: str = "box stopped") -> Path | None:

@@ -9,7 +9,9 @@ request are served, anything else is a 404:
 - `/simple/<project>/`: the project's name (PEP 503 normal form) is decided first; a refused one is signed and never
   asked of any index. An allowed one's page is fetched by the host itself (its own TLS and trust store, no proxy, no
   redirect followed) from the first index that has it, read strictly (rules/package_index.py), kept in the cache and
-  signed (`project`: the index, how many files, where the page came from); an index that cannot be reached is
+  signed (`project`: the index, how many files, where the page came from, the host and the addresses it was
+  reached at: doors/package_fetch.py, which refuses a private or metadata address before connecting and dials only
+  the address it checked); an index that cannot be reached is
   answered from the page last kept, and the record says so. The box gets the door's own page: every link on the
   door, by sha256.
 - `/files/<sha256>/<name>`: only a file of a page this box was served. Its bytes come from the content-addressed
@@ -36,11 +38,12 @@ from typing import TYPE_CHECKING
 import h11
 
 from tkbox_nb.doors.door import Door
+from tkbox_nb.doors.package_fetch import AddressRefused, checked, pinned_request
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
-                                          parse_page, project_of, render_page)
+                                          parse_page, pin_files, project_of, render_page)
 from tkbox_nb.stream.connection import Stream, StreamClosed
 from tkbox_nb.stream.events import Data
 
@@ -118,14 +121,15 @@ class PackagesDoor(Door):
 
     name = PACKAGES
 
-    def __init__(self, box: "DoorContext", cache_root: Path):
+    def __init__(self, box: "DoorContext", cache_root: Path, pins: dict[str, dict[str, str]] | None = None):
         self.box = box
+        self.pins = pins or {}  # a rerun's: project -> file name -> the sha256 the original run signed
         self.cache = Cache(cache_root)
         self.offered: dict[str, tuple[str, IndexFile, str]] = {}  # sha256 -> (project, file, index): served pages
         self.run_bytes = 0     # bytes of files allowed in this run, stated in each next file's decision
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(MAX_AT_ONCE)
-        self._client = None
+        self._clients: dict = {}  # host name -> httpx client (package_fetch.py: one per name)
 
     def accept(self, stream: Stream, body: dict) -> bool:
         if body.get("kind") != "packages":
@@ -137,16 +141,22 @@ class PackagesDoor(Door):
         return box_env()
 
     def stop(self, reason: str) -> None:
-        if self._client is not None:
-            self._client.close()
-
-    def client(self):
-        import httpx
         with self.lock:
-            if self._client is None:  # the host's proxy settings are not the box's; a redirect is not followed
+            for c in self._clients.values():
+                c.close()
+
+    def get(self, url: str, address: str, headers: dict | None = None):
+        """A streamed GET of `url` sent to `address` (checked) and nowhere else: see package_fetch.py."""
+        import httpx
+        target, names, extensions = pinned_request(url, address)
+        host = names["Host"]
+        with self.lock:
+            if host not in self._clients:  # the host's proxy settings are not the box's; a redirect is not followed
                 wait = self.box.policy.get("packages", "timeout_s")  # to connect, and between any two reads
-                self._client = httpx.Client(timeout=httpx.Timeout(wait), trust_env=False, follow_redirects=False)
-            return self._client
+                self._clients[host] = httpx.Client(timeout=httpx.Timeout(wait), trust_env=False,
+                                                   follow_redirects=False)
+            client = self._clients[host]
+        return client.stream("GET", target, headers={**(headers or {}), **names}, extensions=extensions)
 
     # -- one request ---------------------------------------------------------------------------------------------
     def _serve(self, stream: Stream) -> None:
@@ -220,9 +230,12 @@ class PackagesDoor(Door):
         if project_verdict(policy, project).allowed:  # a refused name is never asked of any index
             try:
                 files, where = self._fetch_page(project)
+                files = pin_files(files, self.pins[project]) if project in self.pins else files
                 facts.update(where, files=len(files))
             except IndexPageError as e:
                 facts["index_error"] = str(e)[:300]
+            except AddressRefused as e:  # nothing sent: the decision re-derives the refusal from the stated answer
+                facts.update(e.facts)
             except Exception as e:  # a fault of this door on this page: refused, signed, never half served
                 facts["index_error"] = f"the package door failed reading the page ({type(e).__name__})"
         crossing = recorder.decide(PACKAGES, "project", facts)
@@ -242,9 +255,16 @@ class PackagesDoor(Door):
         policy = self.box.policy
         hosts = policy.get("packages", "file_hosts")
         for index in policy.get("packages", "index"):
-            url = index.rstrip("/") + f"/{project}/"
+            url, dialled = index.rstrip("/") + f"/{project}/", {}
             try:
-                with self.client().stream("GET", url, headers={"Accept": ACCEPT}) as r:
+                try:
+                    dialled, address = checked(policy, url)
+                except AddressRefused as e:
+                    e.facts["index"] = index
+                    raise
+                except OSError as e:  # the name did not resolve: as an index that cannot be reached
+                    raise httpx.ConnectError(str(e)) from None
+                with self.get(url, address, {"Accept": ACCEPT}) as r:
                     if r.status_code == 404:
                         continue
                     if r.status_code != 200:
@@ -261,10 +281,11 @@ class PackagesDoor(Door):
                 if kept is None:
                     raise IndexPageError(f"{index} cannot be reached ({type(e).__name__}) and no page for {project} "
                                          "is kept") from None
-                return kept, {"index": index, "source": "cache", "index_unreachable": f"{type(e).__name__}"}
+                return kept, {"index": index, "source": "cache", "index_unreachable": f"{type(e).__name__}",
+                              **dialled}
             files = parse_page(bytes(body), ctype, project, url, hosts)
             self.cache.keep_page(index, project, files)
-            return files, {"index": index, "source": "index",
+            return files, {"index": index, "source": "index", **dialled,
                            "page_sha256": hashlib.sha256(body).hexdigest()}
         raise IndexPageError(f"no index in [packages] index has {project}")
 
@@ -278,11 +299,22 @@ class PackagesDoor(Door):
         limit = self.box.policy.get("packages", "max_file_bytes")
         facts = {"project": project, "filename": name, "version": file_version(project, name) or "",
                  "sha256": sha, "index": index}
+        if self.pins.get(project, {}).get(name) == sha:  # a rerun's: only these bytes may be installed
+            facts["pinned"] = sha
         handle, source = self._cached(sha), "cache"
         if handle is None:
             source = "index"
             try:
-                handle = self._download(f, limit)
+                if not f.url:
+                    raise _FetchError(f"{name} is on the index's page no more, and not in the host cache")
+                try:
+                    dialled, address = checked(self.box.policy, f.url)
+                except OSError as e:
+                    raise _FetchError(f"{name}: its host did not resolve ({str(e)[:200]})") from None
+                facts.update(dialled)
+                handle = self._download(f, limit, address)
+            except AddressRefused as e:  # nothing sent: the decision re-derives the refusal from the stated answer
+                facts.update(e.facts)
             except _FetchError as e:
                 facts["fetch_error"] = str(e)[:300]
         got, size = ("", 0) if handle is None else _digest(handle, limit)
@@ -319,12 +351,13 @@ class PackagesDoor(Door):
             return None
         return handle
 
-    def _download(self, f: IndexFile, limit: int):
-        """The file from its index, into a temporary file of the cache, at most `limit` + 1 bytes."""
+    def _download(self, f: IndexFile, limit: int, address: str):
+        """The file from its index (at `address`, checked), into a temporary file of the cache, at most `limit` + 1
+        bytes."""
         import httpx
         out = self.cache.new_file()
         try:
-            with self.client().stream("GET", f.url) as r:
+            with self.get(f.url, address) as r:
                 if r.status_code != 200:
                     raise _FetchError(f"the index answered {r.status_code} for {f.filename} (no redirect is "
                                       "followed)")

@@ -8,24 +8,34 @@ compared in their PEP 503 normal form (`Foo_Bar.baz` is `foo-bar-baz`), and so a
 the index's sha256 for it and the sha256 of the bytes that came (they must be the same), its size (refused past
 `max_file_bytes`; the door stops reading one byte past it), and the run's bytes before it (refused past
 `max_total_bytes`). Pure: no clock, no I/O.
+
+Every index and file host is resolved by the door itself, which states the host and its whole answer (`host`,
+`addresses`) and dials only the address it checked: a host whose addresses include one that rules/addresses.py refuses
+always (loopback, private, link-local, cloud metadata, ...) is refused before any connection, whatever the policy
+says, and so is a special-purpose range (documentation, benchmarking, ...) that `allow_cidrs` does not open; the
+egress door's rule, so that an index URL (a policy's, or a bundle's for a rerun) cannot make the host reach what the
+box may not.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import re
 from typing import Any
 from urllib.parse import urlsplit
 
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
+from tkbox_nb.rules.addresses import classify, refused_name
 from tkbox_nb.rules.package_index import PROJECT, normalize
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "index": list, "allow": list, "deny": list, "file_hosts": list, "max_file_bytes": int, "max_total_bytes": int,
-    "timeout_s": (int, float)}
+    "timeout_s": (int, float), "allow_cidrs": list, "nameservers": list}
 DEFAULTS: dict[str, Any] = {"index": [], "allow": [], "deny": [], "file_hosts": [], "max_file_bytes": 256 << 20,
-                            "max_total_bytes": 2 << 30, "timeout_s": 60}
+                            "max_total_bytes": 2 << 30, "timeout_s": 60, "allow_cidrs": [],
+                            "nameservers": []}
 MAX_BYTES = 1 << 40
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -56,6 +66,13 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
     for key in ("max_file_bytes", "max_total_bytes"):
         if key in section and not 0 < section[key] <= MAX_BYTES:
             raise PolicyError(f"{name}: packages.{key} must be from 1 to {MAX_BYTES} bytes, not {section[key]}")
+    for key in ("allow_cidrs", "nameservers"):
+        for value in section.get(key, []):
+            try:
+                (ipaddress.ip_network(value, strict=False) if key == "allow_cidrs" else ipaddress.ip_address(value))
+            except (TypeError, ValueError):
+                raise PolicyError(f"{name}: packages.{key} entry {str(value)[:120]!r} is not an "
+                                  f"{'address range' if key == 'allow_cidrs' else 'IP address'}") from None
 
 
 def index_url_problem(url: str) -> str:
@@ -86,6 +103,33 @@ def project_verdict(policy: Settings, project: str) -> Verdict:
     return Verdict("deny", "packages.allow", f"{name!r} is not in [packages] allow")
 
 
+def address_verdict(policy: Settings, facts: dict[str, Any]) -> Verdict | None:
+    """The deny verdict on the host the door would dial (or did) for a page or a file, or None when it passes: its
+    name, then every address its lookup gave (one refused address refuses the whole answer, as at the egress door).
+    The door asks this before it connects; `tkbox verify` asks it again of the stated facts."""
+    host = facts.get("host")
+    if facts.get("host_error") or not isinstance(host, str) or not host:
+        return Verdict("deny", "packages.host", str(facts.get("host_error") or "no index or file host stated")[:300])
+    why = refused_name(host)
+    if why:
+        return Verdict("deny", "packages.always", f"the host {why}, never reached")
+    addresses = facts.get("addresses")
+    try:
+        parsed = [ipaddress.ip_address(a) for a in addresses]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        return Verdict("deny", "packages.resolve", f"the addresses of {host[:100]} are not stated as addresses")
+    cidrs = tuple(ipaddress.ip_network(c, strict=False) for c in policy.get("packages", "allow_cidrs"))
+    for addr in parsed:
+        cls, why = classify(addr, cidrs)
+        if cls != "ok":
+            why = why.replace("egress.allow_cidrs", "packages.allow_cidrs")
+            return Verdict("deny", f"packages.{cls}", f"the host {host[:100]}: {why}" +
+                           (", never reached whatever the policy says" if cls == "always" else ""))
+    if facts.get("source") == "index" and facts.get("address") not in addresses:  # type: ignore[operator]
+        return Verdict("deny", "packages.resolve", f"{host[:100]} was reached at an address not stated as checked")
+    return None
+
+
 def _count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 50
 
@@ -102,6 +146,10 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
     by_name = project_verdict(policy, project)
     if not by_name.allowed:
         return by_name
+    if "host" in facts or facts.get("source") == "index" and not facts.get("fetch_error"):  # what it reached
+        refused = address_verdict(policy, facts)
+        if refused is not None:
+            return refused
     if facts.get("index_error"):  # the page could not be had (nor from the cache), or was refused as read
         return Verdict("deny", "packages.index_page", str(facts["index_error"])[:300])
     if kind == "project":
@@ -111,6 +159,11 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
         return Verdict("deny", "packages.hash", "the index gives no sha256 for the file")
     if facts.get("fetch_error"):
         return Verdict("deny", "packages.fetch", str(facts["fetch_error"])[:300])
+    pinned = facts.get("pinned")  # a rerun's file: the sha256 its original run signed, and no other bytes
+    if pinned is not None and (pinned != stated or got != pinned):
+        return Verdict("deny", "packages.rerun", f"{str(facts.get('filename'))[:200]}: the run this reruns installed "
+                                                 f"sha256 {str(pinned)[:64]}, the bytes to be had now are "
+                                                 f"{str(got)[:64] or 'none'}")
     if not _count(size) or not _count(before):
         return Verdict("deny", "packages.size", "the file's size or the run's bytes are not stated")
     limit = policy.get("packages", "max_file_bytes")

@@ -251,6 +251,16 @@ def render_page(project: str, files: list[IndexFile]) -> bytes:
             + "\n".join(rows) + "\n</body></html>\n").encode("utf-8")
 
 
+def pin_files(files: list[IndexFile], pins: dict[str, str]) -> list[IndexFile]:
+    """A rerun's page for a project its original run installed files of (`pins`: file name -> the sha256 signed
+    then): exactly those files, each with that sha256 whatever the index states now, so pip in the rerun asks for
+    the same bytes; the index's URL is kept to fetch one again ("" when the page has it no more: only the host cache
+    can serve it). None is offered as yanked: the original installed it."""
+    now = {f.filename: f for f in files}
+    return [IndexFile(name, now[name].url if name in now else "", sha,
+                      now[name].requires_python if name in now else "") for name, sha in sorted(pins.items())]
+
+
 def file_request(path: str) -> tuple[str, str] | None:
     """(sha256, file name) of a request path `/files/<sha256>/<name>` on the door; None for any other."""
     m = re.fullmatch(r"/files/([0-9a-f]{64})/([^/]{1,1024})", path)
