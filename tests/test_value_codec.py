@@ -68,6 +68,18 @@ def test_arrays_read_back_with_their_dtype(arr):
     out[...] = arr  # writable
 
 
+@pytest.mark.parametrize("value", [
+    pd.Series([1.0, 2.0], index=pd.date_range("2020", periods=2, freq="D", name="day")),
+    pd.DataFrame({"t": pd.date_range("2020", periods=3, freq="h", tz="Europe/Paris")},
+                 index=pd.timedelta_range("1s", periods=3, freq="2s")),
+    pd.Series(pd.to_datetime(["2020-01-01", None]).tz_localize("UTC"), name="when"),
+    pd.DataFrame({"x": [1, 2]}, index=pd.date_range("2020-01-31", periods=2, freq="ME", tz="+01:00"))])
+def test_time_zones_and_an_index_s_freq_read_back_exactly(value):
+    out = again(value)
+    (pd.testing.assert_series_equal if isinstance(value, pd.Series) else pd.testing.assert_frame_equal)(out, value)
+    assert getattr(out.index, "freq", None) == getattr(value.index, "freq", None)
+
+
 def test_numpy_scalars_and_object_str_arrays_keep_their_type():
     for v in (np.float32(2.5), np.int64(-3), np.str_("s"), np.bool_(True)):
         assert type(again(v)) is type(v) and again(v) == v
@@ -90,8 +102,8 @@ def test_plain_values_are_plain_json():
     (pd.DataFrame({"a": [1], "b": [2]}).set_index(["a", "b"]), "a MultiIndex is not carried"),
     (pd.DataFrame({"m": np.array([1, "a"], dtype=object)}), "an object array holding int, str"),
     (pd.Series([1, None], dtype="Int64"), "a column of dtype Int64 is not carried"),
-    (pd.Series([1], index=pd.date_range("2020", periods=1)), "freq"),
-    (pd.Series([pd.Timestamp("2020", tz="UTC")]), "is not carried"),
+    (pd.Series(pd.period_range("2020", periods=1)),
+     "a column of dtype period[D] is not carried"),
     (pd.DataFrame({("a", "b"): [1]}), "MultiIndex"),
     (pd.Series([1], name=("a", 1)), "a name of type tuple"),
 ])
@@ -144,6 +156,14 @@ HOSTILE = {
     "a name that is an object": {"kind": "series", "name": {"a": 1}, "data": {"dtype": "numpy", "npy": npy(
         I8 % 0, b"")}, "index": {"type": "range", "start": 0, "stop": 0, "step": 1, "name": None}},
     "not an object": ["kind", "json"],
+    "a freq the labels do not keep": {"kind": "series", "name": None, "data": {"dtype": "numpy", "npy": npy(
+        I8 % 2, bytes(16))}, "index": {"type": "index", "name": None, "freq": "D", "values": {"dtype": "numpy",
+                                       "npy": npy("{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (2,), }",
+                                                  bytes(8) + (1).to_bytes(8, "little"))}}},
+    "a time zone that is a path": _frame_entry({"dtype": "datetimetz", "tz": "../../../etc/passwd", "npy": npy(
+        "{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (2,), }", bytes(16))}),
+    "a time zone that does not exist": _frame_entry({"dtype": "datetimetz", "tz": "Nowhere/Atlantis", "npy": npy(
+        "{'descr': '<M8[ns]', 'fortran_order': False, 'shape': (2,), }", bytes(16))}),
 }
 
 

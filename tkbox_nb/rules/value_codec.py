@@ -7,8 +7,9 @@ is `.npy` bytes read with our own checks, never with `allow_pickle` (numeric, bo
 width unicode `U` and bytes `S`; an object array only when every element is a str, carried as `U` and given back as
 object); a DataFrame is each column as such an array, its index and column labels as indexes, and its dtypes named
 in the header (numpy dtypes, `category` as codes and categories, pandas' `string`/`str` as `U` with a mask of
-missing values). Everything else (a MultiIndex, an object column of mixed types, nested objects, a time zone) is
-refused naming why: a value is never changed on the way.
+missing values, time-zone-aware datetimes as UTC instants and the zone's name, an index's `freq` by its name).
+Everything else (a MultiIndex, an object column of mixed types, nested objects, nullable integers) is refused naming
+why: a value is never changed on the way.
 
 `decode` reads what the box sent, so it is hostile input: strict shapes and types, the npy header parsed by us (its
 version, a plain dtype, the shape's product times the item size exactly the bytes given), lengths that agree, a
@@ -132,7 +133,9 @@ def read_npy(data: bytes, max_items: int):
 
 def _array(obj, budget, ndim: int | None = None, length: int | None = None):
     arr = read_npy(_b64(obj, budget), budget[1])
-    if ndim is not None and arr.ndim != ndim or length is not None and arr.shape[0] != length:
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueCodecError(f"an array of shape {arr.shape} where a {ndim}-dimensional one was said")
+    if length is not None and arr.shape[0] != length:
         raise ValueCodecError(f"an array of shape {arr.shape} where {length} values were said")
     return arr
 
@@ -158,6 +161,9 @@ def _column(values) -> dict:
             raise ValueCodecError("categories that are themselves categorical are not carried")
         return {"dtype": "category", "ordered": bool(dtype.ordered), "codes": _npy(np.asarray(values.array.codes)),
                 "categories": _index(dtype.categories)}
+    if isinstance(dtype, pd.DatetimeTZDtype):  # the instants in UTC, and the zone's name
+        utc = np.asarray(pd.DatetimeIndex(values).tz_convert("UTC").tz_localize(None))
+        return {"dtype": "datetimetz", "tz": _tz_name(str(dtype.tz)), "npy": _npy(utc)}
     if isinstance(dtype, pd.StringDtype):
         obj = np.asarray(values, dtype=object)
         mask = np.asarray(pd.isna(obj), dtype=bool)
@@ -167,12 +173,28 @@ def _column(values) -> dict:
     raise ValueCodecError(f"a column of dtype {dtype} is not carried")
 
 
+def _tz_name(tz) -> str:
+    """A time zone's name as the tz database spells it (`Europe/Paris`, `UTC`, `+01:00`): never a path."""
+    if not isinstance(tz, str) or not 0 < len(tz) <= 64 or ".." in tz or tz.startswith("/") \
+            or not all(c.isascii() and (c.isalnum() or c in "_+-/:") for c in tz):
+        raise ValueCodecError(f"a time zone {str(tz)[:70]!r} is not carried (a tz database name or an offset)")
+    return tz
+
+
+def _freq_name(freq) -> str:
+    if not isinstance(freq, str) or not 0 < len(freq) <= 32 or \
+            not all(c.isascii() and (c.isalnum() or c == "-") for c in freq):
+        raise ValueCodecError(f"an index freq {str(freq)[:40]!r} is not carried")
+    return freq
+
+
 def _read_column(obj, budget, n: int):
     pd = _pandas()
     if not isinstance(obj, dict) or not isinstance(obj.get("dtype"), str):
         raise ValueCodecError("a column is not an object with a dtype")
     kind, keys = obj["dtype"], set(obj)
     want = {"numpy": {"npy"}, "object-str": {"npy"}, "category": {"ordered", "codes", "categories"},
+            "datetimetz": {"tz", "npy"},
             "string": {"storage", "na", "npy", "mask"}}.get(kind)
     if want is None or keys != want | {"dtype"}:
         raise ValueCodecError(f"a column of kind {kind[:40]!r} with fields {sorted(keys)[:8]} is not read")
@@ -194,6 +216,11 @@ def _read_column(obj, budget, n: int):
         if codes.size and (int(codes.min()) < -1 or int(codes.max()) >= len(cats)):
             raise ValueCodecError("a category code past its categories")
         return pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(cats, ordered=obj["ordered"]))
+    if kind == "datetimetz":
+        arr = _array(obj["npy"], budget, 1, n)
+        if arr.dtype.kind != "M":
+            raise ValueCodecError("a datetimetz column not sent as datetime64")
+        return pd.DatetimeIndex(arr).tz_localize("UTC").tz_convert(_tz_name(obj["tz"])).array
     if obj["storage"] != "python" or obj["na"] not in ("nan", "NA"):
         raise ValueCodecError(f"a string column of storage {str(obj['storage'])[:20]!r} is not read (only python)")
     arr, mask = _array(obj["npy"], budget, 1, n), _array(obj["mask"], budget, 1, n)
@@ -209,12 +236,13 @@ def _index(index) -> dict:
     pd = _pandas()
     if isinstance(index, pd.MultiIndex):
         raise ValueCodecError("a MultiIndex is not carried (reset_index() first)")
-    if getattr(index, "freq", None) is not None:
-        raise ValueCodecError(f"an index with freq {index.freqstr} is not carried (set its freq to None first)")
     if type(index) is pd.RangeIndex:
         return {"type": "range", "start": index.start, "stop": index.stop, "step": index.step,
                 "name": _label(index.name)}
-    return {"type": "index", "name": _label(index.name), "values": _column(index)}
+    out = {"type": "index", "name": _label(index.name), "values": _column(index)}
+    if getattr(index, "freq", None) is not None:  # a DatetimeIndex or TimedeltaIndex made with a frequency
+        out["freq"] = _freq_name(index.freqstr)
+    return out
 
 
 def _read_index(obj, budget, n: int | None):
@@ -234,7 +262,7 @@ def _read_index(obj, budget, n: int | None):
         if n is not None and len(index) != n:
             raise ValueCodecError(f"an index of {len(index)} labels for {n} rows")
         return index
-    if set(obj) != {"type", "name", "values"}:
+    if set(obj) - {"freq"} != {"type", "name", "values"}:
         raise ValueCodecError("an index with other fields")
     values = obj["values"]
     if isinstance(values, dict) and values.get("dtype") == "category":
@@ -248,6 +276,11 @@ def _read_index(obj, budget, n: int | None):
         raise ValueCodecError(f"an index of dtype {col.dtype} is not made: {str(e)[:80]}") from None
     if index.dtype != col.dtype:
         raise ValueCodecError(f"an index of dtype {col.dtype} would become {index.dtype}")
+    if "freq" in obj:  # pandas checks that the labels keep to it (else ValueError: refused)
+        if col.dtype.kind not in "Mm":
+            raise ValueCodecError("a freq on an index not of datetimes or timedeltas")
+        offset = pd.tseries.frequencies.to_offset(_freq_name(obj["freq"]))
+        index = (pd.DatetimeIndex if col.dtype.kind == "M" else pd.TimedeltaIndex)(index, freq=offset, name=name)
     return index
 
 
