@@ -10,6 +10,7 @@ coverage-guided fuzzer and hypothesis drive them alike.
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import hashlib
@@ -1293,3 +1294,61 @@ def package_page(data: bytes) -> None:
     assert [(f.filename, f.sha256, f.requires_python, f.yanked) for f in again] == \
         [(f.filename, f.sha256, f.requires_python, f.yanked) for f in files]
     assert all(urlsplit(f.url).path == f"/files/{f.sha256}/{f.filename}" for f in again)
+
+
+# -- values of %box_pull -----------------------------------------------------------------------------------------
+def _value_codec_seeds() -> list[bytes]:
+    """Real encodings (rules/value_codec.encode) of what a notebook pulls: arrays of each kind, a DataFrame with a
+    named index and str, category, datetime and object columns, a Series, plain JSON."""
+    import numpy as np
+    import pandas as pd
+
+    from tkbox_nb.rules.value_codec import encode
+    frame = pd.DataFrame({"i": np.arange(3), "f": np.array([1.5, 2, np.nan], "float32"), "b": [True, False, True],
+                          "s": ["a", None, "c"], "c": pd.Categorical(["u", "v", "u"]),
+                          "t": pd.to_datetime(["2020-01-01", "2021-01-01", None]).astype("M8[ns]")},
+                         index=pd.Index([10, 20, 10], name="key"))
+    frame["o"] = frame["s"].fillna("").astype(object)
+    values = [frame, pd.Series([0.5, 1.5], index=pd.Index(["p", "q"], name="k"), name="w"),
+              np.arange(6.0).reshape(2, 3), np.array(3, "uint8"), np.array(["ab", "c"]), np.array([b"x"]),
+              np.array(["a"], dtype=object), np.float32(2.5), {"a": [1, None, "s"]}]
+    return [bytes([k]) + json.dumps(encode(v)).encode() for v in values for k in (0, 1, 21, 201)]
+
+
+@target("value-codec", _value_codec_seeds)
+def value_codec(data: bytes) -> None:
+    """rules/value_codec.decode of what a box answers %box_pull with (the first byte: the JSON as sent, or with one
+    byte of its npy array changed): a value or one one-line ValueCodecError, within the limit; what it reads
+    encodes again and reads back the same (same type, dtypes, index and names)."""
+    import numpy as np
+    import pandas as pd
+
+    from tkbox_nb.rules import value_codec as vc
+    try:
+        entry = p.loads_strict(data[1:], "a pulled value")
+    except (ValueError, p.ProtocolError):
+        return
+    if data[0] & 1 and isinstance(entry, dict) and isinstance(entry.get("npy"), str):  # one npy byte changed
+        try:
+            raw = bytearray(base64.b64decode(entry["npy"], validate=True))
+        except ValueError:  # not base64: sent as it is
+            raw = bytearray()
+        if raw:
+            raw[(data[0] >> 1) % len(raw)] ^= 0xFF if data[0] < 128 else 0x01
+            entry["npy"] = base64.b64encode(bytes(raw)).decode()
+    try:
+        value = vc.decode(entry, 1 << 20)
+    except vc.ValueCodecError as e:
+        assert "\n" not in str(e)
+        return
+    again = vc.decode(json.loads(json.dumps(vc.encode(value))), 1 << 20)
+    assert type(again) is type(value)
+    if isinstance(value, pd.DataFrame):
+        pd.testing.assert_frame_equal(again, value)
+    elif isinstance(value, pd.Series):
+        pd.testing.assert_series_equal(again, value)
+    elif isinstance(value, (np.ndarray, np.generic)):
+        assert again.dtype == value.dtype and again.shape == value.shape
+        np.testing.assert_array_equal(again, value)
+    else:
+        assert again == value

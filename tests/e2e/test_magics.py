@@ -165,3 +165,112 @@ def test_a_magic_given_bad_input_fails_in_one_line_never_a_traceback(shell, caps
         assert "Traceback" not in text and "jupyter/magics.py" not in text, (cell, text)
         assert [x for x in text.splitlines() if x.strip()] and line in text, (cell, text)
         assert len([x for x in text.splitlines() if x.strip()]) == 1, (cell, text)
+
+
+def test_arrays_frames_and_series_move_in_and_out_with_their_dtypes(shell, tmp_path):
+    """A DataFrame, a Series and numpy arrays go into the box and come back exactly: dtypes, index, names (before,
+    a DataFrame came back as its column names and an array as a list). Plain values move as before."""
+    import numpy as np
+    import pandas as pd
+    frame = pd.DataFrame({"i": np.arange(3, dtype="int64"), "f": np.array([1.5, 2, np.nan], dtype="float32"),
+                          "b": [True, False, True], "s": ["a", None, "c"],
+                          "t": pd.to_datetime(["2020-01-01", "2021-06-01", None]).astype("M8[ns]")},
+                         index=pd.Index([10, 20, 10], name="key"))
+    frame["o"] = pd.Series(["x", "y", "z"], index=frame.index).astype(object)
+    assert frame["o"].dtype == object
+    series = pd.Series([0.5, 1.5], index=pd.Index(["p", "q"], name="k"), name="weights")
+    shell.user_ns.update(frame=frame, series=series, grid=np.arange(6.0).reshape(2, 3), zero=np.array(7, "uint8"),
+                         words=np.array(["ab", "c"]), n=5)
+    assert shell.run_cell("%box_push frame series grid zero words n").success
+    assert shell.run_cell("%%box\nassert str(frame['t'].dtype) == 'datetime64[ns]' and frame.index.name == 'key'\n"
+                          "big = frame.assign(g=frame['i'] * 2)\nseries2 = series * 2\ngrid2 = grid.T.copy()\n"
+                          "zero2, words2, n2 = zero, words, n + 1").success
+    for name in ("frame", "series", "grid", "zero", "words", "n"):
+        del shell.user_ns[name]
+    assert shell.run_cell("%box_pull frame big series series2 grid grid2 zero zero2 words2 n2").success
+    ns = shell.user_ns
+    pd.testing.assert_frame_equal(ns["frame"], frame)
+    pd.testing.assert_frame_equal(ns["big"], frame.assign(g=frame["i"] * 2))
+    pd.testing.assert_series_equal(ns["series"], series)
+    pd.testing.assert_series_equal(ns["series2"], series * 2)
+    for name, want in (("grid", np.arange(6.0).reshape(2, 3)), ("grid2", np.arange(6.0).reshape(2, 3).T),
+                       ("zero", np.array(7, "uint8")), ("zero2", np.array(7, "uint8")),
+                       ("words2", np.array(["ab", "c"]))):
+        np.testing.assert_array_equal(ns[name], want, strict=True)
+    assert ns["frame"]["o"].dtype == object and ns["n2"] == 6
+    shell.run_cell("%unload_ext tkbox_nb")
+    assert verify_bundle(bundles(tmp_path)[0]).valid
+
+
+HOSTILE_PULLS = {
+    "a pickle": "{'kind': 'ndarray', 'npy': __import__('base64').b64encode(__import__('pickle').dumps([1])).decode()}",
+    "a header that lies about the shape": (
+        "{'kind': 'ndarray', 'npy': __import__('base64').b64encode(__import__('io').BytesIO().getvalue() or "
+        "b'\\x93NUMPY\\x01\\x00v\\x00' + b\"{'descr': '<i8', 'fortran_order': False, 'shape': (1000,), }\""
+        ".ljust(117) + b'\\n' + bytes(16)).decode()}"),
+    "an object dtype": (
+        "{'kind': 'ndarray', 'npy': __import__('base64').b64encode(b'\\x93NUMPY\\x01\\x00v\\x00' + "
+        "b\"{'descr': '|O', 'fortran_order': False, 'shape': (1,), }\".ljust(117) + b'\\n' + bytes(8)).decode()}"),
+    "a frame whose column says int but holds floats": (
+        "{'kind': 'frame', 'index': {'type': 'range', 'start': 0, 'stop': 2, 'step': 1, 'name': None}, "
+        "'columns': {'type': 'range', 'start': 0, 'stop': 1, 'step': 1, 'name': None}, "
+        "'data': [{'dtype': 'numpy', 'npy': __import__('base64').b64encode(b'\\x93NUMPY\\x01\\x00v\\x00' + "
+        "b\"{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }\".ljust(117) + b'\\n' + bytes(24)).decode()}]}"),
+    "oversized": (
+        "{'kind': 'ndarray', 'npy': __import__('base64').b64encode(b'\\x93NUMPY\\x01\\x00v\\x00' + "
+        "b\"{'descr': '|S0', 'fortran_order': False, 'shape': (1099511627776,), }\".ljust(117) + b'\\n').decode()}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_PULLS))
+def test_a_box_sending_a_hostile_value_is_refused_in_one_line(shell, capsys, case):
+    """The box answers %box_pull with what it likes (here: its `display` replaced): a pickle, an npy header that lies
+    about its shape or dtype, a column of another length, more than the limit. Each is refused in one line and
+    nothing is assigned."""
+    forged = HOSTILE_PULLS[case]
+    assert shell.run_cell("%%box\nimport IPython.display as _d\n_real = _d.display\n"
+                          "def _forge(obj, **kw):\n"
+                          f"    _real({{'application/json': {{'tkbox-pull': {{'v': {forged}}}}}}}, raw=True)\n"
+                          "_d.display = _forge\nv = 1").success
+    capsys.readouterr()
+    result = shell.run_cell("%box_pull v")
+    shown = capsys.readouterr()
+    text = shown.out + shown.err
+    assert not result.success and "v" not in shell.user_ns, (case, text)
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert len(lines) == 1 and "%box_pull" in lines[0] and "Traceback" not in text, (case, text)
+
+
+def test_values_that_cannot_be_carried_exactly_are_refused_in_one_line(shell, capsys):
+    """Never a silent change: a tuple, a MultiIndex, an object column of mixed types are refused naming why, in
+    both directions."""
+    import numpy as np
+    import pandas as pd
+    shell.user_ns["mixed"] = pd.DataFrame({"m": np.array([1, "a"], dtype=object)})
+    shell.user_ns["pair"] = (1, 2)
+    assert shell.run_cell("%%box\nimport pandas as pd\n"
+                          "multi = pd.DataFrame({'a': [1], 'b': [2], 'c': [3]}).set_index(['a', 'b'])\n"
+                          "pair = (1, 2)").success
+    for cell, reason in (("%box_push mixed", "an object array holding int, str is not carried"),
+                         ("%box_push pair", "builtins.tuple is not carried"),
+                         ("%box_pull multi", "a MultiIndex is not carried"),
+                         ("%box_pull pair", "builtins.tuple is not carried")):
+        capsys.readouterr()
+        result = shell.run_cell(cell)
+        shown = capsys.readouterr()
+        lines = [x for x in (shown.out + shown.err).splitlines() if x.strip()]
+        assert not result.success and len(lines) == 1 and reason in lines[0], (cell, lines)
+    assert "multi" not in shell.user_ns and shell.user_ns["pair"] == (1, 2)
+
+
+def test_a_value_over_the_output_limit_is_refused_in_the_box_and_the_box_lives_on(shell, capsys):
+    """A box's cell output over `[exec] max_output_bytes` ends the box: %box_pull of a value too big refuses it in the
+    box first, in one line, and the box keeps its state."""
+    assert shell.run_cell("%%box\nimport numpy as np\nhuge = np.zeros(3 << 20)").success
+    capsys.readouterr()
+    result = shell.run_cell("%box_pull huge")
+    shown = capsys.readouterr()
+    lines = [x for x in (shown.out + shown.err).splitlines() if x.strip()]
+    assert not result.success and len(lines) == 1 and "over the %box_pull limit" in lines[0], lines
+    assert shell.run_cell("%%box\nsmall = huge[:4]").success and shell.run_cell("%box_pull small").success
+    assert shell.user_ns["small"].tolist() == [0.0] * 4

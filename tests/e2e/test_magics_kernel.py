@@ -164,7 +164,8 @@ import IPython.display as d
 real = d.display
 def display(obj, **kw):
     if isinstance(obj, dict) and 'tkbox-pull' in obj.get('application/json', {}):
-        obj = {'application/json': {'tkbox-pull': {n: 'from the box' for n in obj['application/json']['tkbox-pull']}}}
+        obj = {'application/json': {'tkbox-pull': {n: {'kind': 'json', 'value': 'from the box'}
+                                                 for n in obj['application/json']['tkbox-pull']}}}
     return real(obj, **kw)
 d.display = display
 for name in ('get_ipython', 'In', 'Out', 'exit', 'quit', '_', '_i1', '_oh', '__name__', 'value'):

@@ -2,9 +2,10 @@
 
 `%%box` runs its cell in the notebook's box through the exec door (the box starts on first use and keeps its state
 across cells; `%%box --new` starts a fresh one) and shows the box's outputs in place: streams as they come, rich
-display, and errors with the box's own traceback. `%box_push NAME ...` and `%box_pull NAME ...` move plain data
-(JSON: None, booleans, numbers, strings, lists, dicts) between the host's namespace and the box's, each as a cell
-through the exec door, so every move is decided and signed like any other.
+display, and errors with the box's own traceback. `%box_push NAME ...` and `%box_pull NAME ...` move values
+between the host's namespace and the box's, each as a cell through the exec door, so every move is decided and signed
+like any other: plain data as JSON (None, booleans, numbers, strings, lists, dicts), numpy arrays, DataFrames and
+Series as `.npy` arrays with a strict header (rules/value_codec.py, never pickle), read back exactly or refused.
 
 The host-side magics (`%box_policy`, `%%box_policy`, `%box_secret`, `%box_status`, `%box_bundle`, `%box_restart`)
 are notebook_box.HostMagics, the same code the Tracekit Box kernel runs. `%box_secret` reads the value with getpass on
@@ -16,12 +17,14 @@ Unloading the extension, or the kernel's exit, stops the box and writes its bund
 from __future__ import annotations
 
 import atexit
+import functools
 import getpass
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from tkbox_nb.rules import value_codec
 from tkbox_nb.rules.output_sanitiser import box_display_id
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.jupyter.magics_cell import BoxCell, pull_refusal
@@ -91,14 +94,6 @@ def _show(box_id: str, output: dict[str, Any]) -> None:
     elif t == "clear_output":
         from IPython.display import clear_output
         clear_output(wait=output.get("wait", False))
-
-
-def _plain(name: str, value: Any) -> str:
-    try:
-        return json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TkboxError(f"%box_push: {name} is not plain data (JSON: None, bool, number, str, list, dict): {e}") \
-            from None
 
 
 class BoxMagicsExtension:
@@ -177,25 +172,46 @@ class BoxMagicsExtension:
                 self.nb.stop("the box ended")
             raise
 
-    # -- moving plain data -------------------------------------------------------------------------------------
+    # -- moving values ---------------------------------------------------------------------------------------
     def box_push(self, line: str):
-        """%box_push NAME [NAME ...]: copy plain (JSON) values from this namespace into the box's."""
+        """%box_push NAME [NAME ...]: copy values (plain JSON data, numpy arrays, DataFrames, Series) from this
+        namespace into the box's."""
         names = line.split()
         if not names:
             raise TkboxError("%box_push: name the variables to push")
-        assignments = []
+        plain, coded = [], {}
         for name in names:
             if not name.isidentifier():
                 raise TkboxError(f"%box_push: {name!r} is not a name")
             if name not in self.shell.user_ns:
                 raise TkboxError(f"%box_push: no variable {name} here")
-            assignments.append(f"{name} = __import__('json').loads({_plain(name, self.shell.user_ns[name])!r})")
-        result = self._execute("\n".join(assignments), None)
+            value = self.shell.user_ns[name]
+            if value_codec.is_plain(value):  # as before: one json.loads per name
+                plain.append(f"{name} = __import__('json').loads({json.dumps(value)!r})")
+                continue
+            try:
+                coded[name] = json.dumps(value_codec.encode(value))
+            except value_codec.ValueCodecError as e:
+                raise TkboxError(f"%box_push: {name} is not plain data, a numpy array, a DataFrame or a Series: "
+                                 f"{e}") from None
+        if sum(len(c) for c in coded.values()) > MAX_PULL_BYTES:
+            raise TkboxError(f"%box_push: more than {MAX_PULL_BYTES} bytes")
+        code = "\n".join(plain)
+        if coded:
+            code += ("\ndef _tkbox_push(entries):\n    ns = {'__name__': 'tkbox_values'}\n"
+                     f"    exec({_codec_source()!r}, ns)\n"
+                     f"    return {{n: ns['decode'](__import__('json').loads(e), {MAX_PULL_BYTES}) "
+                     "for n, e in entries.items()}\n"
+                     f"try:\n    globals().update(_tkbox_push({coded!r}))\nfinally:\n    del _tkbox_push")
+        result = self._execute(code, None)
         if result.status != "ok":
-            raise TkboxError(f"%box_push: the box refused the values ({result.status})")
+            error = next((o for o in result.outputs if o["output_type"] == "error"), {})
+            raise TkboxError(f"%box_push: the box refused the values ({error.get('ename', result.status)}: "
+                             f"{str(error.get('evalue', ''))[:200]})")
 
     def box_pull(self, line: str):
-        """%box_pull NAME [NAME ...]: copy plain (JSON) values from the box's namespace into this one."""
+        """%box_pull NAME [NAME ...]: copy values (plain JSON data, numpy arrays, DataFrames, Series) from the box's
+        namespace into this one, each read back exactly or refused."""
         names = line.split()
         if not names or not all(n.isidentifier() for n in names):
             raise TkboxError("%box_pull: name the variables to pull")
@@ -203,15 +219,28 @@ class BoxMagicsExtension:
             why = pull_refusal(name, self.shell.user_ns_hidden)
             if why:
                 raise TkboxError(f"%box_pull: {name} {why}; not replaced")
-        code = ("import json as _j, IPython.display as _d\n"
-                f"_d.display({{'application/json': {{{_PULL_MARK!r}: {{n: globals()[n] for n in {names!r}}}}}}}, "
-                "raw=True)")
+        code = ("def _tkbox_pull(names):\n    ns = {'__name__': 'tkbox_values'}\n"
+                f"    exec({_codec_source()!r}, ns)\n"
+                "    out = {n: ns['encode'](globals()[n]) for n in names}\n"
+                f"    if len(__import__('json').dumps(out)) > {self._pull_cap()}:\n"
+                "        raise ns['ValueCodecError'](\n"
+                f"            'the values are over the %box_pull limit of {self._pull_cap()} bytes of JSON')\n"
+                "    return out\n"
+                "try:\n    __import__('IPython.display').display.display("
+                f"{{'application/json': {{{_PULL_MARK!r}: _tkbox_pull({names!r})}}}}, raw=True)\n"
+                "finally:\n    del _tkbox_pull")
         result = self._execute(code, None)
         if result.status != "ok":
             error = next((o for o in result.outputs if o["output_type"] == "error"), {})
             raise TkboxError(f"%box_pull: {error.get('ename', 'error')}: {error.get('evalue', result.status)}")
         values = _pulled(result.outputs, names)
         self.shell.user_ns.update(values)
+
+    def _pull_cap(self) -> int:
+        """What the box may send: a cell's outputs over `[exec] max_output_bytes` end the box, so the box's side of
+        %box_pull refuses before that (with room for the message around the values)."""
+        cap = self.nb.ensure_box().policy.get("exec", "max_output_bytes")
+        return max(0, min(MAX_PULL_BYTES, int(cap)) - (64 << 10))
 
     def unload(self) -> None:
         path = self.nb.stop("extension unloaded")
@@ -220,7 +249,8 @@ class BoxMagicsExtension:
 
 
 def _pulled(outputs: list[dict], names: list[str]) -> dict[str, Any]:
-    """The pulled values, read strictly from the box's output (hostile input: size, shape, names)."""
+    """The pulled values, read strictly from the box's output (hostile input: size, shape, names; each value by
+    rules/value_codec.decode)."""
     for out in outputs:
         data = out.get("data", {}).get("application/json") if out["output_type"] == "display_data" else None
         if isinstance(data, dict) and set(data) == {_PULL_MARK}:
@@ -229,8 +259,17 @@ def _pulled(outputs: list[dict], names: list[str]) -> dict[str, Any]:
                 raise TkboxError("%box_pull: the box answered with other names than asked")
             if len(json.dumps(values)) > MAX_PULL_BYTES:
                 raise TkboxError(f"%box_pull: more than {MAX_PULL_BYTES} bytes")
-            return values
+            try:
+                return {name: value_codec.decode(values[name], MAX_PULL_BYTES) for name in names}
+            except value_codec.ValueCodecError as e:
+                raise TkboxError(f"%box_pull: the box's value is refused: {e}") from None
     raise TkboxError("%box_pull: the box did not answer with the values")
+
+
+@functools.cache
+def _codec_source() -> str:
+    """rules/value_codec.py's own text, run in the box (in a namespace of its own) to encode and decode there."""
+    return Path(value_codec.__file__).read_text()
 
 
 _loaded: dict[int, BoxMagicsExtension] = {}
