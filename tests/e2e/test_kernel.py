@@ -1091,3 +1091,35 @@ def test_a_tkbox_policy_that_does_not_load_fails_each_cell_closed_and_the_kernel
     run = open_run(only_bundle(kernel_env))
     [start] = [x for x in run.crossings() if x.door == "box" and x.args.get("kind") == "start"]
     assert run.box["policy"]["name"] == "%%box_policy", run.box["policy"]
+
+
+def test_every_executed_cell_takes_the_next_execution_count_as_ipykernel_does(client):
+    """A cell of host magics only took no number (it showed the box's last one again), so the notebook read
+    [1] [1] [2] (issue 36). Now every cell that stores history takes the next number, as a plain ipykernel gives it,
+    whether the host or the box answers it: its execute_input, execute_result and execute_reply all say it, and a
+    new box (`%box_restart`), whose own ipykernel counts from 1 again, does not set the notebook back."""
+    def run(code, **kw):
+        if kw:
+            mid = client.kc.execute(code, **kw)
+            msgs = _iopub_until_idle(client, mid)
+            reply = client.kc.get_shell_msg(timeout=60)
+            assert reply["parent_header"]["msg_id"] == mid
+            return reply["content"], [(m["msg_type"], m["content"]) for m in msgs]
+        return client.run(code)
+
+    def count(code, **kw):
+        reply, outs = run(code, **kw)
+        assert reply["status"] == "ok", reply
+        shown = {c["execution_count"] for t, c in outs if t in ("execute_input", "execute_result")}
+        assert shown <= {reply["execution_count"]}, (code, shown, reply)
+        return reply["execution_count"]
+
+    assert count("1") == 1
+    assert count("%box_status") == 2  # answered by the host
+    assert count("2") == 3  # the box's ipykernel calls it 2
+    assert count("%box_status\n3") == 4  # a host magic and box code: one cell, one number
+    assert count("4", silent=True) == 4  # as ipykernel: a silent cell stores no history and takes no number
+    assert count("5", store_history=False) == 4
+    assert count("") == 4  # an empty cell takes none either
+    assert count("%box_restart") == 5
+    assert count("6") == 6  # the new box's first cell
