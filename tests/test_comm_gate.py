@@ -61,3 +61,33 @@ def test_faults_while_no_run_is_open_are_held_then_counted():
     gate.flush(box)
     assert len(box.recorder.records) == MAX_PENDING + 1
     assert box.recorder.records[-1]["fault"] == "10 more, not each signed"
+
+
+def frontend(gate, msg_type, comm_id, **content):
+    gate.from_frontend("shell", {"header": {"msg_id": f"f-{msg_type}-{comm_id}", "msg_type": msg_type},
+                                 "content": {"comm_id": comm_id, "data": {}, **content}})
+
+
+def test_frontend_comm_housekeeping_is_answered_as_ipykernel_does_and_signs_no_fault():
+    """What JupyterLab does at page load and unload signed a deny the user did not cause (issue 36): it opens the
+    widget control comm before any run is open, asks it for the states, and closes comms the box never had. The open
+    is answered with a comm_close (ipykernel's answer to a target it lacks), what was sent on that comm meanwhile and
+    a close of a comm neither side holds are dropped; nothing is signed. A comm_msg to a comm nobody holds or closed
+    is still a fault (I55)."""
+    kernel, box = stand_in(live=False)
+    kernel.sent = []
+    kernel.send = lambda channel, msg_type, content, parent, *a, **kw: kernel.sent.append(
+        (channel, msg_type, content, parent["msg_id"]))
+    gate = CommGate(kernel)
+    frontend(gate, "comm_open", "c" * 32, target_name="jupyter.widget.control")
+    assert kernel.sent == [("iopub", "comm_close", {"comm_id": "c" * 32, "data": {}}, "f-comm_open-" + "c" * 32)]
+    frontend(gate, "comm_msg", "c" * 32)  # request_states, sent before the close reached the page
+    frontend(gate, "comm_close", "c" * 32)
+    frontend(gate, "comm_close", "d" * 32)  # a comm the box never had
+    gate.flush(box)
+    assert box.recorder.records == [] and gate.pending == [] and len(kernel.sent) == 1
+    frontend(gate, "comm_msg", "c" * 32)  # once closed both ways, the id is unknown again: a fault
+    frontend(gate, "comm_msg", "e" * 32)
+    gate.flush(box)
+    assert [(r["msg_type"], r["comm_id"], r["from"]) for r in box.recorder.records] == [
+        ("comm_msg", "c" * 32, "frontend"), ("comm_msg", "e" * 32, "frontend")]

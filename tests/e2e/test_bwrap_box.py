@@ -580,3 +580,17 @@ def test_no_box_process_s_command_line_or_environment_names_a_host_path(signer, 
     for path in host_paths:
         assert path not in listed, (path, listed)
     assert "tkbox-box-" not in out.split("== mountinfo")[1]  # the box's /etc is no host scratch folder
+
+
+@pytest.mark.skipif(not Path("/etc/fonts/fonts.conf").is_file(), reason="this host has no fontconfig config to give")
+def test_fontconfig_finds_its_config_in_the_box_and_it_is_read_only(box):
+    """matplotlib asks fontconfig's fc-list for the fonts as it builds its font cache (each new box): without the
+    fonts config every first plot printed `Fontconfig error: Cannot load default config file` (issue 36). The box sees
+    the host's /etc/fonts read-only (fonts.conf and its conf.d links into /usr), nothing more of the host's /etc."""
+    r = sh(box, "MPLCONFIGDIR=$(mktemp -d) python3 -c 'import matplotlib; matplotlib.use(\"Agg\")\n"
+                "import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.savefig(\"/tmp/p.png\"); print(\"plotted\")'"
+                " ; fc-list --format='%{file}\\n' | head -1")
+    assert b"plotted" in r.stdout, r.stderr
+    assert b"Fontconfig" not in r.stderr and b"/usr/share/fonts/" in r.stdout, r.stderr
+    assert sh(box, "echo x > /etc/fonts/x").exit_code != 0
+    assert sh(box, "ls /etc/fonts").stdout.decode().split() == sorted(os.listdir("/etc/fonts"))

@@ -1091,3 +1091,73 @@ def test_a_tkbox_policy_that_does_not_load_fails_each_cell_closed_and_the_kernel
     run = open_run(only_bundle(kernel_env))
     [start] = [x for x in run.crossings() if x.door == "box" and x.args.get("kind") == "start"]
     assert run.box["policy"]["name"] == "%%box_policy", run.box["policy"]
+
+
+def test_every_executed_cell_takes_the_next_execution_count_as_ipykernel_does(client):
+    """A cell of host magics only took no number (it showed the box's last one again), so the notebook read
+    [1] [1] [2] (issue 36). Now every cell that stores history takes the next number, as a plain ipykernel gives it,
+    whether the host or the box answers it: its execute_input, execute_result and execute_reply all say it, and a
+    new box (`%box_restart`), whose own ipykernel counts from 1 again, does not set the notebook back."""
+    def run(code, **kw):
+        if kw:
+            mid = client.kc.execute(code, **kw)
+            msgs = _iopub_until_idle(client, mid)
+            reply = client.kc.get_shell_msg(timeout=60)
+            assert reply["parent_header"]["msg_id"] == mid
+            return reply["content"], [(m["msg_type"], m["content"]) for m in msgs]
+        return client.run(code)
+
+    def count(code, **kw):
+        reply, outs = run(code, **kw)
+        assert reply["status"] == "ok", reply
+        shown = {c["execution_count"] for t, c in outs if t in ("execute_input", "execute_result")}
+        assert shown <= {reply["execution_count"]}, (code, shown, reply)
+        return reply["execution_count"]
+
+    assert count("1") == 1
+    assert count("%box_status") == 2  # answered by the host
+    assert count("2") == 3  # the box's ipykernel calls it 2
+    assert count("%box_status\n3") == 4  # a host magic and box code: one cell, one number
+    assert count("4", silent=True) == 4  # as ipykernel: a silent cell stores no history and takes no number
+    assert count("5", store_history=False) == 4
+    assert count("") == 4  # an empty cell takes none either
+    assert count("%box_restart") == 5
+    assert count("6") == 6  # the new box's first cell
+
+
+def test_what_jupyterlab_does_at_page_load_and_unload_signs_no_deny(kernel_env):
+    """Every JupyterLab session signed a deny the user did not cause (issue 36: `comm_fault`, "a comm the box does
+    not hold, from=frontend", so `%box_status` said `1 deny`): at page load the widget manager asks comm_info, opens
+    its control comm and asks it for the states, before any cell has taken the box; at unload or reload the page
+    closes comms the box never had. As ipykernel: comm_info answered, the open answered with a comm_close, what was
+    sent on that comm and the close dropped; nothing signed. A comm_msg naming a made-up comm is still a fault (I55,
+    test_a_frontend_comm_message_before_the_first_cell_is_refused_and_signed)."""
+    c = Client()
+    try:
+        kc = c.kc
+        info = kc.comm_info(target_name="jupyter.widget")
+        reply = kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == info and reply["content"]["status"] == "ok"
+        opened = kc.session.msg("comm_open", {"comm_id": "c" * 32, "target_name": "jupyter.widget.control",
+                                              "data": {}}, metadata={"version": "2.1.0"})
+        kc.shell_channel.send(opened)
+        kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": "c" * 32, "data": {"method": "request_states"}}))
+        deadline, closed = time.monotonic() + 30, None
+        while closed is None and time.monotonic() < deadline:
+            m = kc.get_iopub_msg(timeout=30)
+            if m["msg_type"] == "comm_close":
+                closed = m
+        assert closed["content"]["comm_id"] == "c" * 32
+        assert closed["parent_header"]["msg_id"] == opened["header"]["msg_id"]
+        kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": "d" * 32, "data": {}}))  # the page unloads
+        reply, outs = c.run("print('first')")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "first\n"}) in outs
+        kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": "e" * 32, "data": {}}))  # with a run open
+        reply, _ = c.run("1")
+        assert reply["status"] == "ok"
+    finally:
+        c.stop()
+    run = open_run(only_bundle(kernel_env))
+    assert [x.args for x in run.crossings() if x.args.get("kind") == "comm_fault"] == []
+    assert [x.decision for x in run.crossings() if x.door == "exec"] == ["allow", "allow"]
+    assert verify_bundle(only_bundle(kernel_env)).valid

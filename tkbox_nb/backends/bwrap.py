@@ -39,7 +39,8 @@ BOX_VENV = "/opt/tkbox/venv"      # and this process's venv, remade there: its h
 PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
 CGROUP_PREFIX = "tkbox-"  # then the host pid and the box id (scratch.sweep)
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
-             "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf")
+             "os-release", "debian_version", "mime.types", "ssl/certs", "ca-certificates.conf",
+             "fonts")  # fontconfig's config (its conf.d links into /usr): matplotlib runs fc-list for its font cache
 PASSWD = "root:x:0:0:root:/tmp:/bin/sh\nbox:x:1000:1000:box:/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"
 GROUP = "root:x:0:\nbox:x:1000:\nnogroup:x:65534:\n"
 

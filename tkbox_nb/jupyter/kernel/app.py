@@ -8,7 +8,7 @@ real ipykernel (guest/kernel.py); messages pass through the door stream, and eve
 What happens to each request from the frontend:
 - execute_request: one at a time, in order (cells.py); host-side magics (notebook_box) are done here; any other code
   is decided by the exec door (signed) before it reaches the box, and its outputs are signed when it ends. A refusal
-  is shown as an error.
+  is shown as an error. The execution count the frontend sees is the host's (cells.py), whoever answers the cell.
 - input_reply: to the box only when it answers the box's own pending prompt, never the host's (stdin.py).
 - comm_open / comm_msg / comm_close (widgets): decided by the exec door (kind "comm"), then forwarded (comms.py).
 - complete, inspect, is_complete, history, comm_info: forwarded to the box's kernel (answered here while no box runs).
@@ -96,7 +96,6 @@ class TkboxKernel:
         self.parents = Parents()  # what went into the box, under ids made here -> the frontend's headers
         # requests open in the box, by the msg_id the host sent each under -> (socket, idents, the frontend's header)
         self.requests: dict[str, tuple[str, list[bytes], dict]] = {}
-        self.execution_count = 0
         self.running = True
         self.welcomed = False  # an iopub subscription has been answered
         self.box_kernel: BoxKernel | None = None  # the box's kernel whose messages are relayed
@@ -254,7 +253,7 @@ class TkboxKernel:
 
     # -- execute -------------------------------------------------------------------------------------------------
     def host_reply(self, channel, idents, header, status: str, silent: bool, error: tuple | None = None) -> None:
-        content: dict[str, Any] = {"status": status, "execution_count": self.execution_count}
+        content: dict[str, Any] = {"status": status, "execution_count": self.cells.number(header["msg_id"])}
         names = sorted(self.cells.asked.pop(header["msg_id"], frozenset()))
         if status == "ok":
             content.update(payload=[], user_expressions=unevaluated(names))
@@ -324,15 +323,13 @@ class TkboxKernel:
             if self.box_kernel is not None:
                 self.box_kernel.stray()
             return
-        if t == "execute_reply" and isinstance(msg.content.get("execution_count"), int):
-            self.execution_count = max(self.execution_count, msg.content["execution_count"])
         box_id = self.box_kernel.session if self.box_kernel is not None else ""
         if msg.channel == "iopub":
             if t in COMMS and not self.comms.from_box(msg):
                 return
             if t == "status" and msg.content.get("execution_state") == "busy" and self.cells.took_busy(front):
                 return  # the frontend has had the host's, as the cell was taken
-            wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id)
+            wire = self.cells.numbered(rebuilt(msg, self.session.msg_header(t), self.parents, box_id), front)
             with self._iopub_lock:
                 self.session.send(self.sockets["iopub"], wire, buffers=msg.buffers)
             if t == "status" and msg.content.get("execution_state") == "idle":
@@ -353,7 +350,8 @@ class TkboxKernel:
             self.protocol_violation(f"door protocol violation: the box sent a {t} in reply to {target[2]['msg_type']}")
             return
         self.requests.pop(parent)
-        wire = rebuilt(msg, self.session.msg_header(t), self.parents, box_id, self.cells.asked.get(front))
+        wire = self.cells.numbered(rebuilt(msg, self.session.msg_header(t), self.parents, box_id,
+                                           self.cells.asked.get(front)), front)
         if t == "comm_info_reply" and isinstance(wire["content"].get("comms"), dict):
             wire["content"]["comms"] = {k: v for k, v in wire["content"]["comms"].items()
                                         if not self.comms.host.owns(k)} | self.comms.host.info()

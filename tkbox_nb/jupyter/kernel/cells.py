@@ -9,6 +9,13 @@ before it. With `stop_on_error` (the default), a cell that ends in error aborts 
 A host magic that raises anything still ends its cell: an `execute_reply` with status `error` and the exception's
 name and message, its traceback on the kernel's stderr, and `idle`.
 
+Every cell that stores history (not `silent`, `store_history` not false) and has code takes the next execution count,
+as IPython numbers it, whether the host answers it (host magics only) or the box does: the count is the host's, and
+what the box's ipykernel says in execute_input, execute_result and execute_reply is replaced by it (`numbered`). So a
+host-magic cell no longer shows the previous cell's number, a cell of host magics and box code is one number, and a
+new box (whose ipykernel counts from 1 again) does not set the notebook back. The box's own `In`/`Out` history keeps
+its ipykernel's numbers (only its cells are in it).
+
 A request's `user_expressions` are read strictly first (jupyter_messages.user_expressions_request: text, at most 64,
 each within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
 nothing. They go to the box with the cell's code, decided with it; a cell that is only host magics evaluates none
@@ -18,7 +25,7 @@ nothing. They go to the box with the cell's code, decided with it; a cell that i
 from __future__ import annotations
 
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +39,9 @@ from tkbox_nb.jupyter.kernel.port import KernelPort
 from tkbox_nb.jupyter.kernel.relay import host_notice
 from tkbox_nb.jupyter.kernel.stdin import Stdin
 from tkbox_nb.rules.door_table import PATCH
+
+MAX_NUMBERS = 4096  # the counts of the newest cells kept, for what the box sends naming them
+COUNTED = frozenset({"execute_input", "execute_result", "execute_reply"})
 
 
 class Cells:
@@ -48,6 +58,8 @@ class Cells:
         self.host: tuple[list[bytes], dict, bool] | None = None  # (idents, header, allow_stdin) whose magics run now
         self.busy_here: set[str] = set()  # cells whose `busy` the host published: the box's for them is dropped
         self.refusals_shown = Shown()  # refusals said in each cell: a flood is not shown as one
+        self.count = 0  # the last execution count a cell took (IPython's execution_count - 1)
+        self.numbers: OrderedDict[str, int] = OrderedDict()  # the count each cell shows, by the frontend's msg_id
 
     def enqueue(self, channel: str, idents: list[bytes], msg: dict) -> None:
         self.queue.append((channel, idents, msg))
@@ -75,6 +87,29 @@ class Cells:
             return False
         self.busy_here.discard(msg_id)
         return True
+
+    # -- execution counts ----------------------------------------------------------------------------------------------
+    def _take_number(self, msg_id: str, content: dict, silent: bool) -> int:
+        """The count the cell `msg_id` shows: the next one if it stores history and has code (IPython's rule: an
+        empty cell, a silent one or `store_history: false` takes none and shows the last), else the last one."""
+        code = content.get("code")
+        if not silent and content.get("store_history", True) is not False and isinstance(code, str) and code.strip():
+            self.count += 1
+        self.numbers[msg_id] = self.count
+        while len(self.numbers) > MAX_NUMBERS:
+            self.numbers.popitem(last=False)
+        return self.count
+
+    def number(self, msg_id: Any) -> int:
+        """The execution count the frontend's cell `msg_id` shows (the last one taken if it is not known)."""
+        return self.numbers.get(msg_id, self.count) if isinstance(msg_id, str) else self.count
+
+    def numbered(self, wire: dict, msg_id: Any) -> dict:
+        """A message rebuilt for the frontend with the count of its cell `msg_id` in place of the box's."""
+        content = wire.get("content")
+        if wire["header"].get("msg_type") in COUNTED and isinstance(content, dict) and "execution_count" in content:
+            wire = dict(wire, content=dict(content, execution_count=self.number(msg_id)))
+        return wire
 
     # -- the end of a cell -----------------------------------------------------------------------------------------
     def replied(self, msg_id: Any, status: Any, idle: bool = False) -> None:
@@ -131,6 +166,7 @@ class Cells:
         silent = bool(content.get("silent"))
         stops = not silent and content.get("stop_on_error", True) is not False
         self.asked[header["msg_id"]] = frozenset()  # the user_expressions keys, once read (_run)
+        self._take_number(header["msg_id"], content, silent)
         self._host_status = None
         self.port.publish_status("busy", header)  # at once, as ipykernel: the cell may wait for its box to start
         try:
@@ -156,7 +192,7 @@ class Cells:
             return
         self.asked[header["msg_id"]] = frozenset(expressions)
         magics, remainder = split_host_magics(code)
-        if magics or not remainder.strip():  # the count stays the box's: host cells do not take a number
+        if magics or not remainder.strip():  # answered here, under the count the cell took (_take_number)
             self.host = (idents, header, bool(content.get("allow_stdin")))
             try:
                 for name, line, body in magics:

@@ -12,12 +12,20 @@ count is signed as one record for each side they came from, at the next cell bou
 box (else in the next run to open): a box cannot spam the signer by naming made-up comms. The count of messages
 other than outputs the box sent naming cells already signed (dropped by doors/cell.py; late outputs are signed and
 shown there, rules/late_outputs.py) is signed the same way, as one `late_output` record.
+
+The frontend's comm housekeeping is answered as ipykernel answers it, never signed as a fault (issue 36: every
+JupyterLab session left one): a comm_open the box cannot take (no run open yet, as when JupyterLab opens the widget
+control comm at page load, or refused by the exec door) is answered with a comm_close from the host, as ipykernel
+closes a comm whose target it lacks, and what the frontend still sends naming that comm (its `request_states`, sent
+before the close reached it) is dropped; a comm_close naming a comm neither side holds is dropped, as ipykernel drops
+it. None of them reaches the box. A comm_msg naming a comm neither side holds nor the host closed stays a fault.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from tkbox_nb.jupyter.kernel.host_comms import HostComms
@@ -27,6 +35,7 @@ from tkbox_nb.rules.door_table import EXEC
 
 MAX_PENDING = 64  # faults held for the next run; past this, only counted
 MAX_SIGNED = 64  # faults signed one by one in a run; past this, only counted
+MAX_CLOSED = 1024  # comm ids the host closed (comm_opens no box took), newest last
 
 
 class CommGate:
@@ -39,6 +48,7 @@ class CommGate:
         self._run = None  # the box whose run `signed` counts faults for
         self.signed = 0
         self._lock = threading.Lock()
+        self.closed_here: OrderedDict[str, None] = OrderedDict()  # comm_opens answered with the host's comm_close
 
     def box_comms(self) -> dict[str, str]:
         box_kernel = self.port.box_kernel
@@ -115,9 +125,16 @@ class CommGate:
             self.host.handle(msg)
             return
         comm_id = str(comm_id or "")[:128]
+        held = t == "comm_open" or comm_id in self.box_comms()
+        if not held and comm_id in self.closed_here:  # the host closed it: what was on its way is dropped
+            if t == "comm_close":
+                self.closed_here.pop(comm_id, None)
+            return
+        if t == "comm_close" and not held:
+            return  # housekeeping (a page closing what it thinks is open): dropped, as ipykernel drops it
         if t == "comm_open" and self.host.owns(comm_id):
             why = "a host comm's id"
-        elif t != "comm_open" and comm_id not in self.box_comms():
+        elif not held:
             why = "a comm the box does not hold"
         else:
             why = None
@@ -125,12 +142,25 @@ class CommGate:
             return self.fault({"msg_type": t, "comm_id": comm_id, "from": "frontend", "fault": why})
         box_kernel = port.box_kernel
         if not port.nb.live or box_kernel is None or box_kernel.ended:
-            return  # a comm_open with no box to take it, as with a kernel that has no such target
+            return self._close_here(comm_id, msg)  # no box to take it: closed, as ipykernel closes an unknown target
         data = json.dumps(content, sort_keys=True, default=str).encode("utf-8")
         port.nb.box.flush_late()  # late outputs held for ended cells are signed before this crossing (late_outputs)
         crossing = port.nb.box.recorder.decide(EXEC, "comm", {"msg_type": t, "comm_id": comm_id}, {"data": data})
         if crossing.allowed:  # BoxKernel.send tracks the comm the frontend opened (or closed) toward the box
             box_kernel.send(channel, port.into_box(msg), msg.get("buffers") or [])  # under a header made here
+        elif t == "comm_open":  # refused (and signed so): the frontend is told the comm is closed
+            self._close_here(comm_id, msg)
+
+    def _close_here(self, comm_id: str, msg: dict) -> None:
+        """A frontend's comm_open no box took, answered with a comm_close (what ipykernel sends for a target it
+        lacks), so the frontend stops using the comm; its id is kept (the newest `MAX_CLOSED`) so what the frontend
+        sent on it before the close reached it is dropped, not signed as a fault."""
+        if not comm_id:
+            return
+        self.closed_here[comm_id] = None
+        while len(self.closed_here) > MAX_CLOSED:
+            self.closed_here.popitem(last=False)
+        self.port.send("iopub", "comm_close", {"comm_id": comm_id, "data": {}}, msg["header"])
 
     # -- from the box ----------------------------------------------------------------------------------------------
     def from_box(self, msg) -> bool:
