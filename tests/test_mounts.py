@@ -159,17 +159,22 @@ def test_a_source_inside_or_over_tkbox_home_is_refused(signer, tmp_path):
         Box(policy=policy(tmp_path / "nowhere")).start()
 
 
-def test_a_vm_box_with_mounts_refuses_to_start_in_one_line(signer, tmp_path):
-    for backend in ("qemu", "firecracker"):
-        with pytest.raises(TkboxError) as e:
-            Box(policy=policy(tmp_path).replace('backend = "bwrap"', f'backend = "{backend}"'))
-        assert str(e.value).startswith(f"[mounts] needs the bwrap backend: a {backend} box cannot mount host data"), \
-            str(e.value)
-    with pytest.raises(TkboxError, match=r'^\[mounts\] needs the bwrap backend, and box.isolation = "vm"'):
-        Box(policy=policy(tmp_path).replace('backend = "bwrap"', 'backend = "auto"\nisolation = "vm"'))
-    r = run_cli("run", "--backend", "qemu", "--policy", str(_write(tmp_path / "p.toml", policy(tmp_path))), "--",
-                "true")
-    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "[mounts] needs the bwrap backend" in r.stderr
+def test_a_firecracker_box_with_mounts_refuses_to_start_in_one_line_and_auto_takes_a_mounting_backend(signer,
+                                                                                                        tmp_path):
+    """bubblewrap binds the sources and QEMU gives them as read-only disks (tests/e2e/test_qemu_mounts.py);
+    Firecracker cannot mount host data yet and says so in one line."""
+    with pytest.raises(TkboxError) as e:
+        Box(policy=policy(tmp_path).replace('backend = "bwrap"', 'backend = "firecracker"'))
+    assert str(e.value).startswith("[mounts] needs the bwrap or qemu backend: a firecracker box cannot mount host "
+                                   "data"), str(e.value)
+    r = run_cli("run", "--backend", "firecracker", "--policy", str(_write(tmp_path / "p.toml", policy(tmp_path))),
+                "--", "true")
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "[mounts] needs the bwrap or qemu" in r.stderr
+    from tkbox_nb.backends.mounts import backend_for
+    for isolation, want in (("vm", "qemu"), ("namespace", "bwrap")):
+        p = Policy.from_toml(policy(tmp_path).replace('backend = "bwrap"', f'isolation = "{isolation}"'), "p.toml")
+        assert backend_for(p, "auto") == want
+        assert backend_for(p, "qemu") == "qemu"
 
 
 def _write(path: Path, text: str) -> Path:

@@ -30,6 +30,7 @@ class BoxSpec:
     agent_argv: list[str] | None = None  # another guest program than the agent (tests of a hostile guest)
     ca_bundle: bytes | None = None       # the certificates the box trusts, when a secrets door terminates TLS
     mounts: list[tuple[str, str]] = field(default_factory=list)  # (host source, box target), read-only (mounts.py)
+    disks: list[tuple[str, str]] = field(default_factory=list)  # a VM's: (the mount's disk image, box target)
     devices: list[str] = field(default_factory=list)   # host device nodes given to the box ([box] gpus: gpus.py)
     ro_binds: list[str] = field(default_factory=list)  # host files the box sees read-only at the same path
 
@@ -120,6 +121,11 @@ class Backend(abc.ABC):
     def prepare(self, memory_mib: int, cpus: int) -> dict:
         """Work before a start that the run should name (a VM backend's warm-start state): the box facts it adds."""
         return {}
+
+    def mount_disks(self, mounts: list, home: Path) -> list[tuple[str, str]]:
+        """What a VM backend gives the guest for the dataset mounts (backends/mounts.py's `Mount`s, digested):
+        (disk image, target) each; none for a backend that binds the sources themselves (bubblewrap)."""
+        return []
 
     def image_digest(self) -> str:
         return "none"

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Callable
 
 from tkbox_nb.core.errors import TkboxError
-# CONFIG_LABEL and DOOR_NAME too: the VM backends take them from here, with the image they name
-from tkbox_nb.backends.initramfs import (CONFIG_LABEL, DOOR_NAME, INIT, MODULES, ROOT_LABEL, VSOCK_MODULES,  # noqa: F401
-                                         agent_digest, is_static, make_initramfs)
+# CONFIG_LABEL, MOUNT_LABEL and DOOR_NAME too: the VM backends take them from here, with the image they name
+from tkbox_nb.backends.initramfs import (CONFIG_LABEL, DOOR_NAME, INIT, MODULES, MOUNT_LABEL,  # noqa: F401
+                                         MOUNT_MODULES, MOUNT_SERIAL, ROOT_LABEL, VSOCK_MODULES, agent_digest,
+                                         is_static, make_initramfs)
 
 BUILDER_VERSION = "2"  # bump when the way a root is made changes
 SUITE = "bookworm"
@@ -123,7 +124,8 @@ def inputs(packages: list[str] | None = None, kernel: str = KERNEL_PACKAGE, pip:
     if pip:  # only then, so that images without pip packages keep their digests
         root["pip"] = pip
     full = {**root, "root": _sha(json.dumps(root, sort_keys=True).encode()), "kernel": kernel,
-            "modules": list(MODULES + VSOCK_MODULES), "init": _sha(INIT.encode()), "agent": agent_digest()}
+            "modules": list(MODULES + VSOCK_MODULES + MOUNT_MODULES), "init": _sha(INIT.encode()),
+            "agent": agent_digest()}
     return root, full
 
 

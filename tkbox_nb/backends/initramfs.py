@@ -19,12 +19,20 @@ from tkbox_nb.core.errors import TkboxError
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "virtio_blk")  # load order matters
 # loaded only when the kernel command line says the door is vsock (Firecracker): QEMU's door is virtio-serial
 VSOCK_MODULES = ("vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport")
+# loaded only for a box with dataset mounts: the read-only root becomes an overlay's lower layer so that the mounts'
+# targets can be made, and the overlay is made read-only again before the box's code runs
+MOUNT_MODULES = ("overlay",)
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 # the labels the init script finds the root and config disks by, and the name of the virtio-serial door
 ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
+# a dataset mount's disk: its label (never the root's or the config's), and the serial number QEMU gives the disk of
+# mount I (tkbox-mI), whose target the config disk names in mounts/I
+MOUNT_LABEL, MOUNT_SERIAL = "tkbox-data", "tkbox-m"
 
 # PID 1 of the guest (busybox sh in the initramfs): load the virtio drivers, mount the read-only root and the
 # read-only config disk, give the box tmpfs for /workspace, /tmp and /run, copy the agent in, run it, power off.
+# With `tkbox.mounts=N` (a cold boot only), each of the N dataset disks (serial tkbox-mI) is mounted read-only
+# (ro,nodev,nosuid,noexec) and its `data` (a directory or one file) bound at the target its config file names.
 INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mkdir -p /proc /sys /dev /newroot
@@ -36,19 +44,51 @@ for m in %(modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
 ws=64
 door=serial
 warm=0
+mounts=0
 for x in $(cat /proc/cmdline); do case "$x" in tkbox.ws=*) ws="${x#tkbox.ws=}";; tkbox.door=vsock:*) door=vsock;;
-  tkbox.warm=1) warm=1;; esac; done
+  tkbox.warm=1) warm=1;; tkbox.mounts=[1-5]) mounts="${x#tkbox.mounts=}";; esac; done
 if [ $door = vsock ]; then for m in %(vsock_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done; fi
 i=0
 until root=$(findfs LABEL=%(root)s 2>/dev/null) && cfg=$(findfs LABEL=%(cfg)s 2>/dev/null); do
   i=$((i+1)); [ $i -gt 400 ] && fail "no root or config disk"; sleep 0.02
 done
-mount -t ext4 -o ro,noload "$root" /newroot || fail "cannot mount the root"
+if [ $mounts = 0 ]; then
+  mount -t ext4 -o ro,noload "$root" /newroot || fail "cannot mount the root"
+else
+  for m in %(mount_modules)s; do insmod /modules/$m.ko || fail "insmod $m"; done
+  mkdir -p /lower /upper
+  mount -t ext4 -o ro,noload "$root" /lower || fail "cannot mount the root"
+  mount -t tmpfs -o mode=0755 tmpfs /upper
+  mkdir /upper/u /upper/w
+  mount -t overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w overlay /newroot || fail "no overlay root"
+fi
 mount -t tmpfs -o mode=0755 tmpfs /newroot/run
 mkdir -p /newroot/run/tkbox/config
 if [ $warm = 0 ]; then  # a warm start's agent mounts these after the host's GO (tkbox_guest/vm.py)
   mount -t ext4 -o ro,noload,nodev,nosuid "$cfg" /newroot/run/tkbox/config || fail "cannot mount the config disk"
   mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
+fi
+if [ $mounts != 0 ]; then
+  i=0
+  until  # (a disk's serial has no newline: each read apart)
+    n=0
+    for b in /sys/block/vd*; do s=; read -r s 2>/dev/null <$b/serial; case "$s" in %(serial)s[0-9]) n=$((n+1));; esac
+    done
+    [ $n = $mounts ]; do
+    i=$((i+1)); [ $i -gt 400 ] && fail "$n of $mounts dataset disks are there"; sleep 0.02
+  done
+  for b in /sys/block/vd*; do
+    s=; read -r s 2>/dev/null <$b/serial
+    case "$s" in %(serial)s[0-9]) ;; *) continue;; esac
+    k=${s#%(serial)s}
+    t=$(cat "/newroot/run/tkbox/config/mounts/$k") || fail "no target for the dataset disk $s"
+    d=/newroot/run/tkbox/mounts/$k
+    mkdir -p $d
+    mount -t ext4 -o ro,noload,nodev,nosuid,noexec "/dev/${b##*/}" $d || fail "cannot mount the dataset disk $s"
+    if [ -d $d/data ]; then mkdir -p "/newroot$t"; else mkdir -p "$(dirname "/newroot$t")" && touch "/newroot$t"; fi
+    mount --bind $d/data "/newroot$t" || fail "cannot mount the dataset disk $s at its target"
+  done
+  mount -o remount,ro /newroot || fail "cannot make the root read-only again"
 fi
 mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
 mount -t tmpfs -o size=16m,mode=0755 tmpfs /newroot/opt/tkbox
@@ -67,7 +107,8 @@ chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG
 echo "tkbox init: agent exited ($?)"
 sync
 reboot -f
-""" % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL}
+""" % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL,
+       "mount_modules": " ".join(MOUNT_MODULES), "serial": MOUNT_SERIAL}
 
 
 def agent_digest() -> str:
@@ -100,7 +141,7 @@ def make_initramfs(modules_dir: Path, busybox: Path) -> bytes:
     d, f, x = 0o040755, 0o100644, 0o100755
     entries = [("bin", d, b""), ("modules", d, b""), ("agent", d, b""), ("agent/tkbox_guest", d, b""),
                ("init", x, INIT.encode()), ("bin/busybox", x, busybox.read_bytes()), ("bin/sh", 0o120777, b"busybox")]
-    for m in MODULES + VSOCK_MODULES:
+    for m in MODULES + VSOCK_MODULES + MOUNT_MODULES:
         found = list(modules_dir.rglob(f"{m}.ko"))
         if len(found) != 1:
             raise TkboxError(f"image build: the kernel package has no single module {m}.ko")

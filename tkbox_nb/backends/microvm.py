@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.backends.base import Backend, BoxSpec, RunningBox
-from tkbox_nb.backends.image import CONFIG_LABEL, ENVIRONMENT, Image, current_image, make_ext4
+from tkbox_nb.backends.image import CONFIG_LABEL, ENVIRONMENT, MOUNT_LABEL, Image, current_image, make_ext4
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
@@ -85,9 +86,46 @@ def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
         (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
     if spec.seed is not None:
         shutil.copytree(spec.seed, cfg / "seed", symlinks=True)
+    if spec.disks:  # mounts/I: the target of the dataset disk whose serial is tkbox-mI (initramfs.py's init)
+        (cfg / "mounts").mkdir()
+        for i, (_, target) in enumerate(spec.disks):
+            (cfg / "mounts" / str(i)).write_text(target)
     out = workdir / "config.img"
     make_ext4(cfg, out, CONFIG_LABEL, slack_mib=4)
     shutil.rmtree(cfg, ignore_errors=True)
+    return out
+
+
+def mount_disk(source: str, digest: str, cache: Path) -> Path:
+    """A dataset mount as a read-only disk: an ext4 image (`mke2fs -d`, never mounted here) holding `data`, a copy
+    of `source` (a directory or one file), cached in `cache` by the mount's signed `digest` so a second box reuses
+    it. What the guest reads is what was signed: the image is made from a private copy whose digest, every file
+    read again, must be `digest`; a source that changed since it was digested is refused in one line."""
+    from tkbox_nb.bundle import mount_digest as md
+    algo_hex = digest.rsplit(":", 1)[-1]
+    if not (len(algo_hex) == 64 and all(c in "0123456789abcdef" for c in algo_hex)):
+        raise TkboxError(f"not a mount digest: {digest[:80]!r}")
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out = cache / f"{algo_hex}.img"
+    if out.is_file():
+        return out
+    work = scratch.fresh(".mount-disk-", cache)  # on the cache's file system: the image is renamed into place
+    try:
+        tree = work / "tree"
+        tree.mkdir()
+        if os.path.isdir(source):
+            shutil.copytree(source, tree / "data", symlinks=True)
+        else:
+            shutil.copy2(source, tree / "data")
+        staged = md.digest(md.scan(str(tree / "data")), None)[0]  # no cache: every byte of the copy read again
+        if staged != digest:
+            raise TkboxError(f"the mount source {source} changed while its disk was made (its copy's digest "
+                             f"{staged[:25]}... is not the signed {digest[:25]}...): start the box again")
+        make_ext4(tree, work / "disk.img", MOUNT_LABEL, slack_mib=4)
+        os.chmod(work / "disk.img", 0o600)
+        os.replace(work / "disk.img", out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 

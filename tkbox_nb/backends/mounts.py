@@ -4,8 +4,11 @@ The policy's [mounts.NAME] (policy/mounts.py) says what; this module says what t
 is resolved and refused when it is not there, lies inside $TKBOX_HOME or holds it (the signer's keys), or holds a
 FIFO, socket, device or a link out of itself (mount_digest.scan); then its digest is taken (cached), signed in the
 box's start record (`facts`) with its file list disclosed in the bundle (`disclose`). bubblewrap binds each read-only
-(`bwrap_args`); the VM backends cannot mount host data yet and refuse a policy with mounts (`refuse_backend`). At the
-stop every mount's metadata is walked again, and files that changed while the box ran are signed in its stop record.
+(`bwrap_args`); QEMU gives each to its guest as a read-only disk made from a copy of the source whose digest is the
+signed one (qemu.py's `mount_disks`); Firecracker cannot mount host data yet and refuses a policy with mounts
+(`refuse_backend`). At the stop every mount's metadata is walked again, and files that changed under the source while
+the box ran are signed in its stop record (a QEMU box reads its disk, made before it started, but the record says the
+same of the source as for bubblewrap).
 """
 
 from __future__ import annotations
@@ -37,22 +40,23 @@ class Mount:
         return md.parse_list(self.listing)
 
 
+MOUNTING = ("bwrap", "qemu")  # the backends that give a box host data
+
+
 def refuse_backend(policy: Any, backend_name: str) -> None:
-    """One line when the box's backend cannot mount host data (the VM backends, for now)."""
-    if policy.data.get("mounts") and backend_name != "bwrap":
-        raise TkboxError(f"[mounts] needs the bwrap backend: a {backend_name} box cannot mount host data yet "
-                         "(docs/backends.md, \"Dataset mounts\"); use backend = \"bwrap\" or copy the data into the "
-                         "workspace")
+    """One line when the box's backend cannot mount host data (Firecracker, for now)."""
+    if policy.data.get("mounts") and backend_name not in MOUNTING:
+        raise TkboxError(f"[mounts] needs the bwrap or qemu backend: a {backend_name} box cannot mount host data yet "
+                         "(docs/backends.md, \"Dataset mounts\"); use backend = \"qemu\" or \"bwrap\"")
 
 
 def backend_for(policy: Any, name: str) -> str:
-    """The backend a box with this policy takes: "auto" is bwrap when the policy has mounts (only it mounts host
-    data); a VM backend named with mounts is refused in one line."""
+    """The backend a box with this policy takes: "auto" is bwrap when the policy has mounts, or qemu when its
+    box.isolation asks for a VM (the backends that mount host data); Firecracker named with mounts is refused in one
+    line."""
     if policy.data.get("mounts"):
-        if name == "auto" and policy.get("box", "isolation") == "vm":
-            raise TkboxError("[mounts] needs the bwrap backend, and box.isolation = \"vm\" asks for a VM box, which "
-                             "cannot mount host data yet (docs/backends.md, \"Dataset mounts\")")
-        name = "bwrap" if name == "auto" else name
+        if name == "auto":
+            name = "qemu" if policy.get("box", "isolation") == "vm" else "bwrap"
         refuse_backend(policy, name)
     return name
 

@@ -2,7 +2,9 @@
 
 Isolation is a virtual machine: the box's code runs on the guest kernel, and reaches the host only through the
 devices QEMU gives it: a read-only root disk (the cached image), a read-only config disk made for this box (its
-environment, CA bundle and workspace seed, written by the host with `mke2fs -d`), and one virtio-serial port, the door,
+environment, CA bundle and workspace seed, written by the host with `mke2fs -d`), a read-only disk per dataset mount
+(an ext4 image of a copy of its source, cached by its signed digest: microvm.mount_disk), and one virtio-serial port,
+the door,
 whose host end is a Unix socket this process listens on and QEMU connects to. `-nodefaults` means no NIC, no
 display, no USB; the machine's own legacy devices are cut to those the guest needs (MACHINE); the workspace is a tmpfs
 inside the guest that the host never mounts. KVM is used when it can run a stock kernel here, TCG (emulation)
@@ -22,9 +24,9 @@ from pathlib import Path
 from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.backends.base import BoxSpec
-from tkbox_nb.backends.image import DOOR_NAME, Image, current_image
-from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
-                                       stop_process_group, vmm_limits)
+from tkbox_nb.backends.image import DOOR_NAME, MOUNT_SERIAL, Image, current_image
+from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, mount_disk,
+                                       reaped_with_us, stop_process_group, vmm_limits)
 from tkbox_nb.backends.warm_start import StateFeed, WarmState, discard_state, fit_config_disk, go_message, warm_state
 
 QEMU = "qemu-system-x86_64"
@@ -37,6 +39,8 @@ QEMU = "qemu-system-x86_64"
 # through it; it cannot be turned off).
 MACHINE = "microvm,pic=off,ioapic2=off,x-option-roms=off,smm=off,usb=off,pcie=off"
 CONNECT_TIMEOUT_S = 15.0
+# microvm has 8 virtio-mmio slots (no second IO-APIC): the root, the config disk and the door take three
+MAX_MOUNT_DISKS = 5
 
 
 class QemuBackend(ImageBackend):
@@ -76,6 +80,14 @@ class QemuBackend(ImageBackend):
         # (the guest sees a 1 GHz TSC there, and Debian's kernel ticks at 250 Hz).
         # (a warm start restores the template's kernel and command line: its workspace size comes from box.json)
         cmdline = "console=ttyS0 quiet panic=-1 " + ("tkbox.warm=1" if warm else f"tkbox.ws={spec.workspace_mib}")
+        if spec.disks:  # a box with dataset mounts boots cold: the warm template has no disks for them
+            if warm or len(spec.disks) > MAX_MOUNT_DISKS:
+                raise TkboxError(f"a qemu box takes at most {MAX_MOUNT_DISKS} dataset mounts, and boots them cold")
+            cmdline += f" tkbox.mounts={len(spec.disks)}"
+        disks = []
+        for i, (disk, _) in enumerate(spec.disks):  # read-only, each named by its serial (initramfs.py's init)
+            disks += ["-drive", f"id=m{i},file={disk},format=raw,if=none,readonly=on",
+                      "-device", f"virtio-blk-device,drive=m{i},serial={MOUNT_SERIAL}{i}"]
         timing = []
         if self.accel == "tcg":
             timing = ["-icount", "shift=auto,sleep=on"]
@@ -88,7 +100,7 @@ class QemuBackend(ImageBackend):
                 "-drive", f"id=root,file={img.root},format=raw,if=none,readonly=on",
                 "-device", "virtio-blk-device,drive=root",
                 "-drive", f"id=cfg,file={config_img},format=raw,if=none,readonly=on",
-                "-device", "virtio-blk-device,drive=cfg",
+                "-device", "virtio-blk-device,drive=cfg", *disks,
                 "-device", "virtio-serial-device,max_ports=2",
                 "-chardev", f"socket,id=door,path={door_path}",
                 "-device", f"virtserialport,chardev=door,name={DOOR_NAME}"]
@@ -100,6 +112,17 @@ class QemuBackend(ImageBackend):
         root = os.geteuid() == 0
         sandbox = f"on,obsolete=deny,elevateprivileges={'allow' if root else 'deny'},spawn=deny,resourcecontrol=deny"
         return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
+
+    def mount_disks(self, mounts: list, home: Path) -> list[tuple[str, str]]:
+        """Each dataset mount as a read-only disk (microvm.mount_disk, cached under $TKBOX_HOME/mount-cache/disks by
+        its digest), at most MAX_MOUNT_DISKS; a box with mounts boots cold (its prepare() makes no warm state)."""
+        if not mounts:
+            return []
+        if len(mounts) > MAX_MOUNT_DISKS:
+            raise TkboxError(f"[mounts]: a qemu box takes at most {MAX_MOUNT_DISKS} mounts (microvm's virtio slots), "
+                             f"this policy has {len(mounts)}")
+        self.warm = False
+        return [(str(mount_disk(m.source, m.digest, home / "mount-cache" / "disks")), m.target) for m in mounts]
 
     def prepare(self, memory_mib: int, cpus: int) -> dict:
         """Find or make the warm-start state for this machine size (warm_start.py); the run's `boot` fact."""
@@ -149,6 +172,8 @@ class QemuBackend(ImageBackend):
     def start(self, spec: BoxSpec) -> VmRunning:
         if spec.agent_argv is not None:
             raise TkboxError("the qemu backend runs only the image's guest agent (agent_argv is for bwrap tests)")
+        if len(spec.disks) != len(spec.mounts):  # fail closed: a mount the guest would not be given
+            raise TkboxError("a qemu box's mounts must each be given as a disk (Backend.mount_disks)")
         self.image  # noqa: B018 -- fail before making anything when there is no image
         if not self._prepared:  # start() without prepare(): a direct use of the backend
             self.prepare(spec.memory_mib, spec.cpus)

@@ -69,7 +69,7 @@ class Box:
                  model_replay: Any = None, jailer: bool | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
-        name = mounts_.backend_for(self.policy, name)  # only bwrap mounts data (a VM's box refuses [mounts])
+        name = mounts_.backend_for(self.policy, name)  # bwrap and qemu mount data (Firecracker refuses [mounts])
         jailer = self.policy.get("box", "jailer") if jailer is None else jailer
         self.backend = get_backend(name, self.policy.get("box", "isolation"), jailer=bool(jailer))
         self.workspace = Path(workspace) if workspace else None
@@ -129,6 +129,9 @@ class Box:
         gpus = gpu_plan(self.policy.get("box", "gpus"), self.policy.get("box", "gpu_caps"), self.backend.name)
         self.signer.ensure()
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
+        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
+        # a VM's disks made from copies whose digests are those signed (a QEMU box with mounts then boots cold)
+        disks = self.backend.mount_disks(self.mounts, self.signer.home)
         boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
                 **gpus.facts}  # the GPUs the box gets, signed in box.start
         exclude = self.policy.get("workspace", "exclude")
@@ -136,7 +139,6 @@ class Box:
             # too large: one line, before any copy; empty: stated as none, the workspace the box sees either way
             if check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib")) is not None:
                 boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
-        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
         boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original), **self.notebook)
         env = box_environment(self.backend, self.signer.home)
         self.recorder = RunRecorder(self.signer, self.policy, {
@@ -167,7 +169,7 @@ class Box:
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
                 env={**env, **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
-                mounts=mounts_.binds(self.mounts), devices=gpus.devices, ro_binds=gpus.ro_binds))
+                mounts=mounts_.binds(self.mounts), disks=disks, devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
             for door in self.doors:  # the secret bindings signed; the providers' keys read (one line if missing)
                 door.start()
