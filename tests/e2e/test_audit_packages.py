@@ -22,7 +22,8 @@ ONE, TWO = wheel("tinypkg", "1.0", "VALUE = 1\n"), wheel("tinypkg", "2.0", "VALU
 
 def test_two_boxes_that_installed_different_versions_are_named_package_by_package(private_signer, tmp_path):
     with NamespaceNet(index=NET_INDEX) as net:
-        policy = Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\nallow = ["tinypkg"]\n')
+        policy = Policy.from_toml(f'[packages]\nindex = ["http://{net.web}:8080/simple/"]\nallow = ["tinypkg"]\n'
+                                  'allow_cidrs = ["198.18.0.0/15"]\n')
         paths = []
         for name, (version, data) in (("a", ("1.0", ONE)), ("b", ("2.0", TWO))):
             publish(net, "tinypkg", f"tinypkg-{version}-py3-none-any.whl", data)  # the index moves on
