@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap iproute2 dnsmasq-base qemu-system-x86 busybox-static e2fsprogs mmdebstrap chromium unzip postgresql
+APT_PACKAGES := bubblewrap iproute2 dnsmasq-base qemu-system-x86 busybox-static e2fsprogs mmdebstrap chromium unzip postgresql fontconfig
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test system venv bench clean
