@@ -96,3 +96,28 @@ def test_a_rerun_of_a_version_1_run_compares_its_workspace_in_version_1_and_stat
     assert v.returncode == 0, v.stdout + v.stderr
     a = run_cli("audit", str(DATA / "workspace-tree1.tkb"), str(out), "--no-verify")
     assert a.returncode == 1 and "(tree digest version 1)" in a.stdout, a.stdout + a.stderr
+
+
+def test_the_copy_s_digest_is_the_tree2_digest_of_exactly_what_it_wrote(tmp_path):
+    """copy_seed hashes each file as it copies it (one read): the digest it returns is, byte for byte, the version-2
+    digest of the copy and of the folder less its excludes, names with a newline, links, executable bits and an
+    empty directory included; an empty copy is none."""
+    from tkbox_nb.box.workspace_seed import copy_seed
+    src = tmp_path / "src"
+    for rel, data in (("a.txt", b"A\n"), ("sub/deep/b.bin", os.urandom(3 << 20)), ("n\nx", b"q"),
+                      (".git/config", b"left out"), ("sub/.venv/x", b"left out")):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(src / "run.sh", 0o755)
+    (src / "empty").mkdir()
+    os.symlink("a.txt", src / "link")
+    os.symlink("t\nq", src / "odd-link")
+    exclude = [".git", ".venv"]
+    digest = copy_seed(src, tmp_path / "copy", exclude)
+    assert digest == tree_digest(tmp_path / "copy") == tree_digest(src, exclude=exclude)
+    assert digest_version(digest) == 2 and not (tmp_path / "copy" / ".git").exists()
+    assert os.stat(tmp_path / "copy" / "run.sh").st_mode & 0o777 == 0o755
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / ".git").mkdir()
+    assert copy_seed(tmp_path / "none", tmp_path / "none-copy", exclude) is None

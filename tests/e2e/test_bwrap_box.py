@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ from tkbox_nb.backends import bwrap
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.signing.recovery import recover_orphans
 from tkbox_nb.bundle.verify import verify_bundle
+from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.core.tree_digest import tree_digest
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
@@ -594,3 +597,56 @@ def test_fontconfig_finds_its_config_in_the_box_and_it_is_read_only(box):
     assert b"Fontconfig" not in r.stderr and b"/usr/share/fonts/" in r.stdout, r.stderr
     assert sh(box, "echo x > /etc/fonts/x").exit_code != 0
     assert sh(box, "ls /etc/fonts").stdout.decode().split() == sorted(os.listdir("/etc/fonts"))
+
+
+def test_the_stated_workspace_digest_is_of_the_bytes_the_box_got_while_the_folder_changes(signer, tmp_path):
+    """Files replaced on the host while the box starts: the digest box.start signs is of the copy the box was
+    given, never of a version it did not get (it was taken from the folder before a separate copy)."""
+    ws, staging, names = tmp_path / "ws", tmp_path / "staging", [f"f{i}" for i in range(12)]
+    ws.mkdir()
+    staging.mkdir()
+    for name in names:
+        (ws / name).write_text(f"{name} one\n")
+    (ws / "big.bin").write_bytes(os.urandom(8 << 20))  # the start takes a while: the files change under it
+    stop = threading.Event()
+
+    def churn():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for name in names:
+                (staging / name).write_text(f"{name} {'one' if n % 2 else 'two'}\n")
+                os.replace(staging / name, ws / name)  # whole files: each read sees one version or the other
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        b = Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "c.tkb").start()
+    finally:
+        stop.set()
+        writer.join()
+    try:
+        got = b.run(["cat", *names]).stdout.decode().splitlines()
+        big = b.run(["sha256sum", "big.bin"]).stdout.split()[0]
+        listed = b.run(["ls", "-A"]).stdout.decode().split()
+    finally:
+        b.stop()
+    seen = tmp_path / "seen"  # the tree the box got, made again on the host
+    seen.mkdir()
+    for name, line in zip(names, got):
+        (seen / name).write_text(line + "\n")
+    (seen / "big.bin").write_bytes((ws / "big.bin").read_bytes())
+    assert hashlib.sha256((seen / "big.bin").read_bytes()).hexdigest().encode() == big
+    assert sorted(listed) == sorted([*names, "big.bin"])
+    assert open_run(tmp_path / "c.tkb").box["workspace_digest"] == tree_digest(seen)
+    assert not any((signer.home / "seeds").iterdir())  # the staged copy was moved, nothing of it left
+
+
+def test_a_start_that_fails_on_the_workspace_leaves_no_staged_copy(signer, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("a\n")
+    os.mkfifo(ws / "pipe")
+    with pytest.raises(TkboxError, match="not a file, directory or symbolic link"):
+        Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "f.tkb").start()
+    assert not any((signer.home / "seeds").iterdir())

@@ -38,9 +38,8 @@ from tkbox_nb.bundle.environment import box_environment
 from tkbox_nb.signing.recorder import Crossing, RunRecorder, sha256_digest
 from tkbox_nb.signing.recovery import recover_orphans
 from tkbox_nb.signing.central import signer_for
-from tkbox_nb.core.tree_digest import tree_digest
 from tkbox_nb.backends import mounts as mounts_
-from tkbox_nb.box.workspace_seed import check_size, copy_seed
+from tkbox_nb.box.workspace_seed import SeedCopy, check_size
 
 
 @dataclass
@@ -128,18 +127,21 @@ class Box:
     def _start(self) -> "Box":
         gpus = gpu_plan(self.policy.get("box", "gpus"), self.policy.get("box", "gpu_caps"), self.backend.name)
         self.signer.ensure()
-        recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
-        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
-        # a VM's disks made from copies whose digests are those signed (a QEMU box with mounts then boots cold)
-        disks = self.backend.mount_disks(self.mounts, self.signer.home)
-        boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
-                **gpus.facts}  # the GPUs the box gets, signed in box.start
-        exclude = self.policy.get("workspace", "exclude")
-        if self.workspace is not None:  # signed in box.start: a rerun can tell whether it starts from the same tree
-            # too large: one line, before any copy; empty: stated as none, the workspace the box sees either way
-            if check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib")) is not None:
-                boot = dict(boot, workspace_digest=tree_digest(self.workspace, exclude=exclude))
-        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original), **self.notebook)
+        seeding = None
+        if self.workspace is not None:  # a copy, never the host directory itself; too large: one line, before any copy
+            exclude = self.policy.get("workspace", "exclude")
+            check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib"))
+            # copied and digested in one read while the rest of the start goes on; moved into the run's spool once
+            # the run is open (the digest is signed in box.start, so the copy is made before)
+            seeding = SeedCopy(self.workspace, self.signer.home / "seeds", exclude)
+        try:
+            return self._open(gpus, seeding)
+        finally:  # what is left of the staged copy: all of it if the start failed before the move, else nothing
+            if seeding is not None:
+                seeding.discard()
+
+    def _open(self, gpus: Any, seeding: "SeedCopy | None") -> "Box":
+        boot = self._boot(gpus, seeding)
         env = box_environment(self.backend, self.signer.home)
         self.recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
@@ -154,10 +156,7 @@ class Box:
         self.recorder.open()
         try:
             mounts_.disclose(self.mounts, self.recorder.spool)
-            seed = None
-            if self.workspace is not None:  # a copy, never the host directory itself
-                seed = self.recorder.spool / "seed"
-                copy_seed(self.workspace, seed, exclude)  # less [workspace] exclude, as the digest
+            seed = seeding.move_to(self.recorder.spool / "seed") if seeding is not None else None
             self.doors = self._doors()
             env = environment(self.doors)
             if self.kernel_early:  # the agent starts the ipykernel at once, before the host asks for it
@@ -169,7 +168,7 @@ class Box:
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
                 env={**env, **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
-                mounts=mounts_.binds(self.mounts), disks=disks, devices=gpus.devices, ro_binds=gpus.ro_binds))
+                mounts=mounts_.binds(self.mounts), disks=self.disks, devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
             for door in self.doors:  # the secret bindings signed; the providers' keys read (one line if missing)
                 door.start()
@@ -185,6 +184,20 @@ class Box:
             self.stop(f"box failed to start: {e}"[:300])
             raise
         return self
+
+    def _boot(self, gpus: Any, seeding: "SeedCopy | None") -> dict:
+        """What box.start states of the box before it runs (the backend, GPUs, mounts, notebook, and the digest of
+        the workspace's copy, signed: a rerun can tell whether it starts from the same tree; an empty one is none)."""
+        recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
+        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
+        # a VM's disks made from copies whose digests are those signed (a QEMU box with mounts then boots cold: so
+        # before the backend's prepare, which makes or finds the warm state)
+        self.disks = self.backend.mount_disks(self.mounts, self.signer.home)
+        boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
+                **gpus.facts}  # the GPUs the box gets, signed in box.start
+        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original), **self.notebook)
+        digest = seeding.digest() if seeding is not None else None
+        return dict(boot, workspace_digest=digest) if digest is not None else boot
 
     def _doors(self) -> list[Door]:
         """The box's doors, in the order they start, and in the reverse of it end: the egress door signs the secret

@@ -10,15 +10,19 @@ device) stops the start with one line, as the digest does.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
+from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
-from tkbox_nb.core.tree_digest import excluded
+from tkbox_nb.core.tree_digest import digest_v2, excluded
 
 MIB = 1 << 20
+CHUNK = 1 << 20
 
 
 def _walk(root: Path, exclude: list[str]):
@@ -63,23 +67,92 @@ def check_size(root: Path, exclude: list[str], max_mib: int) -> int | None:
     return total if entries else None
 
 
-def copy_seed(root: Path, dst: Path, exclude: list[str]) -> None:
-    """Copy the workspace at `root` to `dst` (which must not exist), less what `exclude` names."""
+def copy_seed(root: Path, dst: Path, exclude: list[str]) -> str | None:
+    """Copy the workspace at `root` to `dst` (which must not exist), less what `exclude` names; returns the workspace
+    digest (core/tree_digest.py, version 2) of exactly what was written, each file hashed from the bytes copied as
+    they pass: one read of the folder, and a file changed while the box starts gives the digest of the copy the box
+    got, never of a version it did not. None for a copy with no entry (a run states an empty workspace as none)."""
     dst.mkdir(mode=0o700)
+    entries: list[tuple[bytes, bytes, bytes]] = []
+    buf = memoryview(bytearray(CHUNK))
     for rel, st in _walk(root, exclude):
         src, out = root / rel, dst / rel
+        name = rel.encode("utf-8", "surrogateescape")
         if stat.S_ISDIR(st.st_mode):
             out.mkdir()
+            entries.append((name, b"d", b""))
         elif stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(src), out)
-        elif stat.S_ISREG(st.st_mode):
             try:
-                fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError as e:
-                raise TkboxError(f"cannot read the workspace file {rel[:200]!r}: {e.strerror or e}") from None
-            with os.fdopen(fd, "rb") as fin, open(out, "wb") as fout:
-                shutil.copyfileobj(fin, fout, 1 << 20)
-            os.chmod(out, st.st_mode & 0o777)
+                target = os.readlink(src)
+            except OSError as e:  # replaced since the listing, say
+                raise TkboxError(f"cannot read the workspace link {rel[:200]!r}: {e.strerror or e}") from None
+            os.symlink(target, out)
+            entries.append((name, b"l", target.encode("utf-8", "surrogateescape")))
+        elif stat.S_ISREG(st.st_mode):
+            entries.append((name, *_copy_file(src, out, rel, buf)))
         else:
             raise TkboxError(f"the workspace {root} holds {rel[:200]}, which is not a file, directory or symbolic "
                              "link (leave it out with [workspace] exclude)")
+    return digest_v2(entries) if entries else None
+
+
+def _copy_file(src: Path, out: Path, rel: str, buf: memoryview) -> tuple[bytes, bytes]:
+    """Copy one regular file, hashing the bytes as they are written; its kind (by the mode of the file opened, not
+    of the listing) and the hex digest of what was written."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise TkboxError(f"cannot read the workspace file {rel[:200]!r}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb", buffering=0) as fin:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # replaced by a FIFO or device since the listing: never read from one
+            raise TkboxError(f"the workspace file {rel[:200]!r} is no longer a regular file")
+        h = hashlib.sha256()
+        with open(out, "wb", buffering=0) as fout:
+            while n := fin.readinto(buf):
+                h.update(buf[:n])
+                fout.write(buf[:n])
+    os.chmod(out, mode & 0o777)
+    return (b"fx" if mode & 0o111 else b"f-"), h.hexdigest().encode()
+
+
+class SeedCopy:
+    """`copy_seed` into a private staging directory under `stage_root`, in a thread from construction on, so the
+    copy overlaps the rest of a box's start; `digest` waits for it (and raises what it raised), `move_to` puts the
+    copy where the box is given it, `discard` removes whatever is left. The staging directory is named by this
+    process (core/scratch.py), so one a killed process left is swept by the next box's start."""
+
+    def __init__(self, root: Path, stage_root: Path, exclude: list[str]) -> None:
+        stage_root.mkdir(mode=0o700, exist_ok=True)
+        self.stage = scratch.fresh("seed-", stage_root)
+        self.copy = self.stage / "seed"
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(root, exclude), name="tkbox-seed", daemon=True)
+        self._thread.start()
+
+    def _run(self, root: Path, exclude: list[str]) -> None:
+        try:
+            self._digest = copy_seed(root, self.copy, exclude)
+        except BaseException as e:  # raised again in the starting thread, by digest()
+            self._error = e
+
+    def digest(self) -> str | None:
+        """The workspace digest of the copy, None when it has no entry (stated as none)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digest
+
+    def move_to(self, dst: Path) -> Path:
+        """The copy, moved to `dst` (same file system: a rename)."""
+        self.digest()
+        try:
+            os.rename(self.copy, dst)
+        except OSError:  # another file system: copied after all
+            shutil.move(str(self.copy), str(dst))
+        return dst
+
+    def discard(self) -> None:
+        self._thread.join()
+        shutil.rmtree(self.stage, ignore_errors=True)

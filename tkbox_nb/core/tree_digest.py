@@ -68,6 +68,15 @@ def tree_digest(root: str | Path, version: int = 2, exclude: list[str] | None = 
     return (V2_PREFIX if version == 2 else "sha256:") + h.hexdigest()
 
 
+def digest_v2(entries: list[tuple[bytes, bytes, bytes]]) -> str:
+    """Version 2 of a tree given as its entries (relative path, kind, body as `tree_digest` makes them), in any order:
+    what a copy states of the bytes it wrote (box/workspace_seed.py), so it never reads the tree a second time."""
+    h = hashlib.sha256(b"tkbox-tree-2\0")
+    for rel, kind, body in sorted(entries, key=lambda e: e[0]):
+        h.update(entry_v2(rel, kind, body))
+    return V2_PREFIX + h.hexdigest()
+
+
 def entry_v2(rel: bytes, kind: bytes, body: bytes) -> bytes:
     """One entry of version 2: each field (path, kind, then the hex content digest, the target or nothing) as its
     length in 8 bytes big-endian and its bytes."""

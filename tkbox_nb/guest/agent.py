@@ -180,6 +180,13 @@ def serve(sock):
     if os.environ.get("TKBOX_KERNEL_EARLY") == "1":  # first: the kernel's imports are the longest part of its start
         from . import zygote
         zygote.start_early()
+    # the box's own writable copy of the workspace, in its size-limited tmpfs (the seed stays as it was: what the
+    # patch compares with): copied while the kernel above imports (its directory is given only when the host asks
+    # for it, after the hello), and before the hello, so no command or kernel of the host's ever sees it half made
+    seed = os.environ.get("TKBOX_SEED")
+    if seed and os.path.isdir(seed):
+        import shutil
+        shutil.copytree(seed, "/workspace", symlinks=True, dirs_exist_ok=True)
     hello = door.session.open()
     door.send_raw(p.encode_json(p.OPEN, hello, {"kind": "hello", "pid": os.getpid(),
                                                 "python": sys.version.split()[0]}))
@@ -296,10 +303,6 @@ def main(door=None):
     """Serve the door: a socket fd in $TKBOX_DOOR_FD (bubblewrap), or `door` given by the VM's entry (vm.py)."""
     if door is None:  # a namespace box, whose commands run as this process's user (in a VM they are root anyway)
         _private()
-    seed = os.environ.get("TKBOX_SEED")
-    if seed and os.path.isdir(seed):  # the box's own writable copy, in its size-limited tmpfs
-        import shutil
-        shutil.copytree(seed, "/workspace", symlinks=True, dirs_exist_ok=True)
     if door is None:
         door = socket.socket(fileno=int(os.environ["TKBOX_DOOR_FD"]))
     try:
