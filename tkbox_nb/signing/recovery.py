@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -66,10 +67,10 @@ def recover_orphans(signer: MachineSigner) -> list[Path]:
                 rec.close(f"recovered: the run ended early ({abandoned})" if abandoned else
                           f"recovered: the process that held this box (pid {held['pid']}) ended without closing its "
                           "run")
-                written.append(rec.write_bundle(_out(signer, rec.run_id, rec.bundle_hint)))
+                written.append(rec.write_bundle(_out(signer, rec.run_id, rec.bundle_hint, held["pid"])))
             elif (spool / UNBUNDLED).exists():  # closed by its holder, which died before writing the bundle
                 hint = Path(held["bundle_hint"]) if held.get("bundle_hint") else None
-                written.append(RunSpool(spool).write_bundle(signer, _out(signer, spool.name, hint)))
+                written.append(RunSpool(spool).write_bundle(signer, _out(signer, spool.name, hint, held["pid"])))
         except Exception as e:  # a spool we cannot adopt stays for `tkbox signer recover` to report
             (spool / "recover-error.txt").write_text(f"{type(e).__name__}: {e}"[:1000])
         finally:  # the workspace's copy (.env files and all) was the dead box's only: nothing reads it again
@@ -95,9 +96,13 @@ def adopt(signer: MachineSigner, spool_dir: Path) -> RunRecorder:
     return rec
 
 
-def _out(signer: MachineSigner, run_id: str, hint: Path | None) -> Path:
-    """Where a recovered run's bundle goes: where it was meant to, else $TKBOX_HOME/bundles/RUN_ID.tkb."""
-    if hint is not None and hint.parent.is_dir():
+def _out(signer: MachineSigner, run_id: str, hint: Path | None, pid: object = None) -> Path:
+    """Where a recovered run's bundle goes: where it was meant to, else $TKBOX_HOME/bundles/RUN_ID.tkb. Not into a
+    scratch directory the dead holder made for itself (core/scratch.py: `tkbox-...<pid>-XXXX`, as a batch task's
+    rerun is written), which the next sweep removes with whatever is in it: a recovered bundle there would be lost."""
+    own_scratch = hint is not None and isinstance(pid, int) and \
+        re.fullmatch(rf"tkbox-[a-z-]*{pid}-[A-Za-z0-9_]+", hint.parent.name) is not None
+    if hint is not None and hint.parent.is_dir() and not own_scratch:
         return hint
     out = signer.home / "bundles" / f"{run_id}.tkb"
     out.parent.mkdir(mode=0o700, exist_ok=True)
