@@ -16,9 +16,7 @@ a warm box start (bundle/environment.box_environment, its cache warm), against i
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import os
 import shutil
 import statistics
@@ -26,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 from tkbox_nb import Box, Policy, open_run
@@ -35,6 +32,7 @@ from tkbox_nb.bundle.environment import box_environment
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.signing.signer import MachineSigner
 from tests.testnet import NamespaceNet, available
+from tests.wheels import wheel
 
 NET_INDEX = 38  # 198.18.38.0/24: no test module uses it
 WHEELS = 20
@@ -43,20 +41,6 @@ PIP = ["-m", "pip", "install", "--no-cache-dir", "--no-color", "--disable-pip-ve
        "--no-deps"]
 
 
-def wheel(name: str, version: str, module: str) -> bytes:
-    """A pure-Python wheel (module, METADATA, WHEEL, RECORD), with fixed times: the same bytes each time."""
-    info = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": module.encode(),
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-bench\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()}"
-                     f",{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
-    files[f"{info}/RECORD"] = record.encode()
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for path, data in files.items():
-            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), data)
-    return out.getvalue()
 
 
 def publish(net: NamespaceNet) -> list[str]:
@@ -64,7 +48,7 @@ def publish(net: NamespaceNet) -> list[str]:
     names = []
     for i in range(WHEELS):
         name = f"benchpkg{i:02d}"
-        data = wheel(name, "1.0", f"VALUE = {i}\nTABLE = {list(range(200 + i))!r}\n")
+        data = wheel(name, "1.0", f"VALUE = {i}\nTABLE = {list(range(200 + i))!r}\n", generator="tkbox-bench")
         filename = f"{name}-1.0-py3-none-any.whl"
         net.add_file(f"files/{filename}", data)
         net.add_file(f"simple/{name}/index.html", (

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from testnet import NamespaceNet, available
 
-from tests.e2e.test_packages import publish, sha, wheel
+from tests.e2e.test_packages import publish, sha
+from wheels import wheel
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.audit.compare import audit
 from tkbox_nb.audit.report import readable

@@ -4,10 +4,8 @@ box, and refused, signed, when the policy or the bytes say so. The wheels are bu
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import http.server
-import io
 import os
 import shutil
 import signal
@@ -15,11 +13,11 @@ import socket
 import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 from testnet import NamespaceNet, available
+from wheels import wheel
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
@@ -33,21 +31,6 @@ NET_INDEX = 37  # 198.18.37.0/24: no other test module uses it
 MAX_FILE = 20_000
 
 
-def wheel(name: str, version: str, module: str) -> bytes:
-    """A pure-Python wheel: the module, METADATA, WHEEL and RECORD, written with fixed times (the same bytes each
-    time)."""
-    info = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": module.encode(),
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()}"
-                     f",{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
-    files[f"{info}/RECORD"] = record.encode()
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for path, data in files.items():
-            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), data)
-    return out.getvalue()
 
 
 def sha(data: bytes) -> str:
