@@ -21,3 +21,4 @@ def test_a_recovered_bundle_goes_where_it_was_meant_to_but_never_into_the_dead_h
     other.mkdir()
     assert _out(signer, "run1", other / "rerun.tkb", 4242) == other / "rerun.tkb"
     assert _out(signer, "run2", tmp_path / "gone" / "x.tkb", 4242) == signer.home / "bundles" / "run2.tkb"
+    assert _out(signer, "run1", scratch / "rerun.tkb", 42) == scratch / "rerun.tkb"  # 4242 is not pid 42's

@@ -8,6 +8,7 @@ disk; a warm-start template), as does each batch task. Its name is PREFIX + the 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +17,13 @@ from pathlib import Path
 def make(prefix: str, root: str | Path | None = None) -> Path:
     """A new private directory PREFIX<pid>-XXXX under `root` (the system's temporary directory by default)."""
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
+
+
+def made_by(directory: str | Path, pid: int, prefix: str = "tkbox-") -> bool:
+    """Whether `directory` is one `make` made for process `pid` with a prefix starting `prefix`: one a `sweep` removes,
+    with all in it, once that process is dead."""
+    # the kind after `prefix` holds no digit (every prefix here is so), so the pid is the first number in the name
+    return re.fullmatch(rf"{re.escape(prefix)}[A-Za-z._-]*{pid}-[A-Za-z0-9_]+", Path(directory).name) is not None
 
 
 def sweep(prefix: str, root: str | Path | None = None, cgroups: bool = False) -> list[Path]:

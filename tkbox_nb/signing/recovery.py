@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
+from tkbox_nb.core import scratch
 from tkbox_nb.core.processes import pid_alive
 from tkbox_nb.signing.recorder import RunRecorder
 from tkbox_nb.signing.signer import MachineSigner
@@ -100,8 +100,7 @@ def _out(signer: MachineSigner, run_id: str, hint: Path | None, pid: object = No
     """Where a recovered run's bundle goes: where it was meant to, else $TKBOX_HOME/bundles/RUN_ID.tkb. Not into a
     scratch directory the dead holder made for itself (core/scratch.py: `tkbox-...<pid>-XXXX`, as a batch task's
     rerun is written), which the next sweep removes with whatever is in it: a recovered bundle there would be lost."""
-    own_scratch = hint is not None and isinstance(pid, int) and \
-        re.fullmatch(rf"tkbox-[a-z-]*{pid}-[A-Za-z0-9_]+", hint.parent.name) is not None
+    own_scratch = hint is not None and isinstance(pid, int) and scratch.made_by(hint.parent, pid)
     if hint is not None and hint.parent.is_dir() and not own_scratch:
         return hint
     out = signer.home / "bundles" / f"{run_id}.tkb"
