@@ -145,6 +145,17 @@ def children(pid: int, name: str) -> list[int]:
     return found
 
 
+def holders(signer) -> set[int]:
+    """The pids of the processes holding an open run of `signer` (each open run's spool names its holder)."""
+    pids = set()
+    for handle in signer.runs_dir.glob("*/handle.json"):
+        try:
+            pids.add(json.loads(handle.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            continue  # being written or removed
+    return pids
+
+
 def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, signer, worker_tmp, tmp_path):
     from distributed import Client, LocalCluster
     out_dir = tmp_path / "reruns"
@@ -159,7 +170,8 @@ def test_a_worker_killed_mid_batch_loses_no_result_and_none_twice(originals, sig
             return
         for _ in range(400):  # the first result is in: kill a worker while its box is running a rerun
             pids = client.run(os.getpid)
-            boxed = {w: pid for w, pid in pids.items() if children(pid, "bwrap")}
+            # a bwrap child alone is not enough: choosing the backend runs a short bwrap probe before any run is open
+            boxed = {w: pid for w, pid in pids.items() if children(pid, "bwrap") and pid in holders(signer)}
             if boxed:
                 break
             time.sleep(0.05)
