@@ -92,6 +92,48 @@ def jupyter_lab(root: Path, env: dict[str, str] | None = None):
         log.close()
 
 
+def box_notebook(path: Path, cells: list[str]) -> None:
+    """A notebook at `path` on the shipped `tkbox` kernelspec, holding `cells` (code cells)."""
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+
+
+def notebook_url(base: str, token: str, ui: str, path: str) -> str:
+    """The page that opens notebook `path` (relative to the server's root) in JupyterLab ("lab", a workspace of its
+    own, reset) or Notebook 7 ("nb7")."""
+    return f"{base}/lab/workspaces/{ui}/tree/{path}?reset&token={token}" if ui == "lab" else \
+        f"{base}/notebooks/{path}?token={token}"
+
+
+def open_box_notebook(page, url: str) -> None:
+    """Go to a notebook's page and wait until its cells are editable and its Tracekit Box kernel is named."""
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=90_000)
+    page.wait_for_function("document.body.innerText.includes('Tracekit Box')", timeout=90_000)
+    time.sleep(1)
+
+
+def run_cell(page, index: int) -> None:
+    """Select cell `index` and run it (Shift+Enter), the same keys in JupyterLab and Notebook 7."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def wait_for_output(page, index: int, text: str, timeout: float = 90_000) -> None:
+    """Until cell `index`'s output (not its source, which may hold the same words) shows `text`."""
+    page.wait_for_function("([i, t]) => { const o = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+                           ".querySelector('.jp-OutputArea'); return !!o && o.innerText.includes(t); }",
+                           arg=[index, text], timeout=timeout)
+
+
+def output_text(page, index: int) -> str:
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
+
+
 @pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright

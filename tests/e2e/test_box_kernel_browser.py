@@ -13,13 +13,13 @@ import os
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.jupyter.run_view import PAGE_SIZE
 
-from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
+from .conftest import (CHROMIUM, JUPYTER_LAB, box_notebook, jupyter_lab, notebook_url, open_box_notebook,
+                       output_text, run_cell, wait_for_output)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
@@ -43,26 +43,9 @@ def server(signer, tmp_path_factory):
     """A Jupyter server (JupyterLab 4 and Notebook 7) whose kernels find the shipped `tkbox` kernelspec."""
     root = tmp_path_factory.mktemp("boxlab")
     for ui in ("lab", "nb7"):
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
-        nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
-        nbformat.write(nb, root / f"box-{ui}.ipynb")
+        box_notebook(root / f"box-{ui}.ipynb", CELLS)
     with jupyter_lab(root, {"JUPYTER_PATH": str(ROOT), "TKBOX_BUNDLE_DIR": str(root / "bundles")}) as served:
         yield served
-
-
-def _run_cell(page, index: int) -> None:
-    """Select cell `index` and run it (Shift+Enter), the same keys in JupyterLab and Notebook 7."""
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
-
-
-def _wait_for_output(page, index: int, text: str) -> None:
-    """Until cell `index`'s output (not its source, which holds the same words) shows `text`."""
-    page.wait_for_function("([i, t]) => { const o = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
-                           ".querySelector('.jp-OutputArea'); return !!o && o.innerText.includes(t); }",
-                           arg=[index, text], timeout=60_000)
 
 
 def _doors(page) -> list[str]:
@@ -71,19 +54,12 @@ def _doors(page) -> list[str]:
                          ".map(tr => tr.children[2].innerText.trim())")
 
 
-def _output_text(page, index: int) -> str:
-    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
-
-
 @pytest.mark.parametrize("ui", ["lab", "nb7"])
 def test_a_notebook_in_the_box_with_widgets_clear_output_and_the_run_view(browser, server, ui):
     base, token = server
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    path = f"box-{ui}.ipynb"
-    url = f"{base}/lab/workspaces/{ui}/tree/{path}?reset&token={token}" if ui == "lab" else \
-        f"{base}/notebooks/{path}?token={token}"
-    page.goto(url)
     try:
+        open_box_notebook(page, notebook_url(base, token, ui, f"box-{ui}.ipynb"))
         _drive(page, ui)
     except BaseException:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -94,11 +70,7 @@ def test_a_notebook_in_the_box_with_widgets_clear_output_and_the_run_view(browse
 
 
 def _drive(page, ui: str) -> None:
-    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=90_000)
-    page.wait_for_function("document.body.innerText.includes('Tracekit Box')", timeout=90_000)
-    time.sleep(1)
-
-    _run_cell(page, 0)  # a slider made in the box
+    run_cell(page, 0)  # a slider made in the box
     track = page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".noUi-target")
     track.wait_for(timeout=90_000)
     box = track.bounding_box()
@@ -107,16 +79,16 @@ def _drive(page, ui: str) -> None:
     page.wait_for_function("[...document.querySelectorAll('.widget-readout')].some(e => e.innerText.trim() === '7')",
                            timeout=30_000)
     time.sleep(0.5)
-    _run_cell(page, 1)
-    _wait_for_output(page, 1, "slider is")
-    assert "slider is 7" in _output_text(page, 1)
+    run_cell(page, 1)
+    wait_for_output(page, 1, "slider is")
+    assert "slider is 7" in output_text(page, 1)
 
-    _run_cell(page, 2)
-    _wait_for_output(page, 2, "after the")
-    cleared = _output_text(page, 2)
+    run_cell(page, 2)
+    wait_for_output(page, 2, "after the")
+    cleared = output_text(page, 2)
     assert "after the clear" in cleared and "to be cleared" not in cleared
 
-    _run_cell(page, 3)  # the run view: host widgets, in the same page as the box's
+    run_cell(page, 3)  # the run view: host widgets, in the same page as the box's
     page.wait_for_selector(".tkbox-summary", timeout=90_000)
     page.wait_for_function("document.querySelectorAll('.tkbox-table tbody tr').length >= 3", timeout=30_000)
     before = _doors(page)

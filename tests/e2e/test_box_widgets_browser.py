@@ -19,12 +19,11 @@ import re
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
 
-from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
+from .conftest import CHROMIUM, JUPYTER_LAB, box_notebook, jupyter_lab, run_cell, wait_for_output
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
@@ -68,24 +67,9 @@ def server(signer, tmp_path_factory):
     """A Jupyter server (JupyterLab 4 and Notebook 7) whose kernels find the shipped `tkbox` kernelspec."""
     root = tmp_path_factory.mktemp("boxwidgets")
     for ui in ("lab", "nb7"):
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "tkbox", "display_name": "Python 3 (Tracekit Box)", "language": "python"}
-        nb.cells = [nbformat.v4.new_code_cell(ATTACKS), nbformat.v4.new_code_cell(ORDINARY)]
-        nbformat.write(nb, root / f"widgets-{ui}.ipynb")
+        box_notebook(root / f"widgets-{ui}.ipynb", [ATTACKS, ORDINARY])
     with jupyter_lab(root, {"JUPYTER_PATH": str(ROOT), "TKBOX_BUNDLE_DIR": str(root / "bundles")}) as served:
         yield served
-
-
-def _run_cell(page, index: int) -> None:
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
-
-
-def _wait_for_output(page, index: int, text: str) -> None:
-    page.wait_for_function("([i, t]) => { const o = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
-                           ".querySelector('.jp-OutputArea'); return !!o && o.innerText.includes(t); }",
-                           arg=[index, text], timeout=90_000)
 
 
 @pytest.mark.parametrize("ui", ["lab", "nb7"])
@@ -107,19 +91,19 @@ def test_no_widget_of_the_box_s_runs_script_or_fetches_a_remote_url_in_the_page(
         page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=90_000)
         page.wait_for_function("document.body.innerText.includes('Tracekit Box')", timeout=90_000)
         time.sleep(1)
-        _run_cell(page, 0)
-        _wait_for_output(page, 0, "attacks shown")
+        run_cell(page, 0)
+        wait_for_output(page, 0, "attacks shown")
         page.wait_for_function("document.body.innerText.includes('styled html')", timeout=60_000)
-        _run_cell(page, 1)
-        _wait_for_output(page, 1, "ordinary shown")
+        run_cell(page, 1)
+        wait_for_output(page, 1, "ordinary shown")
         page.wait_for_selector(".noUi-target", timeout=60_000)
-        _wait_for_output(page, 1, "n is 5")
+        wait_for_output(page, 1, "n is 5")
         # interact's slider moved in the page: the box runs the function for the new value `with out:`, its msg_id
         # the frontend's comm_msg (a request the box was sent), and the frontend shows what it printed
         track = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".noUi-target").nth(1)
         box = track.bounding_box()
         page.mouse.click(box["x"] + box["width"] * 0.8, box["y"] + box["height"] / 2)
-        _wait_for_output(page, 1, "n is 8")
+        wait_for_output(page, 1, "n is 8")
         # the Output widget captured what the box cell printed in it (its msg_id, the cell's own request)
         page.wait_for_function("[...document.querySelectorAll('.jupyter-widgets .jp-OutputArea')]"
                                ".some(e => e.innerText.includes('printed inside the output widget'))", timeout=60_000)
