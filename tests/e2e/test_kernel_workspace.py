@@ -142,6 +142,44 @@ def test_box_pull_brings_a_written_file_into_the_folder_now_and_refuses_bad_name
         c.stop()
 
 
+def test_a_file_pulled_again_replaces_what_was_pulled_but_never_what_the_user_edited_since(kernel_env, tmp_path):
+    """Before, a file was written only over what the box started from: a second `%box_pull` of a result the box
+    recomputed was refused ("the host file changed since the box started"), the change being the first pull's. Now
+    the host file may be what the box started from or what this box last wrote there; an edit of the user's since
+    is never overwritten. The folder holds symlinks that loop and point out: the box starts all the same (they are
+    copied as links, never followed)."""
+    import os
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "seeded.txt").write_text("start\n")
+    os.symlink("loop", folder / "loop")
+    os.symlink("..", folder / "up")
+    c = Client(folder)
+
+    def pull(path: str) -> str:
+        reply, outs = c.run(f"%box_pull {path}")
+        assert reply["status"] == "ok", reply
+        return "".join(x.get("text", "") for t, x in outs if t == "stream")
+    try:
+        reply, outs = c.run("import os\nprint(os.readlink('loop'), os.readlink('up'))\n"
+                            "open('r.txt', 'w').write('v1\\n'); open('seeded.txt', 'w').write('box 1\\n')")
+        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "loop ..\n"}) in outs, (reply, outs)
+        assert pull("r.txt seeded.txt") == "r.txt: pulled (3 bytes), signed\nseeded.txt: pulled (6 bytes), signed\n"
+        c.run("open('r.txt', 'w').write('v2!\\n'); open('seeded.txt', 'w').write('box 2!\\n')")
+        assert pull("r.txt seeded.txt") == "r.txt: pulled (4 bytes), signed\nseeded.txt: pulled (7 bytes), signed\n"
+        assert (folder / "r.txt").read_text() == "v2!\n" and (folder / "seeded.txt").read_text() == "box 2!\n"
+        (folder / "r.txt").write_text("user\n")  # the user edits the pulled files on the host meanwhile
+        (folder / "seeded.txt").write_text("user too\n")
+        c.run("open('r.txt', 'w').write('v3\\n'); open('seeded.txt', 'w').write('box 3\\n')")
+        before = _tree(tmp_path)
+        said = pull("r.txt seeded.txt")
+        assert said == ("r.txt: not written: the host file changed since this box last wrote it\n"
+                        "seeded.txt: not written: the host file changed since this box last wrote it\n"), said
+        assert _tree(tmp_path) == before  # nothing half-written, nothing outside the folder touched
+    finally:
+        c.stop()
+
+
 def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(kernel_env, tmp_path):
     import os
     folder = tmp_path / "nb"

@@ -23,7 +23,7 @@ from tkbox_nb.rules.patch_diff import DiffFile, render
 from tkbox_nb.signing.recorder import sha256_digest
 from tkbox_nb.core.visible import visible
 from tkbox_nb.doors.door import Door
-from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, Staging, current_digest
+from tkbox_nb.doors.workspace_writer import ApplyError, FileChange, Staging, current_digest, sha256_file_digest
 from tkbox_nb.rules import patch_rules as rules
 from tkbox_nb.rules.patch_reader import Entry, PatchReader
 from tkbox_nb.rules.door_table import PATCH
@@ -98,6 +98,9 @@ class PatchDoor(Door):
         self._bases: dict[str, tuple[str, int]] = {}         # seed path -> (digest, mode): each read once a box
         self._olds: dict[str, bytes] = {}                    # seed path -> its bytes, for an allowed file's diff
         self._renamed: dict[str, str] = {}                   # a rename's folded source -> the target it went to
+        # path -> the digest this box last wrote there on the host (None: removed): a later apply of the path (a
+        # second %box_pull of a result the box recomputed) goes over that, never over what the user made of it since
+        self._written: dict[str, str | None] = {}
 
     @property
     def seed(self) -> Path | None:
@@ -241,8 +244,11 @@ class PatchDoor(Door):
             self.sent[e.path] = (e.op, digest)
             if crossing.allowed:  # on this file's own signed allow, never another's
                 old_mode = facts.get("old_mode")
-                change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode, facts["base"],
-                                    e.source, facts.get("from_base"), old_mode)
+                source_base = facts.get("from_base")
+                change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode,
+                                    self._written.get(e.path, facts["base"]), e.source,
+                                    self._written.get(e.source, source_base) if e.source else source_base, old_mode,
+                                    "this box last wrote it" if e.path in self._written else "the box started")
                 new = e.content if e.op != "delete" else None
                 old = self._old(e.source, facts.get("from_base"), new, digest) if e.op == "rename" else \
                     self._old(e.path, facts["base"], new, digest)
@@ -295,6 +301,11 @@ class PatchDoor(Door):
             if change is not None:
                 o = outcomes.get(id(change))
                 fd.applied, fd.apply_reason = (o.applied, o.reason) if o else (False, why or "")
+                if fd.applied:
+                    self._written[change.path] = None if change.op == "delete" else \
+                        sha256_file_digest(change.content or b"")
+                    if change.op == "rename" and change.source and change.source != change.path:
+                        self._written[change.source] = None
 
 
 class _StageBehind:

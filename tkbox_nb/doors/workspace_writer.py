@@ -36,6 +36,7 @@ class FileChange:
     source: str | None = None  # a rename's source path
     source_base: str | None = None
     old_mode: int | None = None  # the mode the box started with (of a rename's source): None if not stated
+    base_from: str = "the box started"  # what `base` is the host file as of (said when the host file moved on)
 
 
 @dataclass
@@ -265,7 +266,7 @@ def _stage(dirs: _Dirs, ch: FileChange, umask: int, written: set[str]) -> list:
             return []
         now = _current(dfd, name)
         if now is not None and now != ch.base:
-            raise _Refused("the host file changed since the box started")
+            raise _Refused(f"the host file changed since {ch.base_from}")
         return [] if now is None else [(dirpath, name, None, now)]
     new_digest = sha256_file_digest(ch.content or b"")
     after = []
@@ -290,8 +291,8 @@ def _stage(dirs: _Dirs, ch: FileChange, umask: int, written: set[str]) -> list:
     if now == new_digest and (looked[1] == mode or now != ch.base):  # applied already (a mode the host set since
         return after                                                # is the host's; a box's mode change is applied)
     if now != ch.base:
-        raise _Refused("the host file changed since the box started" if now else
-                       "the host file is gone since the box started")
+        raise _Refused(f"the host file changed since {ch.base_from}" if now else
+                       f"the host file is gone since {ch.base_from}")
     tmp = f".tkbox-{secrets.token_hex(12)}.tmp"  # fixed length: a 255-byte name (multibyte) still has a temporary
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     try:
