@@ -181,6 +181,7 @@ def test_a_file_pulled_again_replaces_what_was_pulled_but_never_what_the_user_ed
 
 
 def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(kernel_env, tmp_path):
+    """A FIFO and a 10 GB file are each refused in one line, before anything is sent (nothing pushed)."""
     import os
     folder = tmp_path / "nb"
     folder.mkdir()
@@ -192,6 +193,14 @@ def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(ke
         reply, outs = c.run("%box_push pipe new.csv")
         assert reply["status"] == "error", reply
         assert reply["evalue"] == "%box_push: 'pipe' is not a regular file (only files are pushed); nothing pushed"
+        with open(folder / "huge.bin", "wb") as f:  # 10 GB, sparse: refused by its size, never read
+            f.truncate(10 << 30)
+        reply, outs = c.run("%box_push new.csv huge.bin")
+        assert reply["status"] == "error", reply
+        assert reply["evalue"] == ("%box_push: 'huge.bin' is 10737418240 bytes, over [workspace] max_mib; nothing "
+                                   "pushed (give data as a dataset mount, [mounts.NAME])")
+        reply, outs = c.run("import os; print(os.path.exists('new.csv'), os.path.exists('huge.bin'))")
+        assert ("stream", {"name": "stdout", "text": "False False\n"}) in outs, outs
         reply, outs = c.run("%box_push new.csv")
         assert reply["status"] == "ok" and ("stream", {"name": "stdout",
                                                        "text": "new.csv: pushed (4 bytes), signed\n"}) in outs
