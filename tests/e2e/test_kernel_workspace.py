@@ -131,6 +131,7 @@ def test_box_pull_brings_a_written_file_into_the_folder_now_and_refuses_bad_name
         text = "".join(x.get("text", "") for t, x in outs if t == "stream")
         assert "link: refused by patch.type: a symlink is never applied (only regular files)" in text, text
         assert "up: refused by patch.type" in text and "only regular files come back" in text
+        assert _tree(tmp_path) == before  # neither the bad name nor the links wrote anything, in the folder or out
         (folder / "a.txt").write_text("user\n")  # the user edits the file on the host meanwhile
         before = _tree(tmp_path)
         reply, outs = c.run("%box_pull a.txt")
