@@ -40,6 +40,7 @@ def _cells(ui: str) -> list[str]:
         "import pandas as pd\ndf = pd.read_csv('data.csv')\nprint('total is', df.value.sum())",
         f"pd.DataFrame({{'total': [df.value.sum()]}}).to_csv('result-{ui}.csv', index=False)\nprint('written')",
         f"%box_pull result-{ui}.csv",
+        "%box_status",
     ]
 
 
@@ -81,6 +82,13 @@ def test_a_box_cell_reads_the_csv_beside_the_notebook_and_box_pull_brings_its_re
         wait_for_output(page, 2, f"{result}: pulled")
         assert f"{result}: pulled (" in output_text(page, 2) and "signed" in output_text(page, 2)
         assert (project / result).read_text() == "total\n1234\n"
+        # the frontend's own housekeeping (comm_info, closes of comms the box never had) is no deny, and the box
+        # names the folder it started from and the notebook the frontend named (JPY_SESSION_NAME)
+        run_cell(page, 3)
+        wait_for_output(page, 3, "notebook")
+        status = output_text(page, 3)
+        assert f"folder   {project}" in status and f"analysis-{ui}.ipynb" in status, status
+        assert "deny" not in status and f"/.tkbox/runs/analysis-{ui}-" in status, status
         if ui == "lab":  # JupyterLab's file browser, opened on the notebook's folder, lists the pulled file
             listing = page
         else:  # Notebook 7's tree page of the folder
