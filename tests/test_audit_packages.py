@@ -149,3 +149,29 @@ def test_a_run_without_a_manifest_against_one_with_is_named_not_called_equal(sig
     assert [readable(d) for d in report.differences] == [
         ["environment: cpython 3.11.2 linux-x86_64 with 2 distributions in A, not recorded (the image keeps none) "
          "in B"]]
+
+
+def test_a_replay_lists_installs_from_a_hostile_bundle_as_text_never_as_markdown(signer, tmp_path):
+    """What the replay writes of the package door's rows comes from the bundle: a file name, version or index that
+    holds backticks, a newline, a heading or an image stays inline code in its installs cell. These crossings fall in
+    no cell (the recorder decided them after the cell's result), so they come in one cell at the end."""
+    from tkbox_nb.audit.replay import to_notebook
+    rec = RunRecorder(signer, Policy.from_toml(POLICY), {"backend": "bwrap", "isolation": "none",
+                                                         "image_digest": "none"})
+    rec.open()
+    c = rec.decide("exec", "cell", {}, {"code": b"x = 1\n"})
+    rec.complete(c, "ok", {"execution_count": 1}, {"outputs": b"[]"})
+    hostile = "`` x\n# Owned ![i](https://leak.example/?d=1) |"
+    f = rec.decide("packages", "file", {
+        "project": "tinypkg", "filename": "tinypkg-1.0.tar.gz" + hostile, "version": "1.0" + hostile,
+        "sha256": sha(b"t"), "got_sha256": sha(b"t"), "size": 1, "source": "cache", "index": hostile, "run_bytes": 0})
+    rec.complete(f, "ok", {"bytes": 1})
+    rec.close("test done")
+    nb = to_notebook(open_run(rec.write_bundle(tmp_path / "h.tkb")))
+    cell = nb.cells[-1]
+    assert cell.metadata.tags == ["tkbox-installs"] and cell.source.startswith("Package door, while no cell")
+    [line] = [x for x in cell.source.splitlines() if x.startswith("- ")]
+    assert not any(x.lstrip().startswith("#") for x in cell.source.splitlines())
+    assert "``` tinypkg-1.0.tar.gz`` x\\x0a# Owned ![i](https://leak.example/?d=1) | ```" in line
+    assert line.endswith(": installed") and sha(b"t") in line
+    assert cell.metadata["tkbox"]["installs"][0]["index"] == hostile  # the rows as the bundle has them

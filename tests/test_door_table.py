@@ -25,10 +25,11 @@ from tkbox_nb.bundle.verify import verify_bundle
 from tkbox_nb.cli.main import build_parser
 from tkbox_nb.jupyter import run_view
 from tkbox_nb.policy import Policy
+from tkbox_nb.policy.base import Verdict
 from tkbox_nb.policy.core import DECIDERS, check_deciders
 from tkbox_nb.policy.refusals import COUNTED_DOORS
 from tkbox_nb.rules import door_table
-from tkbox_nb.rules.door_table import TABLE, Counted, Door, door_of_tool, names, tool_of, tools
+from tkbox_nb.rules.door_table import PACKAGES, TABLE, Counted, Door, door_of_tool, names, tool_of, tools
 from tkbox_nb.signing.recorder import RunRecorder
 from tkbox_nb.signing.signer import BOX_PACK, MachineSigner, box_pack
 
@@ -38,9 +39,13 @@ EXTENDED = (*TABLE, NOTARY)
 BOX_FACTS = {"backend": "none", "isolation": "none", "image_digest": "none"}
 PACKAGE_ROOT = Path(door_table.__file__).resolve().parent.parent
 
-# the text every bundle since the package door was signed under (the literal tkbox_nb/signing/signer.py held before the
-# table, with `box.packages` added: the pack before it, 6d8e7330..., differs only by that line)
-PACK_SHA256 = "e67ea34af25f339e42ede95152d98e492d7cd843c438fe037a1e961d6ca825ad"
+# the text every bundle since the signer's own address rules covered the package door is signed under: the pack
+# before it, e67ea34a... (the literal tkbox_nb/signing/signer.py held before the table, with `box.packages` added;
+# before that 6d8e7330...), named the egress tool only in TKB-ALWAYS-REFUSED and TKB-METADATA-ADDR; those two now
+# name the package door's tool too, and TKB-METADATA-ADDRS and TKB-LOCAL-NAME judge its lookup's addresses and its
+# host's name. Changed deliberately: a bundle keeps the compiled pack it was signed under, so older ones still verify
+# (tests/test_environment.py verifies tests/data/workspace-tree1.tkb, made under an older pack).
+PACK_SHA256 = "f96f8226a34fb65cd11435e359dd7dcaae7b98f79331d3191544914782f4d902"
 
 
 def test_the_box_pack_of_today_s_doors_is_the_one_every_bundle_was_signed_under():
@@ -117,6 +122,53 @@ def test_the_policy_refuses_a_table_door_it_cannot_decide_in_one_line():
     decided = (*TABLE, Door("notary", "box.notary", None, "notary", "notary", (Counted("notary"),)))
     check_deciders({**DECIDERS, "notary": DECIDERS["host"]}, decided)
     assert Policy.default().decide({"door": "notary", "kind": "install"}).rule == "door.unknown"
+
+
+class AllowingPolicy(Policy):
+    """A box policy whose code is wrong: it allows every crossing. What the signer's own rules are for."""
+
+    def decide(self, facts):
+        return Verdict("allow", "wrong.allow")
+
+
+PUBLIC = {"index": "https://pypi.example/simple/", "host": "pypi.example", "addresses": ["93.184.216.34"],
+          "address": "93.184.216.34", "address_class": "ok", "source": "index", "files": 1}
+
+
+@pytest.mark.parametrize("stated, rules", [
+    ({"address_class": "always", "address": ""}, ["TKB-ALWAYS-REFUSED"]),  # the door's own classification
+    ({"addresses": ["93.184.216.34", "169.254.169.254"]}, ["TKB-METADATA-ADDRS"]),  # one address of the lookup
+    ({"addresses": ["127.0.0.1"], "address": "127.0.0.1"}, ["TKB-METADATA-ADDR", "TKB-METADATA-ADDRS"]),  # dialled
+    ({"addresses": ["::1"], "address": ""}, ["TKB-METADATA-ADDRS"]),
+    ({"host": "metadata.google.internal", "addresses": [], "address": ""}, ["TKB-LOCAL-NAME"]),  # never looked up
+    ({"host": "pkgs.localhost"}, ["TKB-LOCAL-NAME"]),
+])
+def test_the_signer_refuses_a_package_host_no_box_may_reach_whatever_the_box_policy_says(tmp_path, stated, rules):
+    """The package door's index and file hosts are judged by the signer's own pack too (TKB-ALWAYS-REFUSED and the
+    address and name rules), so a wrong box policy cannot let the host fetch from itself or a metadata service: a
+    real recorder on a real signer, the box policy saying allow, the signer refusing; the same crossing naming a
+    public host is allowed (the pack refuses what it should, not every package crossing)."""
+    home = short_tmp("tkd-")
+    signer = MachineSigner(home)
+    try:
+        signer.ensure()
+        rec = RunRecorder(signer, AllowingPolicy.default(), BOX_FACTS)
+        rec.open()
+        public = rec.decide(PACKAGES, "project", dict(PUBLIC, project="tinypkg"))
+        page = rec.decide(PACKAGES, "project", dict(PUBLIC, project="tinypkg", **stated))
+        file = rec.decide(PACKAGES, "file", dict(PUBLIC, project="tinypkg", filename="tinypkg-1.0.tar.gz",
+                                                 version="1.0", sha256="ab" * 32, got_sha256="ab" * 32, size=10,
+                                                 run_bytes=0, **stated))
+        rec.complete(public, "ok", {"bytes": 10})
+        rec.close("test done")
+    finally:
+        signer.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    assert public.allowed and public.args["verdict"] == "allow" and public.rule_ids == []
+    for crossing in (page, file):
+        assert crossing.tool == "box.packages" and crossing.args["verdict"] == "allow"  # the box policy let it by
+        assert crossing.decision == "deny" and crossing.decision_id is not None and not crossing.allowed
+        assert crossing.rule_ids == rules
 
 
 @pytest.mark.parametrize("wrong, said", [

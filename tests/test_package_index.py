@@ -111,6 +111,21 @@ def test_names_in_pep_503_normal_form_and_versions_from_file_names():
     assert file_version("tiny-pkg", "other-1.0.tar.gz") is None and file_version("tiny-pkg", "tiny-pkg.egg") is None
 
 
+def test_an_sdist_s_version_is_what_follows_the_project_s_name_as_pip_reads_it():
+    """An sdist's name is not split at its last `-` (a legacy name's version may hold one: `pkg-1.0-1.tar.gz`, which
+    pip reads as 1.0-1, i.e. 1.0.post1) but where the part before it is the project's name in normal form; the door
+    left such a file off the page it served, so pip could not install it."""
+    assert file_version("pkg", "pkg-1.0-1.tar.gz") == "1.0-1"
+    assert file_version("tiny-pkg", "Tiny.Pkg-1.0-1.zip") == "1.0-1"
+    assert file_version("pkg-1", "pkg-1-2.0.tar.gz") == "2.0"  # the project's own `-` is not the version's
+    assert file_version("src-pkg", "src_pkg-1.0.tar.gz") == "1.0" and file_version("pkg", "Pkg-1.0rc1.zip") == "1.0rc1"
+    assert file_version("pkg", "pkg-.tar.gz") is None and file_version("pkg", "pkg.tar.gz") is None
+    assert file_version("pkg", "pkg-1.0/x.tar.gz") is None and file_version("pkg", "pkgx-1.0.tar.gz") is None
+    assert file_version("pkg", "pkg-1.0-1-py3-none-any.whl") == "1.0"  # a wheel's build tag is not its version
+    page = f'<a href="../../files/pkg-1.0-1.tar.gz#sha256={A}">s</a>'.encode()
+    assert [f.filename for f in parse_html(page, "pkg", "http://198.18.37.2:8080/simple/pkg/")] == ["pkg-1.0-1.tar.gz"]
+
+
 POLICY = '[packages]\nindex = ["https://pypi.example.org/simple/"]\nallow = ["Scikit_Learn", "numpy*"]\n' \
          'deny = ["numpy-evil"]\nmax_file_bytes = 100\nmax_total_bytes = 150\n'
 

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from testnet import NamespaceNet, available
-from wheels import wheel
+from wheels import backend_wheel, sdist, wheel
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
@@ -304,3 +305,82 @@ def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_n
         "deny", "packages.always", "loop.tkb.test", ["127.0.0.1"])
     assert "127.0.0.1 is loopback" in file.args["verdict_reason"] and file.args["size"] == 0
     assert verify_bundle(tmp_path / "l.tkb").valid
+
+
+SDIST_NAME, SDIST = sdist("Src_Pkg", "1.0", "VALUE = 7\n")  # src_pkg-1.0.tar.gz, the project src-pkg
+BACKEND_NAME, BACKEND = backend_wheel()  # its build requirement, tkbox-test-backend
+
+
+def test_an_sdist_crosses_like_a_wheel_its_build_backend_too_and_a_rerun_builds_the_same_bytes(
+        private_signer, index, tmp_path):
+    """pip builds an sdist in an isolated environment (its default, what `%pip install` does) and asks the door for
+    the build requirement the sdist names: both files are decided, hashed, signed, kept and served; the wheel pip
+    builds in the box never crosses (it is made there). A rerun after the index replaced the sdist (same name,
+    other bytes) builds from the bytes the run signed, kept in the host cache."""
+    from tkbox_nb.audit.replay import rerun
+    home = private_signer.home
+    publish(index, "src-pkg", SDIST_NAME, SDIST)  # linked with data-requires-python, as PyPI does
+    publish(index, "tkbox-test-backend", BACKEND_NAME, BACKEND)
+    both = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\n{OPEN_TEST_NET}'
+                            'allow = ["Src_Pkg", "tkbox_test_backend"]\n')
+    with Box(backend="bwrap", policy=both, home=home, bundle_path=tmp_path / "s.tkb") as b:
+        cell = b.execute("%pip install Src_Pkg\nimport src_pkg\nprint('value', src_pkg.VALUE, src_pkg.__file__)")
+        text = "".join(o.get("text", "") for o in cell.outputs)
+        assert cell.status == "ok" and "value 7 /tmp/tkbox-site-packages/src_pkg/__init__.py" in text, cell.outputs
+    rows = package_rows(tmp_path / "s.tkb")
+    assert [(c.args["kind"], c.args["project"], c.decision) for c in rows] == [
+        ("project", "src-pkg", "allow"), ("file", "src-pkg", "allow"),
+        ("project", "tkbox-test-backend", "allow"), ("file", "tkbox-test-backend", "allow")]
+    source = rows[1]
+    assert (source.args["filename"], source.args["version"], source.args["sha256"], source.args["got_sha256"],
+            source.args["size"], source.args["source"]) == (SDIST_NAME, "1.0", sha(SDIST), sha(SDIST), len(SDIST),
+                                                            "index")
+    assert source.rule_ids == [] and source.result["bytes"] == len(SDIST)
+    assert (private_signer.home / "packages" / "files" / sha(SDIST)[:2] / sha(SDIST)).read_bytes() == SDIST
+    assert verify_bundle(tmp_path / "s.tkb", trust_path(home)).valid
+    run = open_run(tmp_path / "s.tkb")
+    assert run.installs[["kind", "project", "version", "filename", "sha256", "decision"]].values.tolist() == [
+        ["file", "src-pkg", "1.0", SDIST_NAME, sha(SDIST), "allow"],
+        ["file", "tkbox-test-backend", "1.0", BACKEND_NAME, sha(BACKEND), "allow"]]
+    env = run.environment
+    assert env[env["kind"] == "installed"][["name", "version", "location", "digest"]].values.tolist()[0] == [
+        "src-pkg", "1.0", SDIST_NAME, f"sha256:{sha(SDIST)}"]
+
+    publish(index, "src-pkg", SDIST_NAME, sdist("Src_Pkg", "1.0", "VALUE = 8\n")[1])  # the index moved on
+    rerun(tmp_path / "s.tkb", tmp_path / "again.tkb", home=home, backend="bwrap")
+    again = [c for c in package_rows(tmp_path / "again.tkb") if c.args["kind"] == "file"]
+    assert [(c.args["filename"], c.decision, c.args["source"], c.args["pinned"], c.args["got_sha256"])
+            for c in again] == [(SDIST_NAME, "allow", "cache", sha(SDIST), sha(SDIST)),
+                                (BACKEND_NAME, "allow", "cache", sha(BACKEND), sha(BACKEND))]
+    cell = next(c for c in open_run(tmp_path / "again.tkb").crossings() if c.door == "exec")
+    assert b"value 7" in open_run(tmp_path / "again.tkb").content(cell.result["outputs"])
+    assert verify_bundle(tmp_path / "again.tkb", trust_path(home)).valid
+
+
+def test_replay_shows_what_the_door_let_in_under_the_cell_or_command_that_asked_for_it(
+        private_signer, index, tmp_path):
+    """A real box: a cell that installs nothing, a cell whose `%pip install` brings tinypkg through the door, a
+    command whose pip is refused bigpkg (over max_file_bytes). `tkbox replay` writes each under the cell or command
+    during which pip asked: project, version, file, sha256, the index it came from, or the refusal's rule."""
+    import nbformat
+    home = private_signer.home
+    with Box(backend="bwrap", policy=policy(index), home=home, bundle_path=tmp_path / "r.tkb") as b:
+        assert b.execute("x = 1").status == "ok"
+        assert b.execute("%pip install tinypkg\nimport tinypkg").status == "ok"
+        assert pip(b, "bigpkg").exit_code != 0
+    r = run_cli("replay", str(tmp_path / "r.tkb"), "-o", str(tmp_path / "r.ipynb"), "--trust", str(trust_path(home)))
+    assert r.returncode == 0, r.stderr
+    nb = nbformat.read(tmp_path / "r.ipynb", as_version=4)
+    kinds = [("installs" if "tkbox-installs" in c.metadata.get("tags", []) else c.cell_type) for c in nb.cells]
+    assert kinds == ["markdown", "code", "code", "installs", "markdown", "installs"], kinds
+    tiny, big = nb.cells[3], nb.cells[5]
+    url = f"http://{index.web}:8080/simple/"
+    assert "%pip install tinypkg" in nb.cells[2].source and "pip install --no-color bigpkg" in nb.cells[4].source
+    assert tiny.source.startswith("Package door, during the cell above")
+    assert f"- `tinypkg` `1.0`: `tinypkg-1.0-py3-none-any.whl`, sha256 `{sha(TINY)}` from `{url}` (`index`): " \
+           "installed" in tiny.source
+    assert [(i["project"], i["version"], i["sha256"], i["index"], i["decision"]) for i in
+            tiny.metadata["tkbox"]["installs"]] == [("tinypkg", "1.0", sha(TINY), url, "allow")]
+    assert big.source.startswith("Package door, during the command above")
+    assert f"`bigpkg` `1.0`: `bigpkg-1.0-py3-none-any.whl`, sha256 `{sha(BIG)}`" in big.source
+    assert "refused (`packages.max_file_bytes`)" in big.source

@@ -4,7 +4,9 @@ runs.
 `to_notebook` reads only what the bundle discloses: each cell's code and recorded outputs (its late outputs, signed
 after its end, appended), in the order the run decided them, with the run id, record sequence numbers, digests and
 user_expressions (asked and answered) in each cell's metadata; host-side magics come back as the host events they
-were (tagged `tkbox-host`), refused cells as refused (tagged `tkbox-refused`), commands as markdown. `rerun`
+were (tagged `tkbox-host`), refused cells as refused (tagged `tkbox-refused`), commands as markdown, and what the
+package door let in (or refused) as a markdown cell (tagged `tkbox-installs`) right after the cell or command during
+which pip asked for it, or at the end for what no cell or command was running for. `rerun`
 executes a replayed notebook (each cell with its user_expressions) in a fresh box under the original policy (or a
 given one) and names the original run (`rerun_of` in its box manifest). `audit` compares two runs after sanitizing
 volatile values.
@@ -23,6 +25,7 @@ from typing import Any
 import nbformat
 
 from tkbox_nb.core.errors import TkboxError
+from tkbox_nb.bundle.installs import rows as install_rows
 from tkbox_nb.bundle.read_back import Run, open_run
 from tkbox_nb.core.visible import visible
 from tkbox_nb.rules.door_table import BOX, EXEC, HOST, MODEL, PACKAGES
@@ -144,6 +147,7 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
         f"{_code(run.box.get('isolation', '?'))}) from {_code(run.path.name)}: cells and outputs as recorded. "
         "Verify the bundle (`tkbox verify`) before trusting them."))
     late = late_outputs(run)
+    installs = install_rows(run.crossings())
     for c in run.crossings():
         a = c.args or {}
         meta = {"run_id": run.run_id, "decision_seq": c.seq, "result_seq": c.result_seq, "decision": c.decision,
@@ -179,7 +183,34 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
                     f"{(c.result or {}).get('exit_code')})\n\n{stdout.decode('utf-8', 'replace')[:5000]}"))
             cell.metadata["tkbox"] = meta
             nb.cells.append(cell)
+        if c.door == EXEC and a.get("kind") in ("cell", "command") and isinstance(c.result_seq, int):
+            during = [r for r in installs if c.seq < r["seq"] < c.result_seq]
+            installs = [r for r in installs if r not in during]
+            if during:
+                nb.cells.append(_installs_cell(during, f"during the {a['kind']} above"))
+    if installs:
+        nb.cells.append(_installs_cell(installs, "while no cell or command ran"))
     return nb
+
+
+def _installs_cell(rows: list[dict], when: str):
+    """A markdown cell naming what the package door decided `when` (bundle/installs.rows: each file with its
+    version, sha256 and index, and each project refused before any file), tagged `tkbox-installs`, the rows in its
+    metadata."""
+    lines = []
+    for r in rows:
+        what = f"{_code(r['project'])} {_code(r['version'])}: {_code(r['filename'])}, sha256 {_code(r['sha256'])}" \
+            if r["kind"] == "file" else f"{_code(r['project'])} (its index page)"
+        where = f" from {_code(r['index'])} ({_code(r['source'])})" if r["index"] else ""
+        verdict = "installed" if r["decision"] == "allow" else f"refused ({_code(r['rule'])})"
+        lines.append(f"- {what}{where}: {verdict}")
+    cell = nbformat.v4.new_markdown_cell(f"Package door, {when} (signed; `Run.installs` has every row):\n\n"
+                                         + "\n".join(lines))
+    cell.metadata["tags"] = ["tkbox-installs"]
+    cell.metadata["tkbox"] = {"installs": [{k: r[k] for k in ("seq", "kind", "project", "version", "filename",
+                                                              "sha256", "index", "source", "decision", "rule")}
+                                           for r in rows]}
+    return cell
 
 
 def _host_source(run: Run, c) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 
 from tkbox_nb.rules.door_table import PACKAGES
 
-COLUMNS = ["seq", "kind", "project", "version", "filename", "sha256", "got_sha256", "size", "source", "decision",
-           "rule"]
+COLUMNS = ["seq", "kind", "project", "version", "filename", "sha256", "got_sha256", "size", "source", "index",
+           "decision", "rule"]
 MAX_TEXT = 300
 
 
@@ -41,7 +41,8 @@ def rows(crossings: list) -> list[dict[str, Any]]:
                     "version": _s(a.get("version")), "filename": _s(a.get("filename")),
                     "sha256": _s(a.get("sha256"), 64), "got_sha256": _s(a.get("got_sha256"), 64),
                     "size": size if isinstance(size, int) and not isinstance(size, bool) else 0,
-                    "source": _s(a.get("source")), "decision": _s(c.decision, 40), "rule": _s(a.get("rule"))})
+                    "source": _s(a.get("source")), "index": _s(a.get("index")), "decision": _s(c.decision, 40),
+                    "rule": _s(a.get("rule"))})
     return out
 
 

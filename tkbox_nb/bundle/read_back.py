@@ -233,7 +233,8 @@ class Run:
     def installs(self):
         """What came into the box through the package door during the run (bundle/installs.py): one row per file
         decided (project, version, filename, sha256 as the index stated it, got_sha256 of the bytes, size, source
-        `index` or `cache`, decision, rule) and per project refused before any file, from the signed crossings."""
+        `index` or `cache`, the index whose page offered it, decision, rule) and per project refused before any
+        file, from the signed crossings."""
         import pandas as pd
 
         from tkbox_nb.bundle.installs import COLUMNS as INSTALL_COLUMNS, rows as install_rows

@@ -66,16 +66,20 @@ def file_version(project: str, filename: str) -> str | None:
         if len(parts) not in (5, 6):
             return None
         name, version = parts[0], parts[1]
-    else:
-        ext = next((e for e in SDIST if filename.endswith(e)), None)
-        if ext is None:
+        if normalize(name) != project or not re.fullmatch(r"[A-Za-z0-9.+!_]{1,100}", version):
             return None
-        name, sep, version = filename[:-len(ext)].rpartition("-")
-        if not sep:
-            return None
-    if normalize(name) != project or not re.fullmatch(r"[A-Za-z0-9.+!_]{1,100}", version):
+        return version
+    ext = next((e for e in SDIST if filename.endswith(e)), None)
+    if ext is None:
         return None
-    return version
+    stem = filename[:-len(ext)]
+    # as pip reads it: the version follows the first `-` whose left part is the project's name (normal form), so a
+    # legacy version holding a `-` (`pkg-1.0-1.tar.gz`: 1.0-1) is the version, and a project's own `-` is the name's
+    for i in (i for i, ch in enumerate(stem) if ch == "-"):
+        if normalize(stem[:i]) == project:
+            version = stem[i + 1:]
+            return version if re.fullmatch(r"[A-Za-z0-9.+!_-]{1,100}", version) else None
+    return None
 
 
 def _authority(scheme: str, host: str | None, port: int | None) -> tuple[str, int]:

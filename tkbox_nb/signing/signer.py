@@ -30,7 +30,8 @@ from tkbox_nb.core.atomic_file import reserve_beside
 from tkbox_nb.core.errors import SignerError
 from tkbox_nb.core.home import default_home, trust_path
 from tkbox_nb.core.processes import pid_alive
-from tkbox_nb.rules.door_table import EGRESS, SECRETS, TABLE, Door, tool_of, tools
+from tkbox_nb.rules.addresses import REFUSED_NAMES
+from tkbox_nb.rules.door_table import EGRESS, PACKAGES, SECRETS, TABLE, Door, tool_of, tools
 
 ORIGIN_PREFIX = "tkbox.local"
 TENANT = "default"
@@ -70,24 +71,42 @@ deny:
     reason: a crossing that names no box policy
     remedy: Name the box policy hash in every crossing.
   - id: TKB-ALWAYS-REFUSED
-    tool: '@CONNECT@'
+    tool: '@DIALS@'
     field: address_class
     pattern: '^always$'
     reason: an address no box may reach (loopback, private, link-local, metadata, ...), whatever the box policy says
     remedy: Reach public hosts only; see tkbox_nb/rules/addresses.py for the table.
   - id: TKB-METADATA-ADDR
-    tool: '@CONNECT@'
+    tool: '@DIALS@'
     field: address
     pattern: '^(169\\.254\\.|100\\.100\\.100\\.200$|fd00:ec2::|0\\.|127\\.|::1$|::ffff:)'
     reason: a link-local, loopback or cloud metadata address, refused whatever the box policy says
     remedy: Reach public hosts only; these addresses are never reachable from a box.
+  - id: TKB-METADATA-ADDRS
+    tool: '@PACKAGES@'
+    field: addresses
+    pattern: '"(169\\.254\\.|100\\.100\\.100\\.200"|fd00:ec2::|0\\.|127\\.|::1"|::ffff:)'
+    reason: an index or file host whose lookup answered a link-local, loopback or cloud metadata address
+    remedy: Name index and file hosts that resolve to public addresses only.
+  - id: TKB-LOCAL-NAME
+    tool: '@PACKAGES@'
+    field: host
+    pattern: '(^|\\.)(@LOCAL_NAMES@)$'
+    reason: an index or file host named as the host itself or a cloud metadata service
+    remedy: Name public index and file hosts only.
 """
 
 
 def box_pack(table: tuple[Door, ...] = TABLE) -> str:
-    """The box pack's text: the tools of `table`, and its rules naming the egress and secrets doors' tools."""
+    """The box pack's text: the tools of `table`, and its rules naming the egress, package and secrets doors' tools.
+    The doors that dial a host the box names (egress, and the package door's index and file hosts) share the rules
+    on the address they state; the package door's also on every address of the lookup and on the host's name (the
+    names rules/addresses.py refuses before any lookup), so the signer refuses those crossings itself whatever the
+    box policy's verdict says."""
+    connect, packages = (re.escape(tool_of(d, None, table)) for d in (EGRESS, PACKAGES))
     return _PACK.replace("@TOOLS@\n", "".join(f"  '{t}': app\n" for t in tools(table))).replace(
-        "@CONNECT@", re.escape(tool_of(EGRESS, None, table))).replace(
+        "@DIALS@", f"({connect}|{packages})").replace("@PACKAGES@", packages).replace(
+        "@LOCAL_NAMES@", "|".join(n.replace(".", "\\.") for n in REFUSED_NAMES)).replace(
         "@SECRET@", re.escape(tool_of(SECRETS, None, table)))
 
 
