@@ -106,6 +106,16 @@ def test_more_mounts_than_the_guest_takes_are_refused_in_one_line_before_any_dis
     assert FirecrackerBackend(binary="/bin/true").mount_disks([], tmp_path) == []
 
 
+def test_a_mount_not_given_as_a_drive_never_starts_a_firecracker_box(tmp_path):
+    """Fail closed: a spec whose mounts are not each a disk (a caller that skipped Backend.mount_disks) is refused
+    before anything is made or started, not booted without the data or with the wrong disk at a target."""
+    log = tmp_path / "api.jsonl"
+    backend = FirecrackerBackend(binary=standin_binary(tmp_path, FC_STANDIN_LOG=str(log)))
+    with pytest.raises(TkboxError, match="mounts must each be given as a disk"):
+        backend.start(spec(mounts=[(str(tmp_path), "/data")]))
+    assert not log.exists()
+
+
 def test_the_standin_gives_its_guest_read_only_drives_only(tmp_path):
     """Firecracker takes a writable drive; the stand-in refuses one, as its guest could not keep it unchanged (so a
     test against it cannot pass with a drive the backend forgot to make read-only)."""
