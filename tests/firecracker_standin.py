@@ -14,6 +14,10 @@ Firecracker and its guest toward the host.
   connects to `<uds_path>_<PORT>` for the port named by `tkbox.door=vsock:PORT` in the boot args (what Firecracker
   does when the guest connects to the host's CID), and runs the real guest agent in a bubblewrap box behind that
   connection, copying bytes both ways as Firecracker's vsock device does. It exits when the guest does.
+- Dataset mounts (`tkbox.mounts=N` in the boot args): it plays the guest's init. Mount K's drive is the one whose
+  ext4 UUID the config drive names in mounts/K.uuid; its `data` is extracted with `debugfs -R rdump` (never mounted
+  on this host) and bound read-only (bubblewrap's --ro-bind) at the target mounts/K names. A drive that is not
+  read-only is refused when it is configured (Firecracker would take it; this guest could not keep it unchanged).
 """
 
 from __future__ import annotations
@@ -79,8 +83,17 @@ def check(path: str, body) -> str | None:
             return f"unknown variant `{value}` for `{name}`"
         if kind == INT and len(spec) > 1 and (value < spec[1] or spec[2] is not None and value > spec[2]):
             return f"`{name}` out of range"
-    if key == "/drives/" and body["drive_id"] != path.split("/")[-1]:
-        return "The id from the path does not match the id from the body!"
+    if key == "/drives/":
+        if body["drive_id"] != path.split("/")[-1]:
+            return "The id from the path does not match the id from the body!"
+        # virtio-block needs `path_on_host` and `is_read_only`; vhost-user-block needs `socket` and omits both (and
+        # `io_engine` and `rate_limiter`), as the Drive definition's field descriptions say
+        virtio = {"is_read_only", "path_on_host", "io_engine", "rate_limiter"}
+        if "socket" in body and virtio & set(body):
+            return f"`{sorted(virtio & set(body))[0]}` should be omitted for vhost-user-block configuration"
+        for name in ("path_on_host", "is_read_only"):
+            if "socket" not in body and name not in body:
+                return f"`{name}` is required for virtio-block configuration"
     return None
 
 
@@ -111,6 +124,8 @@ class Vmm:
         elif path == "/boot-source":
             self.config["boot"] = body
         elif path.startswith("/drives/"):
+            if body.get("is_read_only") is not True:  # Firecracker takes it; this guest cannot keep it unchanged
+                return f"the stand-in gives its guest read-only drives only, and {body['drive_id']} is not read-only"
             self.config["drives"][body["drive_id"]] = body
         elif path == "/vsock":
             self.config["vsock"] = body
@@ -141,11 +156,30 @@ class Vmm:
         if not m or "vsock" not in self.config:
             return None  # a guest without a door: it boots and is never heard from
         cfg = self.config["drives"].get("cfg")
-        threading.Thread(target=self.guest, args=(int(m.group(1)), cfg["path_on_host"] if cfg else None),
-                         daemon=True).start()
+        n = re.search(r"\btkbox\.mounts=([1-5])\b", boot.get("boot_args", ""))
+        threading.Thread(target=self.guest, args=(int(m.group(1)), cfg["path_on_host"] if cfg else None,
+                                                  int(n.group(1)) if n else 0), daemon=True).start()
         return None
 
-    def guest(self, port: int, config_drive: str | None) -> None:
+    def mounts(self, cfg: Path, count: int, tmp: Path) -> list[tuple[str, str]]:
+        """What the guest's init does with `tkbox.mounts=N`, played without mounting anything on this host: mount K's
+        target (the config disk's mounts/K) and its disk, the drive whose ext4 file system has the UUID mounts/K.uuid
+        names (what `findfs UUID=` finds), whose `data` is extracted with debugfs into a folder the bubblewrap box
+        binds read-only at the target."""
+        from tkbox_nb.backends.image import ext4_uuid
+        drives = {ext4_uuid(Path(d["path_on_host"])): d["path_on_host"] for i, d in self.config["drives"].items()
+                  if i not in ("root", "cfg")}
+        out = []
+        for k in range(count):
+            target = (cfg / "mounts" / str(k)).read_text()
+            disk = drives[(cfg / "mounts" / f"{k}.uuid").read_text()]  # KeyError: no such disk, the guest fails
+            where = tmp / f"m{k}"
+            where.mkdir()
+            subprocess.run([debugfs(), "-R", f"rdump /data {where}", disk], capture_output=True, check=True)
+            out.append((str(where / "data"), target))
+        return out
+
+    def guest(self, port: int, config_drive: str | None, mounts: int = 0) -> None:
         """The guest's agent, in a bubblewrap box, its door the host's `<uds_path>_<port>` listener."""
         from tkbox_nb.backends.base import BoxSpec
         from tkbox_nb.backends.bwrap import BwrapBackend
@@ -155,16 +189,16 @@ class Vmm:
             if config_drive:
                 out = tmp / "cfg"
                 out.mkdir()
-                debugfs = shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin:/bin") or "debugfs"
-                subprocess.run([debugfs, "-R", f"rdump / {out}", config_drive], capture_output=True, check=True)
+                subprocess.run([debugfs(), "-R", f"rdump / {out}", config_drive], capture_output=True, check=True)
                 env = json.loads((out / "env.json").read_text())
                 seed = out / "seed" if (out / "seed").is_dir() else None
                 ca = (out / "ca-bundle.pem").read_bytes() if (out / "ca-bundle.pem").exists() else None
             for k in ("PATH", "HOME", "LANG", "USER"):
                 env.pop(k, None)
             # (the guest's memory is not a per-process address-space limit, so bubblewrap's defaults stand)
+            binds = self.mounts(tmp / "cfg", mounts, tmp) if mounts else []
             box = BwrapBackend().start(BoxSpec(box_id=env.get("TKBOX_BOX_ID", "standin"), seed=seed, env=env,
-                                               ca_bundle=ca))
+                                               ca_bundle=ca, mounts=binds))
             host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             host.connect(f"{self.config['vsock']['uds_path']}_{port}")
             pumps = [threading.Thread(target=pump, args=(a, b), daemon=True)
@@ -176,6 +210,10 @@ class Vmm:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             self.done.set()
+
+
+def debugfs() -> str:
+    return shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin:/bin") or "debugfs"
 
 
 def pump(src: socket.socket, dst: socket.socket) -> None:

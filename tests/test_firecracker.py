@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb.backends.base import BoxSpec
-from tkbox_nb.backends.firecracker import (DOOR_PORT, MIN_VERSION, FirecrackerBackend, api_requests, boot_args,
-                                           fault_message, jail_root, jailer_argv, parse_version)
+from tkbox_nb.backends.firecracker import (DOOR_PORT, MAX_MOUNT_DISKS, MIN_VERSION, FirecrackerApi,
+                                           FirecrackerBackend, api_requests, boot_args, fault_message, jail_root,
+                                           jailer_argv, parse_version)
 from tkbox_nb.backends.registry import get_backend
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.guest.vm import vsock_port
@@ -63,6 +64,85 @@ def test_the_schema_check_refuses_what_firecracker_refuses():
     assert "invalid type" in check("/drives/root", {"drive_id": "root", "is_root_device": "no"})
     assert "does not match" in check("/drives/root", {"drive_id": "cfg", "is_root_device": False})
     assert "unknown variant" in check("/actions", {"action_type": "Reboot"})
+    # a virtio-block drive must say whether it is read-only; a vhost-user one names a socket and nothing of a file
+    assert "`is_read_only` is required" in check("/drives/m0", {"drive_id": "m0", "is_root_device": False,
+                                                                "path_on_host": "/d.img"})
+    assert "`path_on_host` is required" in check("/drives/m0", {"drive_id": "m0", "is_root_device": False,
+                                                                "is_read_only": True})
+    assert "should be omitted" in check("/drives/m0", {"drive_id": "m0", "is_root_device": False, "socket": "/s",
+                                                       "is_read_only": True})
+    assert check("/drives/m0", {"drive_id": "m0", "is_root_device": False, "socket": "/s"}) is None
+
+
+def test_each_mount_is_one_more_read_only_drive_and_the_boot_args_count_them():
+    """Mount I's disk is the drive mI, read-only, at the path given; `tkbox.mounts=N` tells the guest's init (the
+    config disk names each target and its disk's UUID); more mounts than the guest takes are refused."""
+    disks = [("/cache/aa.img", "/data"), ("/cache/bb.img", "/labels.csv")]
+    s = spec(disks=disks, mounts=[("/src/a", "/data"), ("/src/b", "/labels.csv")])
+    reqs = api_requests(s, "/k", "/i", "/r.img", "/c.img", "/t/v.sock", disks=[d for d, _ in disks])
+    assert [p for _, p, _ in reqs] == ["/machine-config", "/boot-source", "/drives/root", "/drives/cfg",
+                                       "/drives/m0", "/drives/m1", "/vsock", "/actions"]
+    for _, path, body in reqs:
+        assert check(path, body) is None, (path, body)
+    bodies = {p: b for _, p, b in reqs}
+    assert bodies["/drives/m0"] == {"drive_id": "m0", "path_on_host": "/cache/aa.img", "is_root_device": False,
+                                    "is_read_only": True}
+    assert bodies["/drives/m1"]["path_on_host"] == "/cache/bb.img" and bodies["/drives/m1"]["is_read_only"] is True
+    assert bodies["/boot-source"]["boot_args"].endswith(f"tkbox.door=vsock:{DOOR_PORT} tkbox.mounts=2")
+    assert "tkbox.mounts" not in boot_args(spec())
+    with pytest.raises(TkboxError, match=f"at most {MAX_MOUNT_DISKS} dataset mounts"):
+        api_requests(s, "/k", "/i", "/r.img", "/c.img", "/t/v.sock", disks=["/cache/aa.img"])  # one not given
+    many = [(f"/cache/{i}.img", f"/d{i}") for i in range(MAX_MOUNT_DISKS + 1)]
+    with pytest.raises(TkboxError, match=f"at most {MAX_MOUNT_DISKS} dataset mounts"):
+        api_requests(spec(disks=many), "/k", "/i", "/r.img", "/c.img", "/v", disks=[d for d, _ in many])
+
+
+def test_more_mounts_than_the_guest_takes_are_refused_in_one_line_before_any_disk_is_made(tmp_path):
+    with pytest.raises(TkboxError) as e:
+        FirecrackerBackend(binary="/bin/true").mount_disks([object()] * (MAX_MOUNT_DISKS + 1), tmp_path)
+    assert str(e.value) == (f"[mounts]: a firecracker box takes at most {MAX_MOUNT_DISKS} mounts (the guest's init), "
+                            f"this policy has {MAX_MOUNT_DISKS + 1}")
+    assert list(tmp_path.iterdir()) == []
+    assert FirecrackerBackend(binary="/bin/true").mount_disks([], tmp_path) == []
+
+
+def test_a_mount_not_given_as_a_drive_never_starts_a_firecracker_box(tmp_path):
+    """Fail closed: a spec whose mounts are not each a disk (a caller that skipped Backend.mount_disks) is refused
+    before anything is made or started, not booted without the data or with the wrong disk at a target."""
+    log = tmp_path / "api.jsonl"
+    backend = FirecrackerBackend(binary=standin_binary(tmp_path, FC_STANDIN_LOG=str(log)))
+    with pytest.raises(TkboxError, match="mounts must each be given as a disk"):
+        backend.start(spec(mounts=[(str(tmp_path), "/data")]))
+    assert not log.exists()
+
+
+def test_the_standin_gives_its_guest_read_only_drives_only(tmp_path):
+    """Firecracker takes a writable drive; the stand-in refuses one, as its guest could not keep it unchanged (so a
+    test against it cannot pass with a drive the backend forgot to make read-only)."""
+    import subprocess
+    import time
+    sock = tmp_path / "api.sock"
+    proc = subprocess.Popen([standin_binary(tmp_path), "--api-sock", str(sock), "--id", "t"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(500):
+            if sock.exists():
+                break
+            time.sleep(0.01)
+        api = FirecrackerApi(sock)
+        try:
+            for ro in (False, None):
+                body = {"drive_id": "m0", "path_on_host": "/x.img", "is_root_device": False}
+                with pytest.raises(TkboxError, match="read-only drives only, and m0 is not read-only" if ro is False
+                                   else "`is_read_only` is required"):
+                    api.call("PUT", "/drives/m0", body if ro is None else {**body, "is_read_only": ro})
+            api.call("PUT", "/drives/m0", {"drive_id": "m0", "path_on_host": "/x.img", "is_root_device": False,
+                                           "is_read_only": True})
+        finally:
+            api.close()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_cpus_are_clamped_to_what_firecracker_takes():

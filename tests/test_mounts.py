@@ -159,22 +159,22 @@ def test_a_source_inside_or_over_tkbox_home_is_refused(signer, tmp_path):
         Box(policy=policy(tmp_path / "nowhere")).start()
 
 
-def test_a_firecracker_box_with_mounts_refuses_to_start_in_one_line_and_auto_takes_a_mounting_backend(signer,
-                                                                                                        tmp_path):
-    """bubblewrap binds the sources and QEMU gives them as read-only disks (tests/e2e/test_qemu_mounts.py);
-    Firecracker cannot mount host data yet and says so in one line."""
+def test_every_backend_takes_mounts_and_auto_takes_bwrap_or_qemu(tmp_path):
+    """bubblewrap binds the sources, QEMU and Firecracker give them as read-only disks (tests/e2e/test_qemu_mounts.py,
+    tests/e2e/test_firecracker_box.py); a backend that could not would be refused in one line."""
+    from tkbox_nb.backends.mounts import backend_for, refuse_backend
+    from tkbox_nb.backends.registry import BACKENDS
+    p = Policy.from_toml(policy(tmp_path), "p.toml")
+    for name in BACKENDS:
+        assert backend_for(p, name) == name
     with pytest.raises(TkboxError) as e:
-        Box(policy=policy(tmp_path).replace('backend = "bwrap"', 'backend = "firecracker"'))
-    assert str(e.value).startswith("[mounts] needs the bwrap or qemu backend: a firecracker box cannot mount host "
-                                   "data"), str(e.value)
-    r = run_cli("run", "--backend", "firecracker", "--policy", str(_write(tmp_path / "p.toml", policy(tmp_path))),
-                "--", "true")
-    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "[mounts] needs the bwrap or qemu" in r.stderr
-    from tkbox_nb.backends.mounts import backend_for
+        refuse_backend(p, "other")
+    assert str(e.value).startswith("[mounts] needs the bwrap, qemu or firecracker backend: a other box cannot mount "
+                                   "host data") and "\n" not in str(e.value), str(e.value)
+    refuse_backend(Policy.from_toml("", "p.toml"), "other")  # no mounts: nothing to refuse
     for isolation, want in (("vm", "qemu"), ("namespace", "bwrap")):
         p = Policy.from_toml(policy(tmp_path).replace('backend = "bwrap"', f'isolation = "{isolation}"'), "p.toml")
         assert backend_for(p, "auto") == want
-        assert backend_for(p, "qemu") == "qemu"
 
 
 def _write(path: Path, text: str) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import pytest
 
@@ -95,3 +96,40 @@ def test_a_state_feed_whose_reader_goes_away_is_broken_and_unhashed(tmp_path):
     os.read(feed.fd, 10)
     feed.close_read_end()  # QEMU refused the stream and ended
     assert feed.wait(10) and feed.broken and feed.sha256 is None
+
+
+def test_the_config_disk_names_each_mount_s_target_and_its_disk_s_file_system_uuid(tmp_path):
+    """How the guest's init (one for QEMU and Firecracker, whose drives carry no serial the host sets) tells the
+    dataset disks apart: mounts/I holds mount I's target and mounts/I.uuid the UUID of its disk's ext4, which
+    `findfs UUID=` finds. Each UUID is checked against what e2fsprogs' dumpe2fs reads from that disk."""
+    import subprocess
+
+    from tkbox_nb.backends.initramfs import INIT
+    from tkbox_nb.backends.microvm import config_disk, mount_disk
+    from tkbox_nb.backends.mounts import prepare
+    from tkbox_nb.policy import Policy
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.txt").write_text("x\n")
+    (tmp_path / "b.csv").write_text("id\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    mounts = prepare(Policy.from_toml(f'[mounts.a]\nsource = "{tmp_path / "a"}"\ntarget = "/data"\n[mounts.b]\n'
+                                      f'source = "{tmp_path / "b.csv"}"\ntarget = "/b.csv"\n', "p.toml"), home, "qemu")
+    disks = [(str(mount_disk(m.source, m.digest, tmp_path / "disks")), m.target) for m in mounts]
+    work = tmp_path / "w"
+    work.mkdir()
+    cfg = config_disk(BoxSpec(box_id="b", seed=None, disks=disks), work, 90)
+    tools = "/usr/sbin:/sbin:/usr/bin:/bin"
+
+    def read(path: str) -> str:
+        r = subprocess.run([shutil.which("debugfs", path=tools), "-R", f"cat {path}", str(cfg)], capture_output=True,
+                           text=True, check=True)
+        return r.stdout
+
+    for i, (disk, target) in enumerate(disks):
+        dump = subprocess.run([shutil.which("dumpe2fs", path=tools), "-h", disk], capture_output=True, text=True,
+                              check=True).stdout
+        want = next(line.split()[-1] for line in dump.splitlines() if line.startswith("Filesystem UUID:"))
+        assert (read(f"/mounts/{i}"), read(f"/mounts/{i}.uuid")) == (target, want)
+    assert disks[0][0] != disks[1][0] and read("/mounts/0.uuid") != read("/mounts/1.uuid")
+    assert 'findfs "UUID=$u"' in INIT and "/serial" not in INIT  # the init finds them so, and no other way

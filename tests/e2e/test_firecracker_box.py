@@ -10,6 +10,7 @@ listener) and the real guest agent behind the stand-in's vsock connection, in a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -26,6 +27,11 @@ from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.verify import verify_bundle
 
 from test_firecracker import standin_binary
+from test_mounts import dataset, independent_digest, start_args
+
+from tkbox_nb.backends.firecracker import MAX_MOUNT_DISKS
+
+from .test_qemu_mounts import WRITES
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not BwrapBackend().available()[0], reason="the stand-in's guest runs in bubblewrap")]
@@ -95,6 +101,65 @@ def test_a_call_firecracker_refuses_stops_the_start_and_leaves_nothing(signer, q
     box.stop()
     assert not leftover("firecracker_standin")
     assert set(Path("/tmp").glob("tkbox-fc-*")) <= before  # its working directory went with it
+
+
+def test_a_firecracker_box_reads_its_mounts_from_read_only_drives_and_signs_their_digests(signer, qemu_image, tmp_path):
+    """Two mounts (a folder, a file), each the cached disk QEMU gets, as a read-only drive; the stand-in's guest finds
+    each by the UUID the config disk names and binds its extracted content read-only at the target (docs/backends.md
+    says what only a real Firecracker shows: the guest kernel's ro,noexec mount)."""
+    log = tmp_path / "api.jsonl"
+    ds = dataset(tmp_path)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("id,label\n")
+    toml = (f'[mounts.data]\nsource = "{ds}"\ntarget = "/data"\n'
+            f'[mounts.labels]\nsource = "{labels}"\ntarget = "/labels.csv"\n')
+    box = fc_box(qemu_image, standin_binary(tmp_path, FC_STANDIN_LOG=str(log)), bundle_path=tmp_path / "m.tkb",
+                 policy=Policy.from_toml(toml, "p.toml")).start()
+    writes = WRITES.replace('    "exec": lambda: subprocess.run(["/data/run.sh"], check=True),\n', "")
+    assert writes != WRITES  # (the stand-in's bind is not noexec: a guest kernel's mount is, tests/e2e/test_qemu_*)
+    try:
+        r = box.run(["sh", "-c", "sha256sum /data/sub/b.bin; cat /data/a.txt /labels.csv; readlink /data/inside-link"])
+        w = box.run(["python3", "-c", writes])
+    finally:
+        box.stop()
+    want = hashlib.sha256((ds / "sub" / "b.bin").read_bytes()).hexdigest()
+    assert r.exit_code == 0 and r.stdout.decode().splitlines() == [f"{want}  /data/sub/b.bin", "alpha", "id,label",
+                                                                   "sub/b.bin"], r
+    said = w.stdout.decode()
+    assert w.exit_code == 0 and "WROTE" not in said and said.count("refused") == 12, (said, w.stderr)
+    assert (ds / "a.txt").read_text() == "alpha\n" and labels.read_text() == "id,label\n"
+
+    start, stop = start_args(tmp_path / "m.tkb")
+    assert start["backend"] == "firecracker" and "mounts_changed" not in stop
+    assert start["mounts"]["data"] == {"target": "/data", "digest": independent_digest(ds), "files": 3,
+                                       "bytes": 6 + 10240 + 10}
+    assert start["mounts"]["labels"]["target"] == "/labels.csv"
+    drives = {c["path"]: c["body"] for c in api_log(log) if c["path"].startswith("/drives/m")}
+    cache = signer.home / "mount-cache" / "disks"
+    assert drives == {f"/drives/m{i}": {"drive_id": f"m{i}", "is_root_device": False, "is_read_only": True,
+                                        "path_on_host": str(cache / f"{start['mounts'][name]['digest'][-64:]}.img")}
+                      for i, name in enumerate(("data", "labels"))}
+    boot = next(c["body"] for c in api_log(log) if c["path"] == "/boot-source")
+    assert boot["boot_args"].endswith(" tkbox.mounts=2")
+    assert verify_bundle(tmp_path / "m.tkb", trust=signer.trust_path).valid
+
+
+def test_more_mounts_than_a_firecracker_box_takes_are_refused_in_one_line(signer, qemu_image, tmp_path):
+    log = tmp_path / "api.jsonl"
+    toml = ""
+    for i in range(MAX_MOUNT_DISKS + 1):
+        (tmp_path / f"f{i}.csv").write_text(f"{i}\n")
+        toml += f'[mounts.m{i}]\nsource = "{tmp_path / f"f{i}.csv"}"\ntarget = "/d{i}.csv"\n'
+    box = fc_box(qemu_image, standin_binary(tmp_path, FC_STANDIN_LOG=str(log)), bundle_path=tmp_path / "x.tkb",
+                 policy=Policy.from_toml(toml, "p.toml"))
+    cache = signer.home / "mount-cache" / "disks"
+    before = set(cache.glob("*")) if cache.is_dir() else set()
+    with pytest.raises(TkboxError) as e:
+        box.start()
+    box.stop()
+    assert str(e.value) == (f"[mounts]: a firecracker box takes at most {MAX_MOUNT_DISKS} mounts (the guest's init), "
+                            f"this policy has {MAX_MOUNT_DISKS + 1}")
+    assert not log.exists() and (set(cache.glob("*")) if cache.is_dir() else set()) == before  # no VMM, no disk
 
 
 def test_a_real_firecracker_vm_runs_a_box(signer, tmp_path):

@@ -2,10 +2,11 @@
 
 Firecracker is driven through its API socket (httpx over a Unix socket): machine config, boot source (the image's
 kernel as the uncompressed ELF Firecracker boots, made once from its bzImage by linux_kernel.py), the image's root
-disk and the box's config disk (both read-only), a vsock device, then InstanceStart. No network interface is ever
-configured, so the guest has none. The door is hybrid vsock: the guest agent connects to CID 2 on DOOR_PORT, and
-Firecracker connects that stream to `<uds_path>_<DOOR_PORT>` on the host, where this process listens before the VM
-starts. The workspace is a tmpfs inside the guest that the host never mounts, as with QEMU.
+disk and the box's config disk (both read-only), one read-only drive per dataset mount (the disk QEMU gets: an ext4
+image of a copy of the source whose digest is the signed one, cached by it), a vsock device, then InstanceStart. No
+network interface is ever configured, so the guest has none. The door is hybrid vsock: the guest agent connects to
+CID 2 on DOOR_PORT, and Firecracker connects that stream to `<uds_path>_<DOOR_PORT>` on the host, where this process
+listens before the VM starts. The workspace is a tmpfs inside the guest that the host never mounts, as with QEMU.
 
 With `jailer`, Firecracker runs under its jailer: chrooted into a directory holding only this box's files, as an
 unprivileged uid and gid, in new mount and PID namespaces. Without it (the default), Firecracker runs as this user
@@ -31,8 +32,8 @@ from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.backends.base import BoxSpec
 from tkbox_nb.backends.image import Image, current_image
-from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, reaped_with_us,
-                                       stop_process_group, vmm_limits)
+from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, mount_disks,
+                                       reaped_with_us, stop_process_group, vmm_limits)
 
 DOOR_PORT = 1024          # the guest's vsock port for the door (ports below 1024 are privileged in the guest)
 GUEST_CID = 3             # the lowest CID a guest may have; each VM has its own vsock device, so they never clash
@@ -42,6 +43,10 @@ API_REPLY_MAX = 64 << 10
 VERSION_RE = re.compile(r"^Firecracker v(\d{1,4})\.(\d{1,4})\.(\d{1,6})(?:[-+][\w.-]{0,64})?$")
 DRIVE_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 JAIL_UID = JAIL_GID = 65534  # nobody, nogroup
+# The guest's init takes 1 to 5 dataset mounts (tkbox.mounts=[1-5], as for QEMU). Firecracker itself would take more:
+# on x86_64 each virtio-mmio device has one of the IRQs 5 to 23 (19, some of which its ACPI devices use), and the
+# root, config and vsock devices take three.
+MAX_MOUNT_DISKS = 5
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -53,21 +58,26 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 
 def boot_args(spec: BoxSpec) -> str:
     """The guest kernel's command line: serial console, reset on reboot (Firecracker exits), no PCI probing, the
-    workspace size and the door's vsock port for the init."""
+    workspace size, the door's vsock port and the number of dataset mounts for the init (as QEMU's)."""
+    mounts = f" tkbox.mounts={len(spec.disks)}" if spec.disks else ""
     return (f"console=ttyS0 reboot=k panic=-1 pci=off quiet tkbox.ws={int(spec.workspace_mib)} "
-            f"tkbox.door=vsock:{DOOR_PORT}")
+            f"tkbox.door=vsock:{DOOR_PORT}{mounts}")
 
 
-def api_requests(spec: BoxSpec, kernel: str, initrd: str, root: str, config: str, vsock_uds: str
-                 ) -> list[tuple[str, str, dict]]:
+def api_requests(spec: BoxSpec, kernel: str, initrd: str, root: str, config: str, vsock_uds: str,
+                 disks: list[str] = ()) -> list[tuple[str, str, dict]]:
     """The API calls that configure and start one box, in order, as (method, path, JSON body). Paths are as
-    Firecracker sees them (inside its chroot under the jailer). There is no /network-interfaces call: no NIC."""
+    Firecracker sees them (inside its chroot under the jailer). There is no /network-interfaces call: no NIC. Each
+    dataset mount's disk (`disks`, in the order of `spec.disks`) is one more read-only drive, `mI`; the guest finds
+    mount I's by the file system UUID the config disk names, never by the drive's order or id."""
+    if len(disks) != len(spec.disks) or len(disks) > MAX_MOUNT_DISKS:
+        raise TkboxError(f"a firecracker box takes at most {MAX_MOUNT_DISKS} dataset mounts, each one drive")
     cpus = max(1, min(int(spec.cpus), 32))  # without SMT, any count from 1 to 32
     requests = [
         ("PUT", "/machine-config", {"vcpu_count": cpus, "mem_size_mib": int(spec.memory_mib), "smt": False}),
         ("PUT", "/boot-source", {"kernel_image_path": kernel, "initrd_path": initrd, "boot_args": boot_args(spec)}),
     ]
-    for drive_id, path in (("root", root), ("cfg", config)):
+    for drive_id, path in (("root", root), ("cfg", config), *((f"m{i}", d) for i, d in enumerate(disks))):
         requests.append(("PUT", f"/drives/{drive_id}", {"drive_id": drive_id, "path_on_host": path,
                                                          "is_root_device": False, "is_read_only": True}))
     requests.append(("PUT", "/vsock", {"guest_cid": GUEST_CID, "uds_path": vsock_uds}))
@@ -221,9 +231,17 @@ class FirecrackerBackend(ImageBackend):
         return True, (f"{found['binary']} ({found['version']}), image {found['image'][:12]}, KVM"
                       + (", jailer" if self.jailer else ""))
 
+    def mount_disks(self, mounts: list, home: Path) -> list[tuple[str, str]]:
+        """Each dataset mount as a read-only drive: the disk QEMU would get (microvm.mount_disks, cached by its
+        digest), at most MAX_MOUNT_DISKS. A Firecracker box always boots cold (no snapshot is restored here), so
+        nothing warm has to carry the drives."""
+        return mount_disks(mounts, home, "firecracker", MAX_MOUNT_DISKS, "the guest's init") if mounts else []
+
     def start(self, spec: BoxSpec) -> VmRunning:
         if spec.agent_argv is not None:
             raise TkboxError("the firecracker backend runs only the image's guest agent")
+        if len(spec.disks) != len(spec.mounts):  # fail closed: a mount the guest would not be given
+            raise TkboxError("a firecracker box's mounts must each be given as a disk (Backend.mount_disks)")
         if not self.binary:
             raise TkboxError(self.available()[1])
         from tkbox_nb.backends.linux_kernel import vmlinux_for
@@ -245,6 +263,11 @@ class FirecrackerBackend(ImageBackend):
                 for name, src in (("vmlinux", vmlinux), ("initrd.img", img.initrd), ("root.img", img.root),
                                   ("config.img", cfg_img)):
                     _link_or_copy(src, root / name)
+                for i, (disk, _) in enumerate(spec.disks):  # the cached disk is root's alone (0600): a copy for nobody
+                    shutil.copyfile(disk, root / f"m{i}.img")
+                    os.chown(root / f"m{i}.img", JAIL_UID, JAIL_GID)
+                    os.chmod(root / f"m{i}.img", 0o400)
+                disks = [f"/m{i}.img" for i in range(len(spec.disks))]
                 os.chown(root, JAIL_UID, JAIL_GID)  # Firecracker, as nobody, makes its sockets here
                 paths = ("/vmlinux", "/initrd.img", "/root.img", "/config.img", "/v.sock")
                 host_vsock, api_sock = root / "v.sock", root / "api.sock"
@@ -252,6 +275,7 @@ class FirecrackerBackend(ImageBackend):
             else:
                 host_vsock, api_sock = workdir / "v.sock", workdir / "api.sock"
                 paths = (str(vmlinux), str(img.initrd), str(img.root), str(cfg_img), str(host_vsock))
+                disks = [disk for disk, _ in spec.disks]
                 argv = [self.binary, "--api-sock", str(api_sock), "--id", spec.box_id]
             door_path = Path(f"{host_vsock}_{DOOR_PORT}")
             listener.bind(str(door_path))  # before the VM starts: the guest's first connect finds it
@@ -263,7 +287,7 @@ class FirecrackerBackend(ImageBackend):
                                     start_new_session=True)
             wait_for_socket(api_sock, proc, API_TIMEOUT_S)
             api = FirecrackerApi(api_sock)
-            for method, path, body in api_requests(spec, *paths):
+            for method, path, body in api_requests(spec, *paths, disks=disks):
                 api.call(method, path, body)
             running = VmRunning(proc, accept_door(listener, proc, self.ready_timeout_s, "firecracker"), workdir,
                                 extra_dirs=dirs[1:], wrapped=wrapped)

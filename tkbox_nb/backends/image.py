@@ -203,6 +203,19 @@ def make_ext4(src: Path, out: Path, label: str, slack_mib: int = 16) -> None:
          _Progress(lambda s: None), f"making {label}")
 
 
+def ext4_uuid(image: Path) -> str:
+    """The UUID of the ext4 file system in `image` (one this host made), as `findfs UUID=` in the guest spells it."""
+    with open(image, "rb") as f:
+        f.seek(1024 + 56)
+        magic = f.read(2)
+        f.seek(1024 + 104)
+        raw = f.read(16)
+    if magic != b"\x53\xef" or len(raw) != 16:
+        raise TkboxError(f"{image} is not an ext4 image")
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def _build_root(root_inputs: dict, out: Path, progress: _Progress, work: Path) -> dict:
     tree = work / "root"
     progress.step(f"root: mmdebstrap {SUITE} from {root_inputs['mirror']} with {', '.join(root_inputs['packages'])}")

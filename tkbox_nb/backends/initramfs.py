@@ -26,13 +26,16 @@ GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 # the labels the init script finds the root and config disks by, and the name of the virtio-serial door
 ROOT_LABEL, CONFIG_LABEL, DOOR_NAME = "tkbox-root", "tkbox-cfg", "tkbox.door"
 # a dataset mount's disk: its label (never the root's or the config's), and the serial number QEMU gives the disk of
-# mount I (tkbox-mI), whose target the config disk names in mounts/I
+# mount I (tkbox-mI: for a person reading the guest's /sys; the init finds the disk by its UUID, as Firecracker's
+# drives carry no serial the host sets)
 MOUNT_LABEL, MOUNT_SERIAL = "tkbox-data", "tkbox-m"
 
 # PID 1 of the guest (busybox sh in the initramfs): load the virtio drivers, mount the read-only root and the
 # read-only config disk, give the box tmpfs for /workspace, /tmp and /run, copy the agent in, run it, power off.
-# With `tkbox.mounts=N` (a cold boot only), each of the N dataset disks (serial tkbox-mI) is mounted read-only
-# (ro,nodev,nosuid,noexec) and its `data` (a directory or one file) bound at the target its config file names.
+# With `tkbox.mounts=N` (a cold boot only), each of the N dataset disks is mounted read-only (ro,nodev,nosuid,noexec)
+# and its `data` (a directory or one file) bound at the target its config file names. Mount I's disk is the one whose
+# file system has the UUID the config disk names in mounts/I.uuid (the host reads it from the image it made): the same
+# for QEMU and Firecracker, whose drives carry no serial the host chooses.
 INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mkdir -p /proc /sys /dev /newroot
@@ -69,24 +72,20 @@ if [ $warm = 0 ]; then  # a warm start's agent mounts these after the host's GO 
   mount -t tmpfs -o "size=${ws}m,mode=1777" tmpfs /newroot/workspace
 fi
 if [ $mounts != 0 ]; then
-  i=0
-  until  # (a disk's serial has no newline: each read apart)
-    n=0
-    for b in /sys/block/vd*; do s=; read -r s 2>/dev/null <$b/serial; case "$s" in %(serial)s[0-9]) n=$((n+1));; esac
+  k=0
+  while [ $k -lt $mounts ]; do  # mount K: its target and its disk's file system UUID, on the config disk
+    t=$(cat "/newroot/run/tkbox/config/mounts/$k") || fail "no target for dataset mount $k"
+    u=$(cat "/newroot/run/tkbox/config/mounts/$k.uuid") || fail "no disk named for dataset mount $k"
+    i=0
+    until dev=$(findfs "UUID=$u" 2>/dev/null); do
+      i=$((i+1)); [ $i -gt 400 ] && fail "no dataset disk for mount $k"; sleep 0.02
     done
-    [ $n = $mounts ]; do
-    i=$((i+1)); [ $i -gt 400 ] && fail "$n of $mounts dataset disks are there"; sleep 0.02
-  done
-  for b in /sys/block/vd*; do
-    s=; read -r s 2>/dev/null <$b/serial
-    case "$s" in %(serial)s[0-9]) ;; *) continue;; esac
-    k=${s#%(serial)s}
-    t=$(cat "/newroot/run/tkbox/config/mounts/$k") || fail "no target for the dataset disk $s"
     d=/newroot/run/tkbox/mounts/$k
     mkdir -p $d
-    mount -t ext4 -o ro,noload,nodev,nosuid,noexec "/dev/${b##*/}" $d || fail "cannot mount the dataset disk $s"
+    mount -t ext4 -o ro,noload,nodev,nosuid,noexec "$dev" $d || fail "cannot mount the dataset disk of mount $k"
     if [ -d $d/data ]; then mkdir -p "/newroot$t"; else mkdir -p "$(dirname "/newroot$t")" && touch "/newroot$t"; fi
-    mount --bind $d/data "/newroot$t" || fail "cannot mount the dataset disk $s at its target"
+    mount --bind $d/data "/newroot$t" || fail "cannot mount the dataset disk of mount $k at its target"
+    k=$((k+1))
   done
   mount -o remount,ro /newroot || fail "cannot make the root read-only again"
 fi
@@ -108,7 +107,7 @@ echo "tkbox init: agent exited ($?)"
 sync
 reboot -f
 """ % {"modules": " ".join(MODULES), "vsock_modules": " ".join(VSOCK_MODULES), "root": ROOT_LABEL, "cfg": CONFIG_LABEL,
-       "mount_modules": " ".join(MOUNT_MODULES), "serial": MOUNT_SERIAL}
+       "mount_modules": " ".join(MOUNT_MODULES)}
 
 
 def agent_digest() -> str:

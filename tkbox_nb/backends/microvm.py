@@ -24,7 +24,8 @@ from typing import Callable
 from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.backends.base import Backend, BoxSpec, RunningBox
-from tkbox_nb.backends.image import CONFIG_LABEL, ENVIRONMENT, MOUNT_LABEL, Image, current_image, make_ext4
+from tkbox_nb.backends.image import (CONFIG_LABEL, ENVIRONMENT, MOUNT_LABEL, Image, current_image, ext4_uuid,
+                                     make_ext4)
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
@@ -86,10 +87,11 @@ def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
         (cfg / "ca-bundle.pem").write_bytes(spec.ca_bundle)
     if spec.seed is not None:
         shutil.copytree(spec.seed, cfg / "seed", symlinks=True)
-    if spec.disks:  # mounts/I: the target of the dataset disk whose serial is tkbox-mI (initramfs.py's init)
+    if spec.disks:  # mounts/I: mount I's target; mounts/I.uuid: its disk's file system (initramfs.py's init)
         (cfg / "mounts").mkdir()
-        for i, (_, target) in enumerate(spec.disks):
+        for i, (disk, target) in enumerate(spec.disks):
             (cfg / "mounts" / str(i)).write_text(target)
+            (cfg / "mounts" / f"{i}.uuid").write_text(ext4_uuid(Path(disk)))
     out = workdir / "config.img"
     make_ext4(cfg, out, CONFIG_LABEL, slack_mib=4)
     shutil.rmtree(cfg, ignore_errors=True)
@@ -127,6 +129,15 @@ def mount_disk(source: str, digest: str, cache: Path) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def mount_disks(mounts: list, home: Path, vmm: str, limit: int, why: str) -> list[tuple[str, str]]:
+    """Each dataset mount as a read-only disk (mount_disk, cached under $TKBOX_HOME/mount-cache/disks by its digest)
+    with its target, for a `vmm` box that takes at most `limit` (`why`): more are refused in one line before any disk
+    is made."""
+    if len(mounts) > limit:
+        raise TkboxError(f"[mounts]: a {vmm} box takes at most {limit} mounts ({why}), this policy has {len(mounts)}")
+    return [(str(mount_disk(m.source, m.digest, home / "mount-cache" / "disks")), m.target) for m in mounts]
 
 
 def accept_door(listener: socket.socket, proc: subprocess.Popen, timeout_s: float, vmm: str) -> socket.socket:

@@ -5,10 +5,10 @@ is resolved and refused when it is not there, lies inside $TKBOX_HOME or holds i
 FIFO, socket, device or a link out of itself (mount_digest.scan); then its digest is taken (cached), signed in the
 box's start record (`facts`) with its file list disclosed in the bundle (`disclose`). bubblewrap binds each read-only
 (`bwrap_args`); QEMU gives each to its guest as a read-only disk made from a copy of the source whose digest is the
-signed one (qemu.py's `mount_disks`); Firecracker cannot mount host data yet and refuses a policy with mounts
-(`refuse_backend`). At the stop every mount's metadata is walked again, and files that changed under the source while
-the box ran are signed in its stop record (a QEMU box reads its disk, made before it started, but the record says the
-same of the source as for bubblewrap).
+signed one (microvm.py's `mount_disks`), and Firecracker gives the same disk as a read-only drive; a backend that
+cannot mount host data refuses a policy with mounts (`refuse_backend`). At the stop every mount's metadata is walked
+again, and files that changed under the source while the box ran are signed in its stop record (a VM box reads its
+disk, made before it started, but the record says the same of the source as for bubblewrap).
 """
 
 from __future__ import annotations
@@ -40,20 +40,19 @@ class Mount:
         return md.parse_list(self.listing)
 
 
-MOUNTING = ("bwrap", "qemu")  # the backends that give a box host data
+MOUNTING = ("bwrap", "qemu", "firecracker")  # the backends that give a box host data
 
 
 def refuse_backend(policy: Any, backend_name: str) -> None:
-    """One line when the box's backend cannot mount host data (Firecracker, for now)."""
+    """One line when the box's backend cannot mount host data (every backend of registry.py can)."""
     if policy.data.get("mounts") and backend_name not in MOUNTING:
-        raise TkboxError(f"[mounts] needs the bwrap or qemu backend: a {backend_name} box cannot mount host data yet "
-                         "(docs/backends.md, \"Dataset mounts\"); use backend = \"qemu\" or \"bwrap\"")
+        raise TkboxError(f"[mounts] needs the bwrap, qemu or firecracker backend: a {backend_name} box cannot mount "
+                         "host data (docs/backends.md, \"Dataset mounts\")")
 
 
 def backend_for(policy: Any, name: str) -> str:
     """The backend a box with this policy takes: "auto" is bwrap when the policy has mounts, or qemu when its
-    box.isolation asks for a VM (the backends that mount host data); Firecracker named with mounts is refused in one
-    line."""
+    box.isolation asks for a VM; Firecracker, named, mounts them too."""
     if policy.data.get("mounts"):
         if name == "auto":
             name = "qemu" if policy.get("box", "isolation") == "vm" else "bwrap"

@@ -25,7 +25,7 @@ from tkbox_nb.core import scratch
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.backends.base import BoxSpec
 from tkbox_nb.backends.image import DOOR_NAME, MOUNT_SERIAL, Image, current_image
-from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, mount_disk,
+from tkbox_nb.backends.microvm import (ImageBackend, VmRunning, accept_door, config_disk, kvm_usable, mount_disks,
                                        reaped_with_us, stop_process_group, vmm_limits)
 from tkbox_nb.backends.warm_start import StateFeed, WarmState, discard_state, fit_config_disk, go_message, warm_state
 
@@ -114,15 +114,13 @@ class QemuBackend(ImageBackend):
         return ["-sandbox", sandbox, *(["-runas", "nobody"] if root else [])]
 
     def mount_disks(self, mounts: list, home: Path) -> list[tuple[str, str]]:
-        """Each dataset mount as a read-only disk (microvm.mount_disk, cached under $TKBOX_HOME/mount-cache/disks by
-        its digest), at most MAX_MOUNT_DISKS; a box with mounts boots cold (its prepare() makes no warm state)."""
+        """Each dataset mount as a read-only disk (microvm.mount_disks), at most MAX_MOUNT_DISKS; a box with mounts
+        boots cold (its prepare() makes no warm state)."""
         if not mounts:
             return []
-        if len(mounts) > MAX_MOUNT_DISKS:
-            raise TkboxError(f"[mounts]: a qemu box takes at most {MAX_MOUNT_DISKS} mounts (microvm's virtio slots), "
-                             f"this policy has {len(mounts)}")
+        disks = mount_disks(mounts, home, "qemu", MAX_MOUNT_DISKS, "microvm's virtio slots")
         self.warm = False
-        return [(str(mount_disk(m.source, m.digest, home / "mount-cache" / "disks")), m.target) for m in mounts]
+        return disks
 
     def prepare(self, memory_mib: int, cpus: int) -> dict:
         """Find or make the warm-start state for this machine size (warm_start.py); the run's `boot` fact."""

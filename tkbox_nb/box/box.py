@@ -68,7 +68,7 @@ class Box:
                  model_replay: Any = None, jailer: bool | None = None):
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
-        name = mounts_.backend_for(self.policy, name)  # bwrap and qemu mount data (Firecracker refuses [mounts])
+        name = mounts_.backend_for(self.policy, name)  # auto with mounts: bwrap, or qemu for isolation = vm
         jailer = self.policy.get("box", "jailer") if jailer is None else jailer
         self.backend = get_backend(name, self.policy.get("box", "isolation"), jailer=bool(jailer))
         self.workspace = Path(workspace) if workspace else None
