@@ -28,8 +28,9 @@ def _notebook() -> nbformat.NotebookNode:
     params = nbformat.v4.new_code_cell("column = 'a'\nscale = 1")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params,
-                nbformat.v4.new_code_cell("import os, pandas as pd\ntotal = pd.read_csv('data.csv')[column].sum() * scale"
-                                          "\nprint('cwd', os.getcwd(), 'total', total)"),
+                nbformat.v4.new_code_cell("import os, pandas as pd\n"
+                                          "total = pd.read_csv('data.csv')[column].sum() * scale\n"
+                                          "print('cwd', os.getcwd(), 'total', total)"),
                 nbformat.v4.new_code_cell("with open('result.txt', 'w') as f:\n    f.write(str(total))\nint(total)")]
     return nb
 
@@ -51,7 +52,8 @@ def test_papermill_runs_a_notebook_with_parameters_in_a_box_that_reads_its_folde
     assert ran.returncode == 0, ran.stderr[-3000:]
     done = nbformat.read(out, as_version=4)  # as papermill wrote it
     assert [c["metadata"].get("tags") for c in done["cells"]][:2] == [["parameters"], ["injected-parameters"]]
-    text = "".join(o.get("text", "") for c in done["cells"] for o in c.get("outputs", []) if o["output_type"] == "stream")
+    text = "".join(o.get("text", "") for c in done["cells"] for o in c.get("outputs", [])
+                   if o["output_type"] == "stream")
     assert "cwd /workspace total 90" in text, text  # the injected values were seen in the box; data.csv read there
     result = [o for o in done["cells"][-1]["outputs"] if o["output_type"] == "execute_result"]
     assert result and result[0]["data"]["text/plain"] == "90", done["cells"][-1]
