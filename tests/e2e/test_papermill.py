@@ -1,7 +1,7 @@
-"""papermill on the Tracekit Box kernel (docs/jupyter.md, "papermill"): a parameterised run of a notebook beside its
-data, as a scientist schedules one. papermill is the frontend here: it injects its parameters as a cell after the
-one tagged `parameters`, starts the kernel in the notebook's folder (`cwd=`, the CLI's `--cwd`) and writes the
-executed notebook; the kernel's box reads the folder as its workspace and its bundle goes beside the notebook."""
+"""papermill on the Tracekit Box kernel (docs/jupyter.md, "The notebook's folder"): a parameterised run of a notebook
+beside its data, as a scientist schedules one. papermill is the frontend here: it injects its parameters as a cell
+after the one tagged `parameters`, starts the kernel in the notebook's folder (`cwd=`, the CLI's `--cwd`) and writes
+the executed notebook; the kernel's box reads the folder as its workspace and its bundle goes beside the notebook."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from tkbox_nb.backends.bwrap import BwrapBackend
 from . import test_kernel
 
 kernel_env = test_kernel.kernel_env
-papermill = pytest.importorskip("papermill")  # in the test extra (pyproject.toml)
 
 pytestmark = pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1])
 
