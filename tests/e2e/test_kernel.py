@@ -1125,6 +1125,42 @@ def test_every_executed_cell_takes_the_next_execution_count_as_ipykernel_does(cl
     assert count("6") == 6  # the new box's first cell
 
 
+def test_the_box_s_in_out_and_underscore_names_use_the_number_the_frontend_shows(client, kernel_env):
+    """The box's ipykernel counted only the cells it ran, so after a host-magic cell the notebook showed [3] for a
+    cell the box called 2: `Out[3]`, `_3` and `In[3]` in the box named another cell, or none (issue 36). Now the host
+    gives the box each cell's number before it runs it: `In[n]`, `Out[n]`, `_n` and `_in`/`_i<n>` in the box agree
+    with the `[n]` the frontend shows (a host-magic cell's `In[n]` is empty: its code never reached the box), also in
+    a new box after `%box_restart`; the run signs each cell's result under that number."""
+    def number(code):
+        reply, outs = client.run(code)
+        assert reply["status"] == "ok", (code, reply)
+        return reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream")
+
+    assert number("10 + 1")[0] == 1
+    assert number("%box_status")[0] == 2
+    assert number("20 + 2")[0] == 3
+    n, text = number("print(sorted(Out), Out[3], _3, _, repr(In[3]), repr(In[2]), _i3, len(In))")
+    assert n == 4 and text == "[1, 3] 22 22 22 '20 + 2' '' 20 + 2 5\n", text
+    assert number("%box_restart")[0] == 5
+    assert number("30 + 3")[0] == 6
+    n, text = number("print(sorted(Out), _6, _, repr(In[6]), len(In))")
+    assert n == 7 and text == "[6] 33 33 '30 + 3' 8\n", text
+    client.stop()
+    first, second = sorted(kernel_env.glob("*.tkb"))
+    counts = [[(c.result or {}).get("execution_count") for c in open_run(b).crossings()
+               if c.door == "exec" and (c.args or {}).get("kind") == "cell"] for b in (first, second)]
+    assert counts == [[1, 3, 4], [6, 7]], counts
+    # the bridge's own request that sets each count is answered in the box: none of its answers reached the host
+    # (one would be a stray message, counted and signed as a comm_fault)
+    assert not [c for b in (first, second) for c in open_run(b).crossings() if (c.args or {}).get("kind") ==
+                "comm_fault"]
+    # a rerun gives each cell the number the original's box gave it (Box.execute's execution_count): the same text
+    r = run_cli("rerun", str(first), "-o", str(kernel_env / "again.tkb"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("audit", str(first), str(kernel_env / "again.tkb"))
+    assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT") and "exec cells 3/3" in r.stdout, r.stdout
+
+
 def test_what_jupyterlab_does_at_page_load_and_unload_signs_no_deny(kernel_env):
     """Every JupyterLab session signed a deny the user did not cause (issue 36: `comm_fault`, "a comm the box does
     not hold, from=frontend", so `%box_status` said `1 deny`): at page load the widget manager asks comm_info, opens

@@ -388,8 +388,10 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
                 asked = user_expressions(run, c)[0]
                 if a.get("user_expressions") and not asked:
                     raise TkboxError(f"cell {c.seq}: its user_expressions are not disclosed in the bundle")
+                count = (c.result or {}).get("execution_count")  # the number the original's box gave it
                 nb.ensure_box().execute((run.content(a.get("code", "")) or b"").decode("utf-8", "replace"),
-                                        user_expressions={str(k): str(v) for k, v in asked.items()} or None)
+                                        user_expressions={str(k): str(v) for k, v in asked.items()} or None,
+                                        execution_count=count if type(count) is int and 0 < count < 2 ** 31 else None)
                 continue
             stdin = run.content(a["stdin"]) if a.get("stdin") else None
             if a.get("stdin") and stdin is None:

@@ -375,13 +375,16 @@ class Box:
         return kernel
 
     def execute(self, code: str, on_output: Callable[[dict], None] | None = None,
-                user_expressions: dict[str, str] | None = None) -> CellResult:
+                user_expressions: dict[str, str] | None = None, execution_count: int | None = None) -> CellResult:
         """Run a Python cell in the box's kernel (state persists); outputs follow the Jupyter message model.
-        `user_expressions` (name -> expression) are evaluated after it, as ipykernel does, decided with its code."""
+        `user_expressions` (name -> expression) are evaluated after it, as ipykernel does, decided with its code.
+        `execution_count`: the number the cell takes in the box's kernel (its In/Out/_n; a rerun gives the
+        original's), else the kernel's next one."""
         crossing = self.decide_cell(code, user_expressions)
         try:
             kernel = self.kernel()
-            cell = kernel.execute_request(code, crossing, on_output, user_expressions=user_expressions)
+            cell = kernel.execute_request(code, crossing, on_output, user_expressions=user_expressions,
+                                          execution_count=execution_count)
         except TkboxError:
             self.recorder.complete(crossing, "error", {"ended": "the box's kernel is not available"})
             raise

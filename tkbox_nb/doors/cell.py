@@ -162,12 +162,14 @@ class BoxKernel(Door):
         self.box.conn.send_data(self.stream.sid, p.CH_MSG, p.encode_message({"channel": "bridge", "op": "interrupt"}))
 
     def execute_request(self, code: str, crossing: "Crossing", on_output: Callable[[dict], None] | None = None,
-                        silent: bool = False, user_expressions: dict[str, str] | None = None) -> Cell:
+                        silent: bool = False, user_expressions: dict[str, str] | None = None,
+                        execution_count: int | None = None) -> Cell:
         """Send one cell (already allowed through the exec door, with its user_expressions) and return what tracks
-        it."""
+        it; `execution_count`: the number the box's kernel gives it (its In/Out/_n), else its own next one."""
         header = new_header("execute_request", self.session)
         cell = self.track(header["msg_id"], crossing, on_output, user_expressions)
-        self.send("shell", {"header": header, "content": {
+        meta = {p.COUNT_KEY: execution_count} if execution_count is not None and not silent else {}
+        self.send("shell", {"header": header, "metadata": meta, "content": {
             "code": code, "silent": silent, "store_history": not silent, "user_expressions": user_expressions or {},
             "allow_stdin": False, "stop_on_error": True}})
         return cell

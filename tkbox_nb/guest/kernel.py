@@ -31,6 +31,12 @@ try:  # a VM under emulation imports ipykernel far slower: its backend sets a lo
 except ValueError:
     READY_TIMEOUT_S = 60.0
 CHANNELS = ("shell", "control", "stdin")
+# run silently just before a cell the host numbered (p.COUNT_KEY): the kernel's count moves up to the frontend's n,
+# and its In history gains an empty entry for each number the box never ran (a host-magic cell), so that In[n],
+# Out[n], _n and _i<n> name the cell the notebook shows as [n]; never moved back
+SET_COUNT = ("(lambda ip, n: [h.extend([''] * (n - len(h))) for h in (ip.history_manager.input_hist_parsed, "
+             "ip.history_manager.input_hist_raw)] and setattr(ip, 'execution_count', max(n, ip.execution_count)))"
+             "(get_ipython(), %d)")
 BATCH_BYTES = 256 * 1024  # messages joined into one door write at most (a larger one goes alone)
 
 
@@ -83,7 +89,9 @@ class KernelBridge:
         self.outbox_lock = threading.Lock()
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect("inproc://tkbox-to-kernel")
-        self.own = set()  # msg_ids of the bridge's own probes: their replies stay here
+        # msg_ids of the bridge's own requests (readiness probes, a cell's count), each with what is still to come of
+        # it ("reply" on shell, "idle" on iopub): all of it stays here, and the id is forgotten once none is left
+        self.own = {}
         self.ready = False
         self.stopped = False
         threading.Thread(target=self._loop, daemon=True, name="tkbox-kernel").start()
@@ -109,6 +117,13 @@ class KernelBridge:
             return
         buffers = [base64.b64decode(b) for b in msg.get("buffers") or []]
         out = {k: msg.get(k) or {} for k in ("header", "parent_header", "metadata", "content")}
+        if channel == "shell" and isinstance(out["metadata"], dict) and p.COUNT_KEY in out["metadata"]:
+            out["metadata"] = dict(out["metadata"])
+            count = out["metadata"].pop(p.COUNT_KEY)
+            if type(count) is int and 0 < count < 2 ** 31 and out["header"].get("msg_type") == "execute_request":
+                self._own_request("execute_request", {
+                    "code": SET_COUNT % count, "silent": True, "store_history": False, "user_expressions": {},
+                    "allow_stdin": False, "stop_on_error": False}, ("reply", "idle"))
         self.session.send(self.sockets[channel], out, buffers=buffers)
 
     # -- to the host ---------------------------------------------------------------------------------------------
@@ -159,23 +174,34 @@ class KernelBridge:
                 return
 
     def _is_own(self, channel, parts):
-        """A late answer to one of the bridge's readiness probes (sent every 50 ms until the kernel answered): it
-        stays here, so the frontend never sees a status for a request it did not make. A probe is forgotten once its
-        idle status has come."""
+        """An answer to one of the bridge's own requests (a late one to a readiness probe, sent every 50 ms until the
+        kernel answered; what a cell's count setting made): it stays here, so the frontend never sees a status or a
+        reply for a request it did not make."""
         try:
             parent = json.loads(parts[1].decode("utf-8")).get("msg_id")
         except (ValueError, AttributeError):
             return False
-        if parent not in self.own:
+        return self._own_answer(parent, channel, channel == "iopub" and b'"idle"' in parts[3])
+
+    def _own_answer(self, parent, channel, idle):
+        """Whether a message under `parent` answers one of the bridge's own requests; the request is forgotten once
+        what was still to come of it (its idle status, its reply) has come, in whichever order the sockets give."""
+        left = self.own.get(parent)
+        if left is None:
             return False
-        if channel == "iopub" and b'"idle"' in parts[3]:
-            self.own.discard(parent)
+        if idle or channel == "shell":
+            left.discard("idle" if idle else "reply")
+            if not left:
+                del self.own[parent]
         return True
 
-    def _probe(self):
-        msg = self.session.msg("kernel_info_request", {})
-        self.own.add(msg["header"]["msg_id"])
+    def _own_request(self, msg_type, content, waits):
+        msg = self.session.msg(msg_type, content)
+        self.own[msg["header"]["msg_id"]] = set(waits)
         self.session.send(self.sockets["shell"], msg)
+
+    def _probe(self):
+        self._own_request("kernel_info_request", {}, ("idle",))
 
     def _maybe_ready(self, info, iopub_seen, stdin_met):
         """Ready when the kernel answered on shell, published on iopub, and has met the stdin socket."""
@@ -224,9 +250,8 @@ class KernelBridge:
                     except Exception:  # not the kernel's: nothing else speaks on these sockets, drop it
                         continue
                     parent = msg["parent_header"].get("msg_id")
-                    if parent in self.own:
-                        if name == "iopub" and msg["content"].get("execution_state") == "idle":
-                            self.own.discard(parent)
+                    if self._own_answer(parent, name, name == "iopub"
+                                        and msg["content"].get("execution_state") == "idle"):
                         if msg["header"]["msg_type"] == "kernel_info_reply":
                             info = msg["content"]
                         elif name == "iopub":

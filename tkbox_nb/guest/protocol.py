@@ -383,6 +383,10 @@ class Session:
 # of UTF-8 JSON, and may span DATA frames. MessageReader is the receiving side, with its own size limit.
 MSG_HEADER = struct.Struct(">I")
 MAX_MESSAGE = 32 * 1024 * 1024
+# in an execute_request's metadata, host -> box: the execution count the frontend shows for the cell (an int); the
+# bridge (guest/kernel.py) sets its ipykernel's count to it first, so `In[n]`, `Out[n]` and `_n` in the box name the
+# cell the notebook shows as [n], and takes the key off before the kernel sees the request
+COUNT_KEY = "tkbox_execution_count"
 
 
 def encode_message(obj, default=None):

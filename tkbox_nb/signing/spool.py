@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,23 @@ DISCLOSURES = "disclosures.jsonl"
 
 def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def disclosure_line(entry: dict, blobs: dict[str, str]) -> str:
+    """`entry` (with `blobs`, digest -> base64, when there are any) as one line of JSON, as `json.dumps(...,
+    sort_keys=True, ensure_ascii=False)` writes it. The blobs are spliced in after the rest is encoded, in place of
+    random placeholders: base64 needs no JSON escaping, and the encoder's scan of a large blob (a 10 MB file
+    `%box_pull` brings back is 13 MB of base64) was a fifth of the pull's time."""
+    if not blobs:
+        return json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n"
+    token = secrets.token_hex(16)  # 128 random bits: in nothing the entry holds
+    marks = {digest: f"{token}-{i}" for i, digest in enumerate(blobs)}
+    line = json.dumps(dict(entry, blobs=marks), sort_keys=True, ensure_ascii=False)
+    parts = []
+    for digest, mark in sorted(marks.items(), key=lambda kv: line.index(f'"{kv[1]}"')):
+        head, line = line.split(f'"{mark}"', 1)
+        parts += [head, '"', blobs[digest], '"']
+    return "".join(parts) + line + "\n"
 
 
 class RunSpool:
@@ -101,9 +119,7 @@ class RunSpool:
                 if digest not in self._spooled:
                     self._spooled.add(digest)
                     fresh[digest] = base64.b64encode(data).decode()
-            if fresh:
-                entry = dict(entry, blobs=fresh)
-            line = json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n"
+            line = disclosure_line(entry, fresh)
             self._file.write(line)
             self._file.flush()
         return len(line.encode())

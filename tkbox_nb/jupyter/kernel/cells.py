@@ -13,8 +13,10 @@ Every cell that stores history (not `silent`, `store_history` not false) and has
 as IPython numbers it, whether the host answers it (host magics only) or the box does: the count is the host's, and
 what the box's ipykernel says in execute_input, execute_result and execute_reply is replaced by it (`numbered`). So a
 host-magic cell no longer shows the previous cell's number, a cell of host magics and box code is one number, and a
-new box (whose ipykernel counts from 1 again) does not set the notebook back. The box's own `In`/`Out` history keeps
-its ipykernel's numbers (only its cells are in it).
+new box (whose ipykernel counts from 1 again) does not set the notebook back. Each box cell that takes a number goes
+into the box with it (`p.COUNT_KEY` in its metadata; the bridge, guest/kernel.py, moves its ipykernel's count up to it
+first), so the box's own `In[n]`, `Out[n]` and `_n` name the cell the notebook shows as [n], as in a plain ipykernel,
+after host-magic cells and in a new box alike; before, they counted only the box's cells.
 
 A request's `user_expressions` are read strictly first (jupyter_messages.user_expressions_request: text, at most 64,
 each within its length); a request over a limit is answered with one error line (`UserExpressionsRefused`) and runs
@@ -33,6 +35,7 @@ from tkbox_nb.rules.jupyter_messages import user_expressions_request
 from tkbox_nb.rules.refusal_notices import Shown, watch
 from tkbox_nb.core.errors import DoorRefused, TkboxError
 from tkbox_nb.box.notebook_box import HostMagics, split_host_magics
+from tkbox_nb.guest import protocol as p
 from tkbox_nb.jupyter.kernel.box_wait import wait_for_box
 from tkbox_nb.jupyter.kernel.comms import CommGate
 from tkbox_nb.jupyter.kernel.port import KernelPort
@@ -231,8 +234,13 @@ class Cells:
             port.host_reply(channel, idents, header, "error", silent, (type(e).__name__, str(e)))
             return
         # into the box under a header made here (relay.Parents): the box never learns the frontend's ids
-        # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed
-        sent = port.into_box(dict(msg, content=dict(msg["content"], user_expressions=expressions)))
+        # the code decided (a cell's host magics taken off it), never the request's: what runs is what was signed;
+        # with the number the frontend shows for it, if it takes one (the box's In/Out/_n use it)
+        meta = msg.get("metadata")
+        meta = {k: v for k, v in meta.items() if k != p.COUNT_KEY} if isinstance(meta, dict) else {}
+        if not silent and content.get("store_history", True) is not False:
+            meta[p.COUNT_KEY] = self.number(header["msg_id"])
+        sent = port.into_box(dict(msg, metadata=meta, content=dict(msg["content"], user_expressions=expressions)))
         try:
             box_kernel = port.attach(box)
             box_kernel.track(sent["header"]["msg_id"], crossing, expressions=expressions)
