@@ -109,8 +109,12 @@ def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(p
         cell = b.execute("%pip install tinypkg\nimport tinypkg\nprint('value', tinypkg.VALUE)")  # as a notebook does
         text = "".join(o.get("text", "") for o in cell.outputs)
         assert cell.status == "ok" and "value 42" in text, cell.outputs
+    first = page
     page, file = package_rows(tmp_path / "b.tkb")
-    assert page.decision == "allow" and page.args["source"] == "cache" and page.args["index_unreachable"]
+    assert page.decision == "allow" and page.args["source"] == "cache"  # fresh: the index was not even asked
+    assert "index_unreachable" not in page.args and 0 <= page.args["age_s"] < 600 and page.args["fetched_at"]
+    assert page.args["page_sha256"] == first.args["page_sha256"]
+    assert page.args["served_sha256"] == first.args["served_sha256"]
     assert file.decision == "allow" and file.args["source"] == "cache" and file.args["got_sha256"] == sha(TINY)
     assert verify_bundle(tmp_path / "b.tkb", trust_path(private_signer.home)).valid
     assert venv_state() == before
@@ -267,7 +271,7 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
 
     rerun(tmp_path / "a.tkb", tmp_path / "kept.tkb", home=home, backend="bwrap")  # the host cache has the bytes
     page, file = package_rows(tmp_path / "kept.tkb")
-    assert page.decision == "allow" and page.args["source"] == "index"
+    assert page.decision == "allow" and page.args["source"] == "cache"  # the page kept by the original, still fresh
     assert (file.decision, file.args["source"], file.args["pinned"], file.args["got_sha256"]) == (
         "allow", "cache", sha(TINY), sha(TINY))
     assert outs(tmp_path / "kept.tkb")[-1] == b"42\n"
@@ -304,3 +308,34 @@ def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_n
         "deny", "packages.always", "loop.tkb.test", ["127.0.0.1"])
     assert "127.0.0.1 is loopback" in file.args["verdict_reason"] and file.args["size"] == 0
     assert verify_bundle(tmp_path / "l.tkb").valid
+
+
+def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(private_signer, index, tmp_path):
+    """page_max_age_s: a kept page younger than it is served without asking the index; 0 asks each time; an older
+    one is fetched again; an entry changed on the host's disk is never served."""
+    home = private_signer.home
+
+    def install(name: str, max_age: float | None = None):
+        extra = f"page_max_age_s = {max_age}\n" if max_age is not None else ""
+        pol = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\n{OPEN_TEST_NET}'
+                               f'allow = ["tinypkg"]\n{extra}')
+        with Box(backend="bwrap", policy=pol, home=home, bundle_path=tmp_path / f"{name}.tkb") as b:
+            r = pip(b, "tinypkg")
+            assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
+        assert verify_bundle(tmp_path / f"{name}.tkb", trust_path(home)).valid
+        page, file = package_rows(tmp_path / f"{name}.tkb")
+        assert page.decision == file.decision == "allow" and file.args["got_sha256"] == sha(TINY)
+        return page.args
+
+    first = install("first")
+    assert first["source"] == "index" and "fetched_at" not in first
+    [entry] = (home / "packages" / "pages").glob("*.page")
+    data = entry.read_bytes()
+    entry.write_bytes(data[:-20] + b"x" + data[-19:])  # one byte of the kept page changed on the host's disk
+    corrupted = install("corrupted")
+    assert corrupted["source"] == "index" and corrupted["page_sha256"] == first["page_sha256"]
+    assert install("fresh")["source"] == "cache"  # the entry written again, whole
+    assert install("always", max_age=0)["source"] == "index"
+    time.sleep(1.1)  # older than a max age of 1 s: stale, fetched again
+    stale = install("stale", max_age=1)
+    assert stale["source"] == "index" and "index_unreachable" not in stale
