@@ -3,6 +3,9 @@ an entry is served only whole, untouched, of its own index and project, and fres
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from tkbox_nb import Policy
@@ -86,3 +89,14 @@ def test_page_max_age_defaults_to_pip_s_600_seconds_and_0_is_allowed():
     assert Policy.from_toml(f'[packages]\nindex = ["{INDEX}"]\n').get("packages", "page_max_age_s") == 600
     assert Policy.from_toml(f'[packages]\nindex = ["{INDEX}"]\npage_max_age_s = 0\n').get(
         "packages", "page_max_age_s") == 0
+
+
+def test_the_kept_pages_stay_under_their_bound_the_oldest_going_first(tmp_path):
+    pages = [KeptPage(INDEX, project, INDEX + project + "/", "text/html", 1.0, PAGE.body) for project in "abc"]
+    cache = Cache(tmp_path, max_page_bytes=2 * len(seal(KEY, pages[0])) + 10)  # room for two
+    for page in pages:
+        project = page.project
+        cache.keep_page(page)
+        os.utime(cache.page_path(INDEX, project), (time.time() - 100 + ord(project), time.time() - 100 + ord(project)))
+    assert cache.page(INDEX, "a") is None and cache.page(INDEX, "b") and cache.page(INDEX, "c")
+    assert len(list((tmp_path / "pages").iterdir())) == 2  # no temporary file left either

@@ -2,7 +2,8 @@
 (`files/ab/abcd...`), index pages sealed by rules/package_cache.py (`pages/<key>.page`, under the key `page.key`).
 
 Every write is whole or absent: a file is moved into place from `tmp/` once its bytes were decided, a page is written
-by core/atomic_file.write_atomic. A page entry that does not unseal (cut short, changed, another key's, another
+beside its name and renamed over it. Neither is synced to disk (an fsync per page would cost the cold install more
+than the page): an entry a crash cut short does not unseal, and a file is hashed whenever it is served. A page entry that does not unseal (cut short, changed, another key's, another
 index's) is removed and answered as absent, so the door asks the index again; the pages together stay under
 `rules/package_cache.MAX_CACHE_BYTES`, the oldest written going first. A kept file is checked against its name when
 it is opened (`open_file`): one whose bytes are not its sha256 is removed, never served.
@@ -16,8 +17,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from tkbox_nb.core.atomic_file import write_atomic
-from tkbox_nb.rules.package_cache import MAX_ENTRY_BYTES, KeptPage, evictions, page_key, seal, unseal
+from tkbox_nb.rules.package_cache import MAX_CACHE_BYTES, MAX_ENTRY_BYTES, KeptPage, evictions, page_key, seal, unseal
 
 KEY_BYTES = 32
 
@@ -25,8 +25,9 @@ KEY_BYTES = 32
 class Cache:
     """The host's package cache at `root`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, max_page_bytes: int = MAX_CACHE_BYTES):
         self.root = root
+        self.max_page_bytes = max_page_bytes
         self._key: bytes | None = None
 
     # -- files ---------------------------------------------------------------------------------------------------
@@ -98,7 +99,14 @@ class Cache:
     def keep_page(self, page: KeptPage) -> None:
         path = self.page_path(page.index, page.project)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_atomic(path, seal(self.key(), page))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")  # whole or absent; not synced: an
+        try:                                                                   # entry a crash cut short does not
+            with os.fdopen(fd, "wb") as f:                                     # unseal, and the index is asked
+                f.write(seal(self.key(), page))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         entries = []
         for p in path.parent.glob("*.page"):
             try:
@@ -106,7 +114,7 @@ class Cache:
             except OSError:
                 continue
             entries.append((p.name, st.st_size, st.st_mtime))
-        for name in evictions(entries):
+        for name in evictions(entries, self.max_page_bytes):
             (path.parent / name).unlink(missing_ok=True)
 
     def page(self, index: str, project: str) -> KeptPage | None:
