@@ -2,11 +2,12 @@
 (`files/ab/abcd...`), index pages sealed by rules/package_cache.py (`pages/<key>.page`, under the key `page.key`).
 
 Every write is whole or absent: a file is moved into place from `tmp/` once its bytes were decided, a page is written
-beside its name and renamed over it. Neither is synced to disk (an fsync per page would cost the cold install more
-than the page): an entry a crash cut short does not unseal, and a file is hashed whenever it is served. A page entry that does not unseal (cut short, changed, another key's, another
-index's) is removed and answered as absent, so the door asks the index again; the pages together stay under
-`rules/package_cache.MAX_CACHE_BYTES`, the oldest written going first. A kept file is checked against its name when
-it is opened (`open_file`): one whose bytes are not its sha256 is removed, never served.
+beside its name and renamed over it. Neither is synced to disk (an fsync per page would cost a cold install more than
+the page): an entry a crash cut short does not unseal, and a file is hashed whenever it is served. A page entry that
+does not unseal (cut short, changed, another key's, another index's) is removed and answered as absent, so the door
+asks the index again; the pages together stay under `max_page_bytes` (rules/package_cache.MAX_CACHE_BYTES), the
+oldest written going first. A kept file is checked against its name when it is opened (`open_file`): one whose bytes
+are not its sha256 is removed, never served.
 """
 
 from __future__ import annotations
