@@ -2,8 +2,8 @@
 recording the environment costs a warm box start. Needs root (a network namespace for the index, testnet).
 
 The same 20 small wheels, built here (pure Python, fixed times: the same bytes each run), are served as a PEP 503
-index from a network namespace (198.18.38.0/24). In the same run, alternating round by round so the machine's load
-falls on each alike, pip installs all 20 in one command:
+index from a network namespace (198.18.38.0/24), its pages stating PyPI's `Cache-Control: max-age=600`. In the same
+run, alternating round by round so the machine's load falls on each alike, pip installs all 20 in one command:
 - straight from the index, on the host (`--target` a fresh directory, no pip cache);
 - from a bubblewrap box, through the door with its host cache emptied first (every page and file from the index,
   each file hashed, decided and signed);
@@ -47,7 +47,9 @@ PIP = ["-m", "pip", "install", "--no-cache-dir", "--no-color", "--disable-pip-ve
 
 
 def publish(net: NamespaceNet) -> list[str]:
-    """The 20 projects, each a page linking its wheel with its sha256; their names."""
+    """The 20 projects, each a page linking its wheel with its sha256, stating PyPI's Cache-Control for its pages
+    (max-age=600); their names."""
+    net.add_file("simple/.cache-control", b"max-age=600")
     names = []
     for i in range(WHEELS):
         name = f"benchpkg{i:02d}"

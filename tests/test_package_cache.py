@@ -11,18 +11,19 @@ import pytest
 from tkbox_nb import Policy
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.doors.package_store import Cache
-from tkbox_nb.rules.package_cache import MAGIC, KeptPage, evictions, fresh, page_key, seal, unseal
+from tkbox_nb.rules.package_cache import MAGIC, KeptPage, evictions, fresh, index_max_age, page_key, seal, unseal
 
 KEY = b"k" * 32
 INDEX = "http://198.18.37.2:8080/simple/"
 PAGE = KeptPage(INDEX, "tinypkg", INDEX + "tinypkg/", "text/html", 1_700_000_000.25, b"<a href='x'>x</a>\n",
-                {"host": "198.18.37.2", "addresses": ["198.18.37.2"], "address": "198.18.37.2", "other": "dropped"})
+                {"host": "198.18.37.2", "addresses": ["198.18.37.2"], "address": "198.18.37.2", "other": "dropped"},
+                600.0)
 
 
 def test_a_sealed_page_reads_back_whole_with_what_the_door_stated_of_its_host():
     back = unseal(KEY, seal(KEY, PAGE), INDEX, "tinypkg")
     assert back is not None and back.body == PAGE.body and back.url == PAGE.url and back.fetched_at == PAGE.fetched_at
-    assert back.content_type == "text/html" and back.sha256 == PAGE.sha256
+    assert back.content_type == "text/html" and back.sha256 == PAGE.sha256 and back.index_max_age == 600
     assert back.dialled == {"host": "198.18.37.2", "addresses": ["198.18.37.2"], "address": "198.18.37.2"}
 
 
@@ -58,6 +59,16 @@ def test_two_indexes_or_urls_never_share_an_entry():
 ])
 def test_a_page_is_fresh_while_younger_than_page_max_age_s(fetched, now, max_age, want):
     assert fresh(fetched, now, max_age) is want
+
+
+@pytest.mark.parametrize("header, want", [
+    ("max-age=600", 600), ("public, max-age=600", 600), ('Max-Age="30"', 30), ("max-age=600, max-age=5", 5),
+    (None, 0), ("", 0), ("public", 0),            # no max-age stated: asked each time, as pip asks
+    ("max-age=600, no-cache", 0), ("no-store, max-age=600", 0), ("max-age=-1", 0), ("max-age=1e9", 0),
+    ("max-age=" + "9" * 12, 365 * 24 * 3600),     # read as a year: the policy's cap is far below
+])
+def test_the_index_s_max_age_is_read_as_pip_s_cache_reads_it(header, want):
+    assert index_max_age(header) == want
 
 
 def test_past_the_bound_the_oldest_pages_go_first():

@@ -84,7 +84,11 @@ def package_rows(path: Path):
     return [c for c in open_run(path).crossings() if c.door == "packages"]
 
 
+PYPI_PAGES = b"max-age=600"  # the Cache-Control PyPI states for its simple pages
+
+
 def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(private_signer, index, tmp_path):
+    index.add_file("simple/.cache-control", PYPI_PAGES)
     before = venv_state()
     with Box(backend="bwrap", policy=policy(index), home=private_signer.home, bundle_path=tmp_path / "a.tkb") as b:
         r = pip(b, "tinypkg")
@@ -95,6 +99,7 @@ def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(p
     assert [(c.args["kind"], c.decision) for c in rows] == [("project", "allow"), ("file", "allow")]
     page, file = rows
     assert page.args["project"] == "tinypkg" and page.args["source"] == "index" and page.args["files"] == 1
+    assert page.args["index_max_age_s"] == 600
     assert file.args["sha256"] == file.args["got_sha256"] == sha(TINY) and file.args["size"] == len(TINY)
     assert file.args["filename"] == "tinypkg-1.0-py3-none-any.whl" and file.args["version"] == "1.0"
     assert file.args["source"] == "index" and file.result["bytes"] == len(TINY)
@@ -260,6 +265,7 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
         private_signer, index, tmp_path):
     from tkbox_nb.audit.replay import rerun
     home, name = private_signer.home, "tinypkg-1.0-py3-none-any.whl"
+    index.add_file("simple/.cache-control", PYPI_PAGES)
     with Box(backend="bwrap", policy=policy(index), home=home, bundle_path=tmp_path / "a.tkb") as b:
         assert pip(b, "tinypkg").exit_code == 0
         b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE)"])
@@ -311,9 +317,11 @@ def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_n
 
 
 def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(private_signer, index, tmp_path):
-    """page_max_age_s: a kept page younger than it is served without asking the index; 0 asks each time; an older
-    one is fetched again; an entry changed on the host's disk is never served."""
+    """A kept page younger than the index's max-age and page_max_age_s is served without asking the index;
+    page_max_age_s = 0 asks each time; an older one is fetched again; an index that says no-cache is asked each time;
+    an entry changed on the host's disk is never served."""
     home = private_signer.home
+    index.add_file("simple/.cache-control", PYPI_PAGES)
 
     def install(name: str, max_age: float | None = None):
         extra = f"page_max_age_s = {max_age}\n" if max_age is not None else ""
@@ -339,3 +347,7 @@ def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(priv
     time.sleep(1.1)  # older than a max age of 1 s: stale, fetched again
     stale = install("stale", max_age=1)
     assert stale["source"] == "index" and "index_unreachable" not in stale
+    index.add_file("simple/.cache-control", b"no-cache")  # as an index that states no max-age: pip asks each time
+    assert install("told", max_age=0)["source"] == "index"
+    unstated = install("unstated")
+    assert unstated["source"] == "index" and unstated["index_max_age_s"] == 0

@@ -7,15 +7,16 @@ and each connection is one door stream carrying one request, answered with `Conn
 request are served, anything else is a 404:
 
 - `/simple/<project>/`: the project's name (PEP 503 normal form) is decided first; a refused one is signed and never
-  asked of any index. An allowed one's page comes from the host cache while it is fresh (`[packages]
-  page_max_age_s`, pip's 600 s by default: rules/package_cache.py; a second box asks the index nothing), else it is
-  fetched by the host itself (its own TLS and trust store, no proxy, no redirect followed) from the first index that
-  has it and kept (doors/package_store.py). Either way it is read strictly (rules/package_index.py) under this box's
-  policy and signed (`project`: the index, how many files, where the page came from and, from the cache, when the
-  index served it; the sha256 of the index's bytes and of the page the box gets; the host and the addresses it was
-  reached at: doors/package_fetch.py, which refuses a private or metadata address before connecting and dials only
-  the address it checked); an index that cannot be reached is answered from the page last kept, however old, and
-  the record says so. The box gets the door's own page: every link on the door, by sha256.
+  asked of any index. An allowed one's page comes from the host cache while it is fresh (younger than the max-age the
+  index stated, as pip's own cache keeps it, and than `[packages] page_max_age_s`: rules/package_cache.py; a second
+  box asks the index nothing), else it is fetched by the host itself (its own TLS and trust store, no proxy, no
+  redirect followed) from the first index that has it and kept (doors/package_store.py). Either way it is read
+  strictly (rules/package_index.py) under this box's policy and signed (`project`: the index, how many files, where
+  the page came from and, from the cache, when the index served it; the sha256 of the index's bytes and of the page
+  the box gets; the host and the addresses it was reached at: doors/package_fetch.py, which refuses a private or
+  metadata address before connecting and dials only the address it checked); an index that cannot be reached is
+  answered from the page last kept, however old, and the record says so. The box gets the door's own page: every link
+  on the door, by sha256.
 - `/files/<sha256>/<name>`: only a file of a page this box was served. Its bytes come from the content-addressed
   cache (a second box installs without touching the index) or from the index, read to one byte past
   `max_file_bytes`, hashed as they come; the file is then decided and signed (`file`: project, name, version, the
@@ -44,7 +45,7 @@ from tkbox_nb.doors.package_fetch import AddressRefused, checked, pinned_request
 from tkbox_nb.doors.package_store import Cache, digest
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
-from tkbox_nb.rules.package_cache import KeptPage, fresh
+from tkbox_nb.rules.package_cache import KeptPage, fresh, index_max_age
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
                                           parse_page, pin_files, project_of, render_page)
@@ -216,16 +217,16 @@ class PackagesDoor(Door):
                                                                     "text/html; charset=utf-8", quiet=False))
 
     def _fetch_page(self, project: str) -> tuple[list[IndexFile], dict]:
-        """The project's files from the first index that has it: its page kept in the host cache while fresh
-        (`page_max_age_s`), else fetched (or, when that index cannot be reached, its page last kept, of any age);
-        and what the record states of where they came from. IndexPageError when there are none."""
+        """The project's files from the first index that has it: its page kept in the host cache while fresh (the
+        index's max-age, at most `page_max_age_s`), else fetched (or, when that index cannot be reached, its page
+        last kept, of any age); and what the record states of where they came from. IndexPageError when none."""
         import httpx
         policy = self.box.policy
         hosts, max_age = policy.get("packages", "file_hosts"), policy.get("packages", "page_max_age_s")
         for index in policy.get("packages", "index"):
             url, dialled = index.rstrip("/") + f"/{project}/", {}
             kept = self.cache.page(index, project)
-            if kept is not None and fresh(kept.fetched_at, time.time(), max_age):
+            if kept is not None and fresh(kept.fetched_at, time.time(), min(kept.index_max_age, max_age)):
                 try:  # read again under this box's policy: a kept page offers nothing a fetched one could not
                     return parse_page(kept.body, kept.content_type, project, kept.url, hosts), \
                         {"index": index, **kept.dialled, **_kept_facts(kept, max_age)}
@@ -251,7 +252,7 @@ class PackagesDoor(Door):
                         body += chunk
                         if len(body) > MAX_PAGE_BYTES:
                             raise IndexPageError(f"{index}: the page for {project} is over {MAX_PAGE_BYTES} bytes")
-                    ctype = r.headers.get("content-type", "")
+                    ctype, stated = r.headers.get("content-type", ""), index_max_age(r.headers.get("cache-control"))
             except httpx.HTTPError as e:
                 if kept is None:
                     raise IndexPageError(f"{index} cannot be reached ({type(e).__name__}) and no page for {project} "
@@ -260,8 +261,8 @@ class PackagesDoor(Door):
                 return files, {"index": index, "index_unreachable": f"{type(e).__name__}", **dialled,
                                **_kept_facts(kept, max_age)}
             files = parse_page(bytes(body), ctype, project, url, hosts)
-            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled))
-            return files, {"index": index, "source": "index", **dialled,
+            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated))
+            return files, {"index": index, "source": "index", **dialled, "index_max_age_s": stated,
                            "page_sha256": hashlib.sha256(body).hexdigest()}
         raise IndexPageError(f"no index in [packages] index has {project}")
 
@@ -391,7 +392,7 @@ class _FetchError(Exception):
 
 def _kept_facts(kept: KeptPage, max_age: float) -> dict:
     """What the record states of a page served from the host cache: when the index served those bytes, how old
-    they are, the freshness rule, and their sha256."""
+    they are, the freshness rule (the index's max-age, the policy's), and their sha256."""
     when = datetime.fromtimestamp(kept.fetched_at, timezone.utc).isoformat(timespec="milliseconds")
     return {"source": "cache", "fetched_at": when, "age_s": round(time.time() - kept.fetched_at, 3),
-            "page_max_age_s": max_age, "page_sha256": kept.sha256}
+            "index_max_age_s": kept.index_max_age, "page_max_age_s": max_age, "page_sha256": kept.sha256}

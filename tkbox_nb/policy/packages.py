@@ -7,8 +7,9 @@ compared in their PEP 503 normal form (`Foo_Bar.baz` is `foo-bar-baz`), and so a
 `allow = ["Scikit_Learn"]` means scikit-learn. `deny` is read before `allow`. A file is decided on what the door saw:
 the index's sha256 for it and the sha256 of the bytes that came (they must be the same), its size (refused past
 `max_file_bytes`; the door stops reading one byte past it), and the run's bytes before it (refused past
-`max_total_bytes`). `page_max_age_s` says how long the door serves an index page from its host cache without
-asking the index (rules/package_cache.py; 0 = always ask). Pure: no clock, no I/O.
+`max_total_bytes`). `page_max_age_s` caps how long the door serves an index page from its host cache without
+asking the index (never longer than the index's own max-age, as pip: rules/package_cache.py; 0 = always ask). Pure:
+no clock, no I/O.
 
 Every index and file host is resolved by the door itself, which states the host and its whole answer (`host`,
 `addresses`) and dials only the address it checked: a host whose addresses include one that rules/addresses.py refuses
