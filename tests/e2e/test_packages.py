@@ -319,7 +319,8 @@ def test_a_file_on_a_file_host_that_resolves_to_loopback_is_refused_signed_and_n
 def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(private_signer, index, tmp_path):
     """A kept page younger than the index's max-age and page_max_age_s is served without asking the index;
     page_max_age_s = 0 asks each time; an older one is fetched again; an index that says no-cache is asked each time;
-    an entry changed on the host's disk is never served."""
+    an entry changed on the host's disk is never served; an index that cannot be reached is answered from the page
+    last kept, however old."""
     home = private_signer.home
     index.add_file("simple/.cache-control", PYPI_PAGES)
 
@@ -351,3 +352,8 @@ def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(priv
     assert install("told", max_age=0)["source"] == "index"
     unstated = install("unstated")
     assert unstated["source"] == "index" and unstated["index_max_age_s"] == 0
+    web = index.procs[0]  # the index gone: the page last kept is served however old, and the record says why
+    os.killpg(web.pid, signal.SIGKILL)
+    web.wait(timeout=10)
+    down = install("down")
+    assert down["source"] == "cache" and down["index_unreachable"] and down["page_sha256"] == first["page_sha256"]
