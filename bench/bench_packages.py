@@ -2,14 +2,17 @@
 recording the environment costs a warm box start. Needs root (a network namespace for the index, testnet).
 
 The same 20 small wheels, built here (pure Python, fixed times: the same bytes each run), are served as a PEP 503
-index from a network namespace (198.18.38.0/24). In the same run, alternating round by round so the machine's load
-falls on each alike, pip installs all 20 in one command:
+index from a network namespace (198.18.38.0/24), its pages stating PyPI's `Cache-Control: max-age=600`. In the same
+run, alternating round by round so the machine's load falls on each alike, pip installs all 20 in one command:
 - straight from the index, on the host (`--target` a fresh directory, no pip cache);
 - from a bubblewrap box, through the door with its host cache emptied first (every page and file from the index,
   each file hashed, decided and signed);
-- from the same box again with the door's cache warm (pages still read from the index, files from the cache).
+- from the same box again with the door's cache warm (pages and files from the host cache: the index is not asked;
+  each page and file still decided and signed);
 - on the host from a local directory of the same wheels, no index at all (`--no-index --find-links`): what pip
-  itself costs, the floor under any of the others.
+  itself costs, the floor under any of the others;
+- in the same box from a directory of the same wheels in its /tmp, no index and no door: what pip in a box costs,
+  the floor under the door's warm install (the door's own share is the difference).
 Targets: through the door <= 1.5x the direct install; from the warm cache <= 0.7x. Then the environment manifest of
 a warm box start (bundle/environment.box_environment, its cache warm), against its target of 20 ms.
 """
@@ -44,7 +47,9 @@ PIP = ["-m", "pip", "install", "--no-cache-dir", "--no-color", "--disable-pip-ve
 
 
 def publish(net: NamespaceNet) -> list[str]:
-    """The 20 projects, each a page linking its wheel with its sha256; their names."""
+    """The 20 projects, each a page linking its wheel with its sha256, stating PyPI's Cache-Control for its pages
+    (max-age=600); their names."""
+    net.add_file("simple/.cache-control", b"max-age=600")
     names = []
     for i in range(WHEELS):
         name = f"benchpkg{i:02d}"
@@ -86,6 +91,16 @@ def _boxed(box: Box, names: list[str], target: str) -> float:
     return took
 
 
+def _box_floor(box: Box, names: list[str], target: str) -> float:
+    """pip in the box installing from a directory in its own /tmp (put there by `pip download` through the door)."""
+    t = time.perf_counter()
+    r = box.run(["python3", *PIP, "--no-index", "--find-links", "/tmp/bench-wheels", "--target", target, *names],
+                timeout=600)
+    took = time.perf_counter() - t
+    assert r.exit_code == 0, r.stderr.decode()[-800:]
+    return took
+
+
 def main(n: int | None = None) -> None:
     ok, why = available()
     if not ok:
@@ -103,15 +118,19 @@ def main(n: int | None = None) -> None:
             url = f"http://{net.web}:8080/simple/"
             policy = Policy.from_toml(f'[packages]\nindex = ["{url}"]\nallow = ["benchpkg*"]\n'
                                       'allow_cidrs = ["198.18.0.0/15"]\n')  # the test network: special-purpose
-            direct, cold, warm, floor = [], [], [], []
+            direct, cold, warm, floor, in_box = [], [], [], [], []
             with Box(backend="bwrap", policy=policy, home=home, bundle_path=home / "packages.tkb") as box:
                 _boxed(box, names[:1], "/tmp/first")  # the first pip in a box pays for its imports' page cache
+                r = box.run(["python3", "-m", "pip", "download", "--no-deps", "-q", "-d", "/tmp/bench-wheels", *names],
+                            timeout=600)
+                assert r.exit_code == 0, r.stderr.decode()[-800:]
                 for i in range(rounds):
                     direct.append(_direct(url, names, work / f"direct-{i}"))
-                    shutil.rmtree(home / "packages", ignore_errors=True)  # every file from the index again
+                    shutil.rmtree(home / "packages", ignore_errors=True)  # every page and file from the index again
                     cold.append(_boxed(box, names, f"/tmp/cold-{i}"))
                     warm.append(_boxed(box, names, f"/tmp/warm-{i}"))
                     floor.append(_floor(local, names, work / f"floor-{i}"))
+                    in_box.append(_box_floor(box, names, f"/tmp/floor-{i}"))
             files = sum(1 for c in open_run(home / "packages.tkb").crossings()
                         if c.door == PACKAGES and (c.args or {}).get("kind") == "file" and c.decision == "allow")
         d, c, w = statistics.median(direct), statistics.median(cold), statistics.median(warm)
@@ -124,6 +143,9 @@ def main(n: int | None = None) -> None:
               f"{', '.join(f'{x / y:.2f}' for x, y in zip(warm, direct))})")
         print(f"  (pip from local files, no index:   {statistics.median(floor):6.2f} s, ratio "
               f"{statistics.median(floor) / d:.2f}: what pip itself costs, a floor for any door)")
+        b = statistics.median(in_box)
+        print(f"  (pip in the box from local files:  {b:6.2f} s, ratio {b / d:.2f}: no index, no door, a floor for the "
+              f"warm cache; the door's own share {w - b:.2f} s)")
         backend = BwrapBackend()
         box_environment(backend, home)  # the first start computes it; a warm start reads the cache
         times = []

@@ -1296,6 +1296,43 @@ def package_page(data: bytes) -> None:
     assert all(urlsplit(f.url).path == f"/files/{f.sha256}/{f.filename}" for f in again)
 
 
+# -- the package door's kept index pages (tkbox_nb/rules/package_cache.py) ----------------------------------------
+_CACHE_KEY, _INDEX = b"\x07" * 32, "https://index.example/simple/"
+
+
+def _package_cache_seeds() -> list[bytes]:
+    from tkbox_nb.rules.package_cache import KeptPage, seal
+    pages = [KeptPage(_INDEX, "tinypkg", _PAGE_URL, "text/html", 1.7e9, b'<a href="x">x</a>',
+                      {"host": "index.example", "addresses": ["93.184.216.34"], "address": "93.184.216.34"}, 600.0),
+             KeptPage(_INDEX, "tinypkg", _PAGE_URL, "application/vnd.pypi.simple.v1+json", 0.0, b"", {}, 0.0)]
+    return [bytes([k]) + seal(_CACHE_KEY, page) for page in pages for k in (0, 1, 77)]
+
+
+@target("package-cache-entry", _package_cache_seeds)
+def package_cache_entry(data: bytes) -> None:
+    """rules/package_cache.unseal of an entry on the host's disk (the first byte: as kept, or one byte of it
+    changed): None, or a page of exactly that index and project whose every field has its shape and whose seal reads
+    back the same; a changed entry, one under another key or asked for as another project's, never reads."""
+    import math
+
+    from tkbox_nb.rules import package_cache as pc
+    data = data or b"\x00"
+    entry = bytearray(data[1:])
+    if data[0] and entry:
+        entry[data[0] % len(entry)] ^= 0x01 if data[0] & 1 else 0x80
+    entry = bytes(entry)
+    kept = pc.unseal(_CACHE_KEY, entry, _INDEX, "tinypkg")
+    assert pc.unseal(b"\x08" * 32, entry, _INDEX, "tinypkg") is None
+    assert pc.unseal(_CACHE_KEY, entry, _INDEX, "otherpkg") is None
+    if kept is None:
+        return
+    assert not (data[0] and data[1:]), "a changed entry was read"
+    assert kept.sha256 == hashlib.sha256(kept.body).hexdigest() and len(kept.body) <= pc.MAX_ENTRY_BYTES
+    assert isinstance(kept.fetched_at, float) and math.isfinite(kept.fetched_at)
+    assert 0 <= kept.index_max_age <= pc.MAX_STATED_AGE_S and set(kept.dialled) <= set(pc.DIALLED)
+    assert pc.unseal(_CACHE_KEY, pc.seal(_CACHE_KEY, kept), _INDEX, "tinypkg") == kept
+
+
 # -- values of %box_pull -----------------------------------------------------------------------------------------
 def _value_codec_seeds() -> list[bytes]:
     """Real encodings (rules/value_codec.encode) of what a notebook pulls: arrays of each kind, a DataFrame with a

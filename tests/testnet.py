@@ -58,6 +58,16 @@ WEB_SERVER = textwrap.dedent('''
                 self.wfile.write(body)
                 return
             return super().do_GET()
+        def end_headers(self):
+            # a Cache-Control for the index pages under /simple/ when the test put one in simple/.cache-control (as
+            # PyPI states max-age=600 for its pages)
+            if self.path.startswith("/simple/"):
+                try:
+                    with open(self.directory + "/simple/.cache-control") as f:
+                        self.send_header("Cache-Control", f.read().strip())
+                except OSError:
+                    pass
+            super().end_headers()
         def log_message(self, *a):
             pass
         def do_POST(self):

@@ -85,7 +85,11 @@ def package_rows(path: Path):
     return [c for c in open_run(path).crossings() if c.door == "packages"]
 
 
+PYPI_PAGES = b"max-age=600"  # the Cache-Control PyPI states for its simple pages
+
+
 def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(private_signer, index, tmp_path):
+    index.add_file("simple/.cache-control", PYPI_PAGES)
     before = venv_state()
     with Box(backend="bwrap", policy=policy(index), home=private_signer.home, bundle_path=tmp_path / "a.tkb") as b:
         r = pip(b, "tinypkg")
@@ -96,6 +100,7 @@ def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(p
     assert [(c.args["kind"], c.decision) for c in rows] == [("project", "allow"), ("file", "allow")]
     page, file = rows
     assert page.args["project"] == "tinypkg" and page.args["source"] == "index" and page.args["files"] == 1
+    assert page.args["index_max_age_s"] == 600
     assert file.args["sha256"] == file.args["got_sha256"] == sha(TINY) and file.args["size"] == len(TINY)
     assert file.args["filename"] == "tinypkg-1.0-py3-none-any.whl" and file.args["version"] == "1.0"
     assert file.args["source"] == "index" and file.result["bytes"] == len(TINY)
@@ -110,8 +115,12 @@ def test_pip_installs_through_the_door_then_from_the_cache_with_the_index_gone(p
         cell = b.execute("%pip install tinypkg\nimport tinypkg\nprint('value', tinypkg.VALUE)")  # as a notebook does
         text = "".join(o.get("text", "") for o in cell.outputs)
         assert cell.status == "ok" and "value 42" in text, cell.outputs
+    first = page
     page, file = package_rows(tmp_path / "b.tkb")
-    assert page.decision == "allow" and page.args["source"] == "cache" and page.args["index_unreachable"]
+    assert page.decision == "allow" and page.args["source"] == "cache"  # fresh: the index was not even asked
+    assert "index_unreachable" not in page.args and 0 <= page.args["age_s"] < 600 and page.args["fetched_at"]
+    assert page.args["page_sha256"] == first.args["page_sha256"]
+    assert page.args["served_sha256"] == first.args["served_sha256"]
     assert file.decision == "allow" and file.args["source"] == "cache" and file.args["got_sha256"] == sha(TINY)
     assert verify_bundle(tmp_path / "b.tkb", trust_path(private_signer.home)).valid
     assert venv_state() == before
@@ -257,6 +266,7 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
         private_signer, index, tmp_path):
     from tkbox_nb.audit.replay import rerun
     home, name = private_signer.home, "tinypkg-1.0-py3-none-any.whl"
+    index.add_file("simple/.cache-control", PYPI_PAGES)
     with Box(backend="bwrap", policy=policy(index), home=home, bundle_path=tmp_path / "a.tkb") as b:
         assert pip(b, "tinypkg").exit_code == 0
         b.run(["python", "-c", "import tinypkg; print(tinypkg.VALUE)"])
@@ -268,7 +278,7 @@ def test_a_rerun_installs_the_bytes_its_run_signed_from_the_cache_or_refuses_the
 
     rerun(tmp_path / "a.tkb", tmp_path / "kept.tkb", home=home, backend="bwrap")  # the host cache has the bytes
     page, file = package_rows(tmp_path / "kept.tkb")
-    assert page.decision == "allow" and page.args["source"] == "index"
+    assert page.decision == "allow" and page.args["source"] == "cache"  # the page kept by the original, still fresh
     assert (file.decision, file.args["source"], file.args["pinned"], file.args["got_sha256"]) == (
         "allow", "cache", sha(TINY), sha(TINY))
     assert outs(tmp_path / "kept.tkb")[-1] == b"42\n"
@@ -384,3 +394,46 @@ def test_replay_shows_what_the_door_let_in_under_the_cell_or_command_that_asked_
     assert big.source.startswith("Package door, during the command above")
     assert f"`bigpkg` `1.0`: `bigpkg-1.0-py3-none-any.whl`, sha256 `{sha(BIG)}`" in big.source
     assert "refused (`packages.max_file_bytes`)" in big.source
+
+
+def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(private_signer, index, tmp_path):
+    """A kept page younger than the index's max-age and page_max_age_s is served without asking the index;
+    page_max_age_s = 0 asks each time; an older one is fetched again; an index that says no-cache is asked each time;
+    an entry changed on the host's disk is never served; an index that cannot be reached is answered from the page
+    last kept, however old."""
+    home = private_signer.home
+    index.add_file("simple/.cache-control", PYPI_PAGES)
+
+    def install(name: str, max_age: float | None = None):
+        extra = f"page_max_age_s = {max_age}\n" if max_age is not None else ""
+        pol = Policy.from_toml(f'[packages]\nindex = ["http://{index.web}:8080/simple/"]\n{OPEN_TEST_NET}'
+                               f'allow = ["tinypkg"]\n{extra}')
+        with Box(backend="bwrap", policy=pol, home=home, bundle_path=tmp_path / f"{name}.tkb") as b:
+            r = pip(b, "tinypkg")
+            assert r.exit_code == 0, r.stdout.decode() + r.stderr.decode()
+        assert verify_bundle(tmp_path / f"{name}.tkb", trust_path(home)).valid
+        page, file = package_rows(tmp_path / f"{name}.tkb")
+        assert page.decision == file.decision == "allow" and file.args["got_sha256"] == sha(TINY)
+        return page.args
+
+    first = install("first")
+    assert first["source"] == "index" and "fetched_at" not in first
+    [entry] = (home / "packages" / "pages").glob("*.page")
+    data = entry.read_bytes()
+    entry.write_bytes(data[:-20] + b"x" + data[-19:])  # one byte of the kept page changed on the host's disk
+    corrupted = install("corrupted")
+    assert corrupted["source"] == "index" and corrupted["page_sha256"] == first["page_sha256"]
+    assert install("fresh")["source"] == "cache"  # the entry written again, whole
+    assert install("always", max_age=0)["source"] == "index"
+    time.sleep(1.1)  # older than a max age of 1 s: stale, fetched again
+    stale = install("stale", max_age=1)
+    assert stale["source"] == "index" and "index_unreachable" not in stale
+    index.add_file("simple/.cache-control", b"no-cache")  # as an index that states no max-age: pip asks each time
+    assert install("told", max_age=0)["source"] == "index"
+    unstated = install("unstated")
+    assert unstated["source"] == "index" and unstated["index_max_age_s"] == 0
+    web = index.procs[0]  # the index gone: the page last kept is served however old, and the record says why
+    os.killpg(web.pid, signal.SIGKILL)
+    web.wait(timeout=10)
+    down = install("down")
+    assert down["source"] == "cache" and down["index_unreachable"] and down["page_sha256"] == first["page_sha256"]

@@ -7,13 +7,16 @@ and each connection is one door stream carrying one request, answered with `Conn
 request are served, anything else is a 404:
 
 - `/simple/<project>/`: the project's name (PEP 503 normal form) is decided first; a refused one is signed and never
-  asked of any index. An allowed one's page is fetched by the host itself (its own TLS and trust store, no proxy, no
-  redirect followed) from the first index that has it, read strictly (rules/package_index.py), kept in the cache and
-  signed (`project`: the index, how many files, where the page came from, the host and the addresses it was
-  reached at: doors/package_fetch.py, which refuses a private or metadata address before connecting and dials only
-  the address it checked); an index that cannot be reached is
-  answered from the page last kept, and the record says so. The box gets the door's own page: every link on the
-  door, by sha256.
+  asked of any index. An allowed one's page comes from the host cache while it is fresh (younger than the max-age the
+  index stated, as pip's own cache keeps it, and than `[packages] page_max_age_s`: rules/package_cache.py; a second
+  box asks the index nothing), else it is fetched by the host itself (its own TLS and trust store, no proxy, no
+  redirect followed) from the first index that has it and kept (doors/package_store.py). Either way it is read
+  strictly (rules/package_index.py) under this box's policy and signed (`project`: the index, how many files, where
+  the page came from and, from the cache, when the index served it; the sha256 of the index's bytes and of the page
+  the box gets; the host and the addresses it was reached at: doors/package_fetch.py, which refuses a private or
+  metadata address before connecting and dials only the address it checked); an index that cannot be reached is
+  answered from the page last kept, however old, and the record says so. The box gets the door's own page: every link
+  on the door, by sha256.
 - `/files/<sha256>/<name>`: only a file of a page this box was served. Its bytes come from the content-addressed
   cache (a second box installs without touching the index) or from the index, read to one byte past
   `max_file_bytes`, hashed as they come; the file is then decided and signed (`file`: project, name, version, the
@@ -27,11 +30,11 @@ the host's environment is read-only in the box and is never changed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import queue
-import tempfile
 import threading
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,8 +42,10 @@ import h11
 
 from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.package_fetch import AddressRefused, checked, pinned_request
+from tkbox_nb.doors.package_store import Cache, digest
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
+from tkbox_nb.rules.package_cache import KeptPage, fresh, index_max_age
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
                                           parse_page, pin_files, project_of, render_page)
@@ -70,44 +75,6 @@ def box_env(port: int = PORT) -> dict[str, str]:
             "PIP_NO_INPUT": "1", "PIP_TIMEOUT": "900", "PIP_CONFIG_FILE": "/dev/null", "UV_INDEX_URL": base,
             "UV_DEFAULT_INDEX": base, "UV_HTTP_TIMEOUT": "900",
             "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
-
-
-class Cache:
-    """The host's package cache: files by their sha256 (`files/ab/abcd...`), pages by index and project."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def file_path(self, sha: str) -> Path:
-        return self.root / "files" / sha[:2] / sha
-
-    def page_path(self, index: str, project: str) -> Path:
-        return self.root / "pages" / (hashlib.sha256(f"{index}\0{project}".encode()).hexdigest() + ".json")
-
-    def _tmp(self) -> Path:
-        d = self.root / "tmp"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return d
-
-    def keep_page(self, index: str, project: str, files: list[IndexFile]) -> None:
-        from tkbox_nb.core.atomic_file import write_atomic
-        path = self.page_path(index, project)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_atomic(path, json.dumps([f.__dict__ for f in files]).encode())
-
-    def page(self, index: str, project: str) -> list[IndexFile] | None:
-        try:
-            return [IndexFile(**f) for f in json.loads(self.page_path(index, project).read_bytes())]
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def new_file(self):
-        return tempfile.NamedTemporaryFile(dir=self._tmp(), delete=False)
-
-    def keep_file(self, tmp: str, sha: str) -> None:
-        path = self.file_path(sha)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.replace(tmp, path)
 
 
 class _Refused(Exception):
@@ -191,7 +158,6 @@ class PackagesDoor(Door):
                     pass
 
     def _read(self, stream: Stream, conn: h11.Connection) -> str | None:
-        import time
         deadline = time.monotonic() + HEAD_TIMEOUT_S
         while True:
             event = conn.next_event()
@@ -238,24 +204,35 @@ class PackagesDoor(Door):
                 facts.update(e.facts)
             except Exception as e:  # a fault of this door on this page: refused, signed, never half served
                 facts["index_error"] = f"the package door failed reading the page ({type(e).__name__})"
+        page = render_page(project, files)
+        if "files" in facts:
+            facts["served_sha256"] = hashlib.sha256(page).hexdigest()  # the bytes the box gets
         crossing = recorder.decide(PACKAGES, "project", facts)
         if not crossing.allowed:
             raise self._refused(crossing)
         with self.lock:
             for f in files:
                 self.offered[f.sha256] = (project, f, facts["index"])
-        page = render_page(project, files)
         self._signed_send(crossing, len(page), lambda: self._answer(stream, conn, 200, page,
                                                                     "text/html; charset=utf-8", quiet=False))
 
     def _fetch_page(self, project: str) -> tuple[list[IndexFile], dict]:
-        """The project's files from the first index that has it (or its kept page when that index cannot be
-        reached), and what the record states of where they came from; IndexPageError when there are none."""
+        """The project's files from the first index that has it: its page kept in the host cache while fresh (the
+        index's max-age, at most `page_max_age_s`), else fetched (or, when that index cannot be reached, its page
+        last kept, of any age); and what the record states of where they came from. IndexPageError when none."""
         import httpx
         policy = self.box.policy
-        hosts = policy.get("packages", "file_hosts")
+        hosts, max_age = policy.get("packages", "file_hosts"), policy.get("packages", "page_max_age_s")
         for index in policy.get("packages", "index"):
             url, dialled = index.rstrip("/") + f"/{project}/", {}
+            kept = self.cache.page(index, project)
+            if kept is not None and fresh(kept.fetched_at, time.time(), min(kept.index_max_age, max_age)):
+                try:  # read again under this box's policy: a kept page offers nothing a fetched one could not
+                    return parse_page(kept.body, kept.content_type, project, kept.url, hosts), \
+                        {"index": index, **kept.dialled, **_kept_facts(kept, max_age)}
+                except IndexPageError:
+                    pass  # refused as read now: the index is asked
+            began = time.time()
             try:
                 try:
                     dialled, address = checked(policy, url)
@@ -275,17 +252,17 @@ class PackagesDoor(Door):
                         body += chunk
                         if len(body) > MAX_PAGE_BYTES:
                             raise IndexPageError(f"{index}: the page for {project} is over {MAX_PAGE_BYTES} bytes")
-                    ctype = r.headers.get("content-type", "")
+                    ctype, stated = r.headers.get("content-type", ""), index_max_age(r.headers.get("cache-control"))
             except httpx.HTTPError as e:
-                kept = self.cache.page(index, project)
                 if kept is None:
                     raise IndexPageError(f"{index} cannot be reached ({type(e).__name__}) and no page for {project} "
                                          "is kept") from None
-                return kept, {"index": index, "source": "cache", "index_unreachable": f"{type(e).__name__}",
-                              **dialled}
+                files = parse_page(kept.body, kept.content_type, project, kept.url, hosts)
+                return files, {"index": index, "index_unreachable": f"{type(e).__name__}", **dialled,
+                               **_kept_facts(kept, max_age)}
             files = parse_page(bytes(body), ctype, project, url, hosts)
-            self.cache.keep_page(index, project, files)
-            return files, {"index": index, "source": "index", **dialled,
+            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated))
+            return files, {"index": index, "source": "index", **dialled, "index_max_age_s": stated,
                            "page_sha256": hashlib.sha256(body).hexdigest()}
         raise IndexPageError(f"no index in [packages] index has {project}")
 
@@ -301,7 +278,7 @@ class PackagesDoor(Door):
                  "sha256": sha, "index": index}
         if self.pins.get(project, {}).get(name) == sha:  # a rerun's: only these bytes may be installed
             facts["pinned"] = sha
-        handle, source = self._cached(sha), "cache"
+        handle, source = self.cache.open_file(sha), "cache"
         if handle is None:
             source = "index"
             try:
@@ -317,7 +294,7 @@ class PackagesDoor(Door):
                 facts.update(e.facts)
             except _FetchError as e:
                 facts["fetch_error"] = str(e)[:300]
-        got, size = ("", 0) if handle is None else _digest(handle, limit)
+        got, size = ("", 0) if handle is None else digest(handle, limit)
         facts.update(source=source, got_sha256=got, size=size)
         try:
             with self.lock:  # one at a time, so each states the allowed bytes signed before it
@@ -337,19 +314,6 @@ class PackagesDoor(Door):
                 if source == "index" and os.path.exists(handle.name) and \
                         Path(handle.name).parent == self.cache.root / "tmp":
                     os.unlink(handle.name)
-
-    def _cached(self, sha: str):
-        """The kept file with that sha256, open, or None (a kept file whose bytes are not that is removed)."""
-        path = self.cache.file_path(sha)
-        try:
-            handle = open(path, "rb")
-        except OSError:
-            return None
-        if _digest(handle, 1 << 62)[0] != sha:
-            handle.close()
-            path.unlink(missing_ok=True)
-            return None
-        return handle
 
     def _download(self, f: IndexFile, limit: int, address: str):
         """The file from its index (at `address`, checked), into a temporary file of the cache, at most `limit` + 1
@@ -425,14 +389,10 @@ class _FetchError(Exception):
     pass
 
 
-def _digest(handle, limit: int) -> tuple[str, int]:
-    """(sha256, size) of an open file from its start, reading at most `limit` + 1 bytes."""
-    handle.seek(0)
-    h, n = hashlib.sha256(), 0
-    while n <= limit:
-        chunk = handle.read(min(1 << 20, limit + 1 - n))
-        if not chunk:
-            break
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n
+
+def _kept_facts(kept: KeptPage, max_age: float) -> dict:
+    """What the record states of a page served from the host cache: when the index served those bytes, how old
+    they are, the freshness rule (the index's max-age, the policy's), and their sha256."""
+    when = datetime.fromtimestamp(kept.fetched_at, timezone.utc).isoformat(timespec="milliseconds")
+    return {"source": "cache", "fetched_at": when, "age_s": round(time.time() - kept.fetched_at, 3),
+            "index_max_age_s": kept.index_max_age, "page_max_age_s": max_age, "page_sha256": kept.sha256}

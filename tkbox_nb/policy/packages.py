@@ -7,7 +7,9 @@ compared in their PEP 503 normal form (`Foo_Bar.baz` is `foo-bar-baz`), and so a
 `allow = ["Scikit_Learn"]` means scikit-learn. `deny` is read before `allow`. A file is decided on what the door saw:
 the index's sha256 for it and the sha256 of the bytes that came (they must be the same), its size (refused past
 `max_file_bytes`; the door stops reading one byte past it), and the run's bytes before it (refused past
-`max_total_bytes`). Pure: no clock, no I/O.
+`max_total_bytes`). `page_max_age_s` caps how long the door serves an index page from its host cache without
+asking the index (never longer than the index's own max-age, as pip: rules/package_cache.py; 0 = always ask). Pure:
+no clock, no I/O.
 
 Every index and file host is resolved by the door itself, which states the host and its whole answer (`host`,
 `addresses`) and dials only the address it checked: a host whose addresses include one that rules/addresses.py refuses
@@ -32,10 +34,11 @@ from tkbox_nb.rules.package_index import PROJECT, normalize
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
     "index": list, "allow": list, "deny": list, "file_hosts": list, "max_file_bytes": int, "max_total_bytes": int,
-    "timeout_s": (int, float), "allow_cidrs": list, "nameservers": list}
+    "timeout_s": (int, float), "allow_cidrs": list, "nameservers": list, "page_max_age_s": (int, float)}
 DEFAULTS: dict[str, Any] = {"index": [], "allow": [], "deny": [], "file_hosts": [], "max_file_bytes": 256 << 20,
                             "max_total_bytes": 2 << 30, "timeout_s": 60, "allow_cidrs": [],
-                            "nameservers": []}
+                            "nameservers": [], "page_max_age_s": 600}
+MAX_PAGE_AGE_S = 7 * 24 * 3600
 MAX_BYTES = 1 << 40
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -63,6 +66,10 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
     why = seconds_problem(section["timeout_s"], 600) if "timeout_s" in section else ""
     if why:
         raise PolicyError(f"{name}: packages.timeout_s {why}")
+    age = section.get("page_max_age_s", 0)
+    if isinstance(age, bool) or not (isinstance(age, (int, float)) and 0 <= age <= MAX_PAGE_AGE_S):
+        raise PolicyError(f"{name}: packages.page_max_age_s must be a number of seconds from 0 (always ask the index) "
+                          f"to {MAX_PAGE_AGE_S}, not {age!r}"[:300])
     for key in ("max_file_bytes", "max_total_bytes"):
         if key in section and not 0 < section[key] <= MAX_BYTES:
             raise PolicyError(f"{name}: packages.{key} must be from 1 to {MAX_BYTES} bytes, not {section[key]}")
