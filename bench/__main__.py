@@ -21,7 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=None, help="operations per measurement (default: each target's own)")
     p.add_argument("--backend", choices=["bwrap", "qemu"], default=None, help="the box backend (box target only)")
     p.add_argument("--parallel", type=int, default=None, help="jobs at once, for jobs/s (jobs target only)")
+    p.add_argument("--index-delay-ms", type=int, default=None,
+                   help="the modelled index distance, ms per request (packages target only; default 20)")
     a = p.parse_args(argv)
+    if a.index_delay_ms is not None and (a.index_delay_ms < 1 or any(t != "packages" for t in a.targets or TARGETS)):
+        p.error("--index-delay-ms N (N >= 1) applies to the packages target only: "
+                "python -m bench packages --index-delay-ms 20")
     if a.parallel is not None and (a.parallel < 1 or any(t != "jobs" for t in a.targets or TARGETS)):
         p.error("--parallel N (N >= 1) applies to the jobs target only: python -m bench jobs --parallel 4")
     if a.backend and any(t != "box" for t in a.targets or TARGETS):
@@ -34,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             TARGETS[name](a.n, backend=a.backend)
         elif a.parallel:
             TARGETS[name](a.n, parallel=a.parallel)
+        elif a.index_delay_ms is not None:
+            TARGETS[name](a.n, index_delay_ms=a.index_delay_ms)
         else:
             TARGETS[name](a.n)
     return 0

@@ -20,9 +20,19 @@ import time
 from pathlib import Path
 
 WEB_SERVER = textwrap.dedent('''
-    import http.server, sys
+    import http.server, os, sys, time
+    DELAY = os.path.join(os.path.dirname(sys.argv[2]), "delay-ms")  # NamespaceNet.set_delay_ms writes it
+    def wait():
+        # a modelled network distance: one wait per request before answering, standing for one round trip to a
+        # distant index (this machine has no netem to delay the link itself)
+        try:
+            with open(DELAY) as f:
+                time.sleep(int(f.read()) / 1000)
+        except (OSError, ValueError):
+            pass
     class H(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):
+            wait()
             if self.path.startswith("/redirect"):
                 self.send_response(302)
                 self.send_header("Location", sys.argv[3])
@@ -71,6 +81,7 @@ WEB_SERVER = textwrap.dedent('''
         def log_message(self, *a):
             pass
         def do_POST(self):
+            wait()
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             text = f"{self.command} {self.path}\\n" + "".join(f"{k}: {v}\\n" for k, v in self.headers.items())
             data = (text + "\\n").encode() + body
@@ -195,6 +206,12 @@ class NamespaceNet:
         path = self.root / "www" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+
+    def set_delay_ms(self, ms: int) -> None:
+        """From now on the web server waits `ms` milliseconds before answering each GET or POST (0: at once): a model
+        of an index that far away, one round trip per request, not a delayed network (no netem here). TCP handshakes,
+        DNS and bandwidth are not delayed."""
+        (self.root / "delay-ms").write_text(str(int(ms)))
 
     def __exit__(self, *exc) -> None:
         for p in self.procs:
