@@ -133,3 +133,69 @@ def test_the_config_disk_names_each_mount_s_target_and_its_disk_s_file_system_uu
         assert (read(f"/mounts/{i}"), read(f"/mounts/{i}.uuid")) == (target, want)
     assert disks[0][0] != disks[1][0] and read("/mounts/0.uuid") != read("/mounts/1.uuid")
     assert 'findfs "UUID=$u"' in INIT and "/serial" not in INIT  # the init finds them so, and no other way
+
+
+def _one_mount(tmp_path, size: int = 1 << 16):
+    from tkbox_nb.backends.mounts import prepare
+    from tkbox_nb.policy import Policy
+    src = tmp_path / "ds"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.bin").write_bytes(os.urandom(size))
+    home = tmp_path / "home"
+    home.mkdir()
+    return prepare(Policy.from_toml(f'[mounts.d]\nsource = "{src}"\ntarget = "/data"\n', "p.toml"), home, "qemu")[0]
+
+
+def test_every_make_of_the_same_mount_gives_its_disk_the_same_uuid_and_never_replaces_a_published_one(tmp_path):
+    """A dataset disk's file-system UUID is derived from the mount's signed digest (mke2fs -U), so a config disk
+    that names it names every make of that data; and a make publishes its disk only where none is (a link, not a
+    rename over it): the disk a box read the UUID of is the one its VMM opens (with mke2fs's random UUIDs and
+    os.replace, two boxes starting with the same new data could each name the other's make)."""
+    from tkbox_nb.backends.image import ext4_uuid
+    from tkbox_nb.backends.microvm import mount_disk, mount_disk_uuid, publish_disk
+    m = _one_mount(tmp_path)
+    a = mount_disk(m.source, m.digest, tmp_path / "cache-a")
+    b = mount_disk(m.source, m.digest, tmp_path / "cache-b")
+    assert ext4_uuid(a) == ext4_uuid(b) == mount_disk_uuid(m.digest)
+    assert mount_disk_uuid(m.digest) != mount_disk_uuid(m.digest[:-1] + ("0" if m.digest[-1] != "0" else "1"))
+    first = os.stat(a)
+    assert publish_disk(b, a) == a  # a second make that finishes later: the published disk stays
+    assert (os.stat(a).st_ino, os.stat(a).st_dev) == (first.st_ino, first.st_dev)
+    assert mount_disk(m.source, m.digest, tmp_path / "cache-a") == a and os.stat(a).st_ino == first.st_ino
+    assert [p.name for p in (tmp_path / "cache-a").iterdir()] == [a.name]  # no scratch left behind
+
+
+def test_boxes_making_the_same_new_mount_at_once_each_name_the_disk_at_its_path(tmp_path):
+    """Four makes of the same new mount at once (threads: copy, digest and mke2fs overlap), each then making its
+    config disk as a box would: every config names the UUID of the disk at the path once all are done, and every
+    make returned the file that is there at the end."""
+    import subprocess
+    import threading
+
+    from tkbox_nb.backends.image import ext4_uuid
+    from tkbox_nb.backends.microvm import config_disk, mount_disk
+    m = _one_mount(tmp_path, 1 << 20)
+    cache, got, errors = tmp_path / "cache", {}, []
+
+    def box(n: int) -> None:
+        try:
+            disk = mount_disk(m.source, m.digest, cache)
+            ino = os.stat(disk).st_ino
+            work = tmp_path / f"w{n}"
+            work.mkdir()
+            cfg = config_disk(BoxSpec(box_id=f"b{n}", seed=None, disks=[(str(disk), m.target)]), work, 90)
+            named = subprocess.run([shutil.which("debugfs", path="/usr/sbin:/sbin:/usr/bin:/bin"), "-R",
+                                    "cat /mounts/0.uuid", str(cfg)], capture_output=True, text=True, check=True)
+            got[n] = (disk, ino, named.stdout)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=box, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 4
+    (disk,) = {d for d, _, _ in got.values()}
+    assert {ino for _, ino, _ in got.values()} == {os.stat(disk).st_ino}
+    assert {named for _, _, named in got.values()} == {ext4_uuid(disk)}

@@ -194,13 +194,19 @@ def _du(path: Path) -> tuple[int, int]:
     return total, files
 
 
-def make_ext4(src: Path, out: Path, label: str, slack_mib: int = 16) -> None:
-    """An ext4 image of `src`, made without mounting (`mke2fs -d`), sized to its content plus room for metadata."""
+def make_ext4(src: Path, out: Path, label: str, slack_mib: int = 16, uuid: str | None = None) -> None:
+    """An ext4 image of `src`, made without mounting (`mke2fs -d`), sized to its content plus room for metadata.
+    With `uuid`, the file system's UUID and its directory hash seed are that one (not random) and mke2fs's own clock
+    is fixed (E2FSPROGS_FAKE_TIME), so two makes of the same content differ at most in the inodes' times, which
+    `-d` copies from the files it reads (their change times cannot be set)."""
     used, files = _du(src)
     size_kib = (used * 11 // 10 + (files + 1024) * 256 + (slack_mib << 20)) // 1024  # + inode tables
+    fixed, env = [], None
+    if uuid is not None:
+        fixed, env = ["-U", uuid, "-E", f"root_owner=0:0,hash_seed={uuid}"], {**os.environ, "E2FSPROGS_FAKE_TIME": "1"}
     _run(["mke2fs", "-q", "-F", "-t", "ext4", "-L", label, "-N", str(files + 1024), "-m", "0",
-          "-O", "^has_journal", "-E", "root_owner=0:0", "-d", str(src), str(out), f"{size_kib}K"],
-         _Progress(lambda s: None), f"making {label}")
+          "-O", "^has_journal", *(fixed or ["-E", "root_owner=0:0"]), "-d", str(src), str(out), f"{size_kib}K"],
+         _Progress(lambda s: None), f"making {label}", env=env)
 
 
 def ext4_uuid(image: Path) -> str:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ from tkbox_nb.backends.image import (CONFIG_LABEL, ENVIRONMENT, MOUNT_LABEL, Ima
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "root"}
 PR_SET_PDEATHSIG = 1
+DISK_UUID_NAMESPACE = uuid.UUID("6f1c2a4e-3b5d-5e7f-8a9b-0c1d2e3f4a5b")  # mount_disk_uuid's; never change it
 
 
 def kvm_usable() -> tuple[bool, str]:
@@ -98,11 +100,28 @@ def config_disk(spec: BoxSpec, workdir: Path, kernel_ready_s: float) -> Path:
     return out
 
 
+def mount_disk_uuid(digest: str) -> str:
+    """The file-system UUID of the disk of the mount whose signed digest is `digest`: derived from it, so every make
+    of the same data names the same UUID (a random one per make let a config disk name one disk's UUID while its VMM
+    opened another box's make of the same data, and the guest found no disk for that mount)."""
+    return str(uuid.uuid5(DISK_UUID_NAMESPACE, digest))
+
+
+def publish_disk(staged: Path, out: Path) -> Path:
+    """`staged` published at `out` only if no disk is there yet (a hard link, never a rename over it), and `out`: a
+    disk already published (by another box that made the same data at the same time) is kept and reused, so a path
+    a config disk was made from names the same file until its VMM opens it."""
+    with contextlib.suppress(FileExistsError):
+        os.link(staged, out)
+    return out
+
+
 def mount_disk(source: str, digest: str, cache: Path) -> Path:
     """A dataset mount as a read-only disk: an ext4 image (`mke2fs -d`, never mounted here) holding `data`, a copy
     of `source` (a directory or one file), cached in `cache` by the mount's signed `digest` so a second box reuses
     it. What the guest reads is what was signed: the image is made from a private copy whose digest, every file
-    read again, must be `digest`; a source that changed since it was digested is refused in one line."""
+    read again, must be `digest`; a source that changed since it was digested is refused in one line. Its file
+    system's UUID is derived from `digest` (mount_disk_uuid) and it is published only where none is (publish_disk)."""
     from tkbox_nb.bundle import mount_digest as md
     algo_hex = digest.rsplit(":", 1)[-1]
     if not (len(algo_hex) == 64 and all(c in "0123456789abcdef" for c in algo_hex)):
@@ -111,7 +130,7 @@ def mount_disk(source: str, digest: str, cache: Path) -> Path:
     out = cache / f"{algo_hex}.img"
     if out.is_file():
         return out
-    work = scratch.fresh(".mount-disk-", cache)  # on the cache's file system: the image is renamed into place
+    work = scratch.fresh(".mount-disk-", cache)  # on the cache's file system: the image is linked into place
     try:
         tree = work / "tree"
         tree.mkdir()
@@ -123,9 +142,9 @@ def mount_disk(source: str, digest: str, cache: Path) -> Path:
         if staged != digest:
             raise TkboxError(f"the mount source {source} changed while its disk was made (its copy's digest "
                              f"{staged[:25]}... is not the signed {digest[:25]}...): start the box again")
-        make_ext4(tree, work / "disk.img", MOUNT_LABEL, slack_mib=4)
+        make_ext4(tree, work / "disk.img", MOUNT_LABEL, slack_mib=4, uuid=mount_disk_uuid(digest))
         os.chmod(work / "disk.img", 0o600)
-        os.replace(work / "disk.img", out)
+        publish_disk(work / "disk.img", out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
