@@ -179,6 +179,51 @@ def test_a_file_pulled_again_replaces_what_was_pulled_but_never_what_the_user_ed
         assert _tree(tmp_path) == before  # nothing half-written, nothing outside the folder touched
     finally:
         c.stop()
+    # each pull's signed file result names what its write went over: the seed's digest (or none) the first time,
+    # the previous pull's the next (before, the record named only the seed's `base`, so a second pull's looked
+    # like a write over the starting file)
+    from tkbox_nb.doors.workspace_writer import sha256_file_digest as d
+    run = open_run(only_bundle(kernel_env))
+    files = [x for x in run.crossings() if x.door == "patch" and (x.args or {}).get("kind") == "file"]
+    over = {p: [(x.args["base"], x.result.get("applied_over"), x.result.get("applied_over_kind"))
+                for x in files if x.args["path"] == p] for p in ("r.txt", "seeded.txt")}
+    assert over == {"r.txt": [(None, None, "start"), (None, d(b"v1\n"), "last_write"),
+                              (None, d(b"v2!\n"), "last_write")],
+                    "seeded.txt": [(d(b"start\n"), d(b"start\n"), "start"),
+                                   (d(b"start\n"), d(b"box 1\n"), "last_write"),
+                                   (d(b"start\n"), d(b"box 2!\n"), "last_write")]}, over
+    r = run_cli("verify", str(only_bundle(kernel_env)))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_rename_whose_source_this_box_last_wrote_is_refused_in_the_words_of_that_rule(kernel_env, tmp_path):
+    """A rename's source is checked against what this box last wrote there when it wrote it (a pull), as its target
+    is; the refusal said "since the box started" all the same. Its signed result names the source's digest so."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "s.txt").write_text("start\n")
+    c = Client(folder)
+
+    def pull(path: str) -> str:
+        reply, outs = c.run(f"%box_pull {path}")
+        assert reply["status"] == "ok", reply
+        return "".join(x.get("text", "") for t, x in outs if t == "stream")
+    try:
+        c.run("open('s.txt', 'w').write('box 1\\n')")
+        assert pull("s.txt") == "s.txt: pulled (6 bytes), signed\n"
+        # the starting content again, under a new name: the box's change is now a rename of s.txt to t.txt
+        c.run("import os; open('s.txt', 'w').write('start\\n'); os.rename('s.txt', 't.txt')")
+        (folder / "s.txt").write_text("user\n")  # the user edits the pulled file on the host meanwhile
+        said = pull("t.txt")
+        assert said == "t.txt: not written: the rename source 's.txt' changed on the host since this box last " \
+                       "wrote it\n", said
+        assert (folder / "s.txt").read_text() == "user\n" and not (folder / "t.txt").exists()
+    finally:
+        c.stop()
+    from tkbox_nb.doors.workspace_writer import sha256_file_digest as d
+    [renamed] = [x for x in open_run(only_bundle(kernel_env)).crossings()
+                 if x.door == "patch" and (x.args or {}).get("op") == "rename"]
+    assert (renamed.args["from_base"], renamed.result["from_applied_over"]) == (d(b"start\n"), d(b"box 1\n"))
 
 
 def test_box_push_copies_a_host_file_in_signed_and_refuses_a_fifo_in_one_line(kernel_env, tmp_path):

@@ -248,7 +248,7 @@ class PatchDoor(Door):
                 change = FileChange(e.path, "delete" if e.op == "delete" else e.op, e.content, e.mode,
                                     self._written.get(e.path, facts["base"]), e.source,
                                     self._written.get(e.source, source_base) if e.source else source_base, old_mode,
-                                    "this box last wrote it" if e.path in self._written else "the box started")
+                                    _since(e.path in self._written), _since(e.source in self._written))
                 new = e.content if e.op != "delete" else None
                 old = self._old(e.source, facts.get("from_base"), new, digest) if e.op == "rename" else \
                     self._old(e.path, facts["base"], new, digest)
@@ -257,7 +257,8 @@ class PatchDoor(Door):
                 if e.op == "rename" and e.source:
                     self.accepted.pop(e.source, None)
                 # the file's bytes are out of the box and disclosed; applying is the summary's
-                done.append((crossing, "ok", {}, None))
+                done.append((crossing, "ok", _applied_over(change, e.path in self._written) if mode == "auto" else {},
+                             None))
             patch.files.append(fd)
             pending.append((fd, change))
         # Each allowed file is written beside its target (invisible) while the signer records the results and the
@@ -306,6 +307,21 @@ class PatchDoor(Door):
                         sha256_file_digest(change.content or b"")
                     if change.op == "rename" and change.source and change.source != change.path:
                         self._written[change.source] = None
+
+
+def _since(last_write: bool) -> str:
+    """What a write's expected host digest is the host file as of, in its refusal's words."""
+    return "this box last wrote it" if last_write else "the box started"
+
+
+def _applied_over(change: FileChange, last_write: bool) -> dict:
+    """An auto-applied file's signed result: what the write goes over on the host, the only digest the host file may
+    have for it to go ahead (null: no file), and whether that is the workspace the box started with ("start") or what
+    this box last wrote there ("last_write": a second %box_pull); a rename names its source's the same way."""
+    over = {"applied_over": change.base, "applied_over_kind": "last_write" if last_write else "start"}
+    if change.op == "rename":
+        over["from_applied_over"] = change.source_base
+    return over
 
 
 class _StageBehind:

@@ -37,6 +37,7 @@ class FileChange:
     source_base: str | None = None
     old_mode: int | None = None  # the mode the box started with (of a rename's source): None if not stated
     base_from: str = "the box started"  # what `base` is the host file as of (said when the host file moved on)
+    source_base_from: str = "the box started"  # the same of `source_base`
 
 
 @dataclass
@@ -278,7 +279,7 @@ def _stage(dirs: _Dirs, ch: FileChange, umask: int, written: set[str]) -> list:
         except _Refused:
             source_now = None
         if source_now is not None and source_now[0] != ch.source_base:
-            raise _Refused(f"the rename source {ch.source!r} changed on the host since the box started")
+            raise _Refused(f"the rename source {ch.source!r} changed on the host since {ch.source_base_from}")
         if source_now is not None:
             mode = kept_mode(source_now[1], ch.old_mode, ch.mode)
             if fold(ch.source) not in written:  # never unlink what the patch writes (its own target too)
