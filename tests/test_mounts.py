@@ -38,6 +38,31 @@ def dataset(root: Path) -> Path:
     return ds
 
 
+# The writes every backend's mount refuses, as entries of a `tries` dict in a script run in the box (the dataset of
+# `dataset` at /data; the script imports mmap and os). Each backend's test adds the ones it has besides.
+WRITE_TRIES = r"""    "write": lambda: open("/data/a.txt", "r+").write("x"),
+    "truncate": lambda: os.truncate("/data/a.txt", 0),
+    "create": lambda: open("/data/new.txt", "x"),
+    "mkdir": lambda: os.mkdir("/data/newdir"),
+    "chmod": lambda: os.chmod("/data/a.txt", 0o777),
+    "rename": lambda: os.rename("/data/a.txt", "/data/z.txt"),
+    "unlink": lambda: os.unlink("/data/a.txt"),
+    "symlink": lambda: os.symlink("/etc/passwd", "/data/l"),
+    "mmap": lambda: mmap.mmap(os.open("/data/sub/b.bin", os.O_RDONLY), 0, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE),
+"""
+
+
+def dataset_and_labels(root: Path) -> tuple[Path, Path, str]:
+    """Two mounts, a folder (`dataset`, at /data) and a file (labels.csv, at /labels.csv), and their policy's
+    [mounts] tables."""
+    ds = dataset(root)
+    labels = root / "labels.csv"
+    labels.write_text("id,label\n")
+    return ds, labels, (f'[mounts.data]\nsource = "{ds}"\ntarget = "/data"\n'
+                        f'[mounts.labels]\nsource = "{labels}"\ntarget = "/labels.csv"\n')
+
+
 def independent_digest(root: Path) -> str:
     """docs/bundle-format.md, "The workspace digest" (version 2), re-implemented: every entry's (path, kind, body)
     framed by 8-byte big-endian lengths, in the order of the paths' bytes, after the domain tag."""
@@ -90,20 +115,10 @@ import errno, hashlib, mmap, os
 print(open("/data/a.txt").read().strip(), hashlib.sha256(open("/data/sub/b.bin", "rb").read()).hexdigest())
 print(open("/data/inside-link", "rb").read() == open("/data/sub/b.bin", "rb").read())
 tries = {
-    "write": lambda: open("/data/a.txt", "r+").write("x"),
-    "truncate": lambda: os.truncate("/data/a.txt", 0),
-    "create": lambda: open("/data/new.txt", "x"),
-    "mkdir": lambda: os.mkdir("/data/newdir"),
-    "chmod": lambda: os.chmod("/data/a.txt", 0o777),
-    "chown": lambda: os.chown("/data/a.txt", 0, 0),
+""" + WRITE_TRIES + r"""    "chown": lambda: os.chown("/data/a.txt", 0, 0),
     "utime": lambda: os.utime("/data/a.txt", (0, 0)),
-    "rename": lambda: os.rename("/data/a.txt", "/data/z.txt"),
-    "unlink": lambda: os.unlink("/data/a.txt"),
     "rmdir": lambda: os.rmdir("/data/sub"),
-    "symlink": lambda: os.symlink("/etc/passwd", "/data/l"),
     "link": lambda: os.link("/data/a.txt", "/data/hard"),
-    "mmap": lambda: mmap.mmap(os.open("/data/sub/b.bin", os.O_RDONLY), 0, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE),
     "remount": lambda: os.system("mount -o remount,rw /data 2>/dev/null") == 0 or (_ for _ in ()).throw(OSError()),
 }
 for name, f in tries.items():
