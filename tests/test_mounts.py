@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import forged_bundle, run_cli
 
 from tkbox_nb import Box
 from tkbox_nb.core.errors import PolicyError, TkboxError
@@ -216,14 +216,11 @@ def test_the_signed_digest_is_the_documented_format_and_verify_checks_the_disclo
     report = verify_bundle(tmp_path / "r.tkb", trust=signer.trust_path)
     assert report.valid and any(c.name == "mounts" and c.ok for c in report.checks), report.summary()
     # a forged list (one file's digest changed, the bundle's manifest recomputed) no longer opens the signed digest
-    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file
     files = read_bundle_file(tmp_path / "r.tkb")
     files["box/mounts/data.jsonl"] = files["box/mounts/data.jsonl"].replace(
         hashlib.sha256(b"alpha\n").hexdigest().encode(), b"0" * 64)
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(tmp_path / "forged.tkb", files)
+    forged_bundle(files, tmp_path / "forged.tkb")
     report = verify_bundle(tmp_path / "forged.tkb", trust=signer.trust_path)
     assert not report.valid and report.first_failure.name == "mounts", report.summary()
     assert "not the signed" in report.summary(), report.summary()
