@@ -224,3 +224,36 @@ def _box_client(box: FakeBox, stream: FakeStream, request: bytes, timeout: float
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
             break
     return got
+
+
+@dataclass
+class HeldTunnel:
+    door: EgressDoor
+    box: FakeBox
+    relay: threading.Thread
+    held: list             # the upstream's accepted (connection, address), once accepted
+    server: socket.socket
+
+    def wait_accepted(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def held_tunnel(door_setup: Callable[[EgressDoor], None] | None = None) -> HeldTunnel:
+    """A tunnel relayed by the real EgressDoor (on a new FakeBox, `door_setup` applied to the door before the relay
+    starts) to an upstream on 127.0.0.1 that accepts and then neither sends nor closes."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
+    door = EgressDoor(box)
+    if door_setup:
+        door_setup(door)
+    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
+    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
+    relay = threading.Thread(target=door._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
+    relay.start()
+    return HeldTunnel(door, box, relay, held, server)

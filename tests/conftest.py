@@ -79,16 +79,25 @@ def run_cli(*args: str, cwd: str | Path | None = None, env: dict | None = None) 
 def tamper_content(src: Path, out: Path) -> Path:
     """A copy of `src` with one disclosed content item altered and the manifest recomputed (a forger's best)."""
     import base64
-    import hashlib
     import json
 
-    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file
     files = read_bundle_file(src)
     lines = files["box/content-0001.jsonl"].split(b"\n")
     item = json.loads(lines[0])
     item["b64"] = base64.b64encode(base64.b64decode(item["b64"]) + b" tampered").decode()
     lines[0] = json.dumps(item).encode()
     files["box/content-0001.jsonl"] = b"\n".join(lines)
+    return forged_bundle(files, out)
+
+
+def forged_bundle(files: dict[str, bytes], out: Path) -> Path:
+    """`files` (a bundle's, changed) written back as a bundle at `out`, the manifest's digests recomputed to match
+    them (a forger's best: only the signatures can tell). `files` gets the new manifest."""
+    import hashlib
+    import json
+
+    from tkbox_nb.bundle.archive import write_zip
     m = json.loads(files["manifest.json"])
     m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
     files["manifest.json"] = json.dumps(m, indent=1).encode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import VENV_BIN, record_run, run_cli, tamper_content
+from conftest import VENV_BIN, forged_bundle, record_run, run_cli, tamper_content
 
 from tkbox_nb.audit.verdict import read
 from tkbox_nb.bundle.read_back import open_run
@@ -41,18 +41,13 @@ def test_a_signed_verdict_verifies_names_its_runs_and_checks_against_them(signer
 
 def _forge(src, out, old: bytes, new: bytes):
     """A copy of `src` with `old` replaced by `new` in its disclosures, the manifest recomputed (a forger's best)."""
-    import hashlib
 
-    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file
     files = read_bundle_file(src)
     names = [n for n in files if n.startswith("box/disclosures") and old in files[n]]
     assert names
     files[names[0]] = files[names[0]].replace(old, new)
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(out, files)
-    return out
+    return forged_bundle(files, out)
 
 
 def test_a_tampered_verdict_is_refused(signer, tmp_path):

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import record_run, run_cli
+from conftest import forged_bundle, record_run, run_cli
 
 from tkbox_nb.bundle.archive import read_bundle_file, write_zip
 
@@ -28,11 +28,8 @@ def entries(path: Path) -> dict[str, bytes]:
 
 def rewrite(files: dict[str, bytes], out: Path, fix_manifest: bool = True) -> Path:
     """Write `files` back as a canonical zip, the manifest recomputed unless told not to (a forger's best effort)."""
-    files = dict(files)
     if fix_manifest:
-        m = json.loads(files["manifest.json"])
-        m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-        files["manifest.json"] = json.dumps(m, indent=1).encode()
+        return forged_bundle(dict(files), out)
     write_zip(out, files)
     return out
 

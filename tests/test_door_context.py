@@ -7,12 +7,12 @@ the whole of what a door may use.
 
 from __future__ import annotations
 
-import ast
 import inspect
 from pathlib import Path
 
 import pytest
 
+from tests.source_scan import attributes_of, set_in
 from tkbox_nb.box.box import Box
 from tkbox_nb.doors.context import DoorContext
 
@@ -25,16 +25,7 @@ MEMBERS = set(DoorContext.__annotations__) | {
 
 def used_of_the_box(path: Path) -> set[str]:
     """Each attribute read off the box in a door: `box.X`, and `self.box.X` in its classes."""
-    used = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if not isinstance(node, ast.Attribute):
-            continue
-        owner = node.value
-        if isinstance(owner, ast.Name) and owner.id == "box" or \
-                isinstance(owner, ast.Attribute) and owner.attr == "box" and \
-                isinstance(owner.value, ast.Name) and owner.value.id == "self":
-            used.add(node.attr)
-    return used
+    return attributes_of(path.read_text(), "box", str(path))
 
 
 def test_the_interface_is_what_the_doors_were_given():
@@ -51,11 +42,7 @@ def test_a_door_uses_only_door_context(door):
 
 def test_box_provides_every_member():
     """Methods on the class; attributes as Box.__init__ sets them (a Box is the context of its doors)."""
-    init = ast.parse(inspect.getsource(Box.__init__).replace("\n    ", "\n").strip())
-    targets = [t for node in ast.walk(init) if isinstance(node, (ast.Assign, ast.AnnAssign))
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
-    assigned = {t.attr for t in targets
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assigned = set_in(Box.__init__)
     missing = {m for m in MEMBERS if not callable(getattr(Box, m, None)) and m not in assigned}
     assert missing == set()
     for name in ("fail_closed", "exchange"):

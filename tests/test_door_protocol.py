@@ -6,13 +6,10 @@ gave it themselves, written out."""
 from __future__ import annotations
 
 import inspect
-import socket
-import threading
-import time
 
 import pytest
 
-from tests.bound_relay import FakeBox, FakeStream
+from tests.bound_relay import FakeBox, held_tunnel
 from tkbox_nb.box.box import Box
 from tkbox_nb.doors.cell import BoxKernel
 from tkbox_nb.doors.door import Door, environment, stop_all
@@ -23,9 +20,7 @@ from tkbox_nb.doors.model import DUMMY_KEY, ModelDoor
 from tkbox_nb.doors.packages import PackagesDoor
 from tkbox_nb.doors.patch import PatchDoor
 from tkbox_nb.policy import Policy
-from tkbox_nb.rules.proxy_request import ProxyRequest
 from tkbox_nb.rules.secrets import Binding
-from tkbox_nb.signing.recorder import Crossing
 
 DOORS = [ExecDoor, EgressDoor, PatchDoor, ModelDoor, PackagesDoor, BoxKernel]
 PROXY = "http://127.0.0.1:3128"
@@ -103,24 +98,13 @@ def test_a_door_that_fails_to_end_keeps_none_after_it_from_ending_signed():
     the door ended before it fails, and the tunnel still ends, its end signed, before the failure is raised. (The
     box ended its doors one after another: the model door's close failing left the egress door's tunnels open and
     unsigned.)"""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    held = []
-    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
-    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
-    egress = EgressDoor(box)
-    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
-    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
-    relay = threading.Thread(target=egress._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
-    relay.start()
-    deadline = time.monotonic() + 5
-    while not held and time.monotonic() < deadline:
-        time.sleep(0.05)
+    tunnel = held_tunnel()
+    egress, box, relay = tunnel.door, tunnel.box, tunnel.relay
+    tunnel.wait_accepted()
     with pytest.raises(KeyboardInterrupt):
         stop_all([Interrupted(), None, egress], "box stopped")
     relay.join(timeout=5)
     assert not relay.is_alive()
     (end,) = [e for e in box.recorder.log if e[0] == "complete"]
     assert end[3]["closed_by_door"] == "box stopped"
-    server.close()
+    tunnel.server.close()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tkbox_nb.rules.addresses import ALWAYS_REFUSED, SPECIAL, classify, embedded_ipv4
 from tkbox_nb.rules.hostnames import HostError, check_host
-from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
+from tkbox_nb.rules.proxy_request import ProxyRequestError, ProxyRequestParser
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
 from tkbox_nb.stream.events import Close, Data
@@ -473,35 +473,14 @@ def test_a_smuggling_request_through_the_door_never_reaches_the_server(monkeypat
     assert not [e for e in log if e[0] == "decide"]  # refused as it was read, before any decision or lookup
 
 
-def _held_tunnel(door_setup=None):
-    """A tunnel relayed by the real EgressDoor to an upstream that accepts and then neither sends nor closes."""
-    import socket
-    import threading
-
-    from tests.bound_relay import FakeBox, FakeStream
-    from tkbox_nb.doors.egress import EgressDoor
-    from tkbox_nb.signing.recorder import Crossing
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    held = []
-    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
-    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
-    door = EgressDoor(box)
-    if door_setup:
-        door_setup(door)
-    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
-    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
-    relay = threading.Thread(target=door._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
-    relay.start()
-    return door, box, relay, held
-
-
 def test_an_open_tunnel_is_closed_and_its_end_signed_when_the_box_stops():
     """An allowed host that accepts and then holds the connection kept the relay (a thread, a socket) for good,
     past the box's end, and the connection's end was never signed."""
     import time
-    door, box, relay, held = _held_tunnel()
+
+    from tests.bound_relay import held_tunnel
+    tunnel = held_tunnel()
+    door, box, relay = tunnel.door, tunnel.box, tunnel.relay
     time.sleep(0.3)
     assert relay.is_alive()
     door.stop("box stopped")
@@ -512,7 +491,9 @@ def test_an_open_tunnel_is_closed_and_its_end_signed_when_the_box_stops():
 
 
 def test_an_idle_tunnel_is_closed_and_its_end_signed():
-    door, box, relay, held = _held_tunnel(lambda d: setattr(d, "idle_timeout_s", 0.4))
+    from tests.bound_relay import held_tunnel
+    tunnel = held_tunnel(lambda d: setattr(d, "idle_timeout_s", 0.4))
+    door, box, relay = tunnel.door, tunnel.box, tunnel.relay
     relay.join(timeout=15)  # the relay gives the box's side 5 s to finish its upload after the download ended
     assert not relay.is_alive()
     (end,) = [e for e in box.recorder.log if e[0] == "complete"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.source_scan import is_named, set_in
 from tkbox_nb.jupyter.kernel.app import TkboxKernel
 from tkbox_nb.jupyter.kernel.port import KernelPort
 
@@ -27,9 +28,7 @@ MEMBERS = {name for name, value in vars(KernelPort).items()
 
 
 def is_port(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id == "port" or \
-        isinstance(node, ast.Attribute) and node.attr == "port" and isinstance(node.value, ast.Name) and \
-        node.value.id == "self"
+    return is_named(node, "port")
 
 
 def takes_port(tree: ast.Module) -> dict[str, list[str]]:
@@ -133,11 +132,7 @@ def test_the_kernel_gives_itself_only_to_helpers_as_their_port():
 
 def test_the_kernel_provides_every_member():
     """Methods on the class, with the protocol's parameters; attributes as TkboxKernel.__init__ sets them."""
-    init = ast.parse(inspect.getsource(TkboxKernel.__init__).replace("\n    ", "\n").strip())
-    targets = [t for node in ast.walk(init) if isinstance(node, (ast.Assign, ast.AnnAssign))
-               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
-    assigned = {t.attr for t in targets
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assigned = set_in(TkboxKernel.__init__)
     for name in sorted(MEMBERS):
         protocol = vars(KernelPort)[name]
         if isinstance(protocol, property):

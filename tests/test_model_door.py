@@ -16,7 +16,9 @@ from tkbox_nb.stream.events import Data
 BODY = b'{"model":"claude-x","max_tokens":60,"messages":[]}'
 
 
-def _upstream(answer: bytes) -> int:
+def upstream(answer: bytes, seen: list | None = None) -> int:
+    """A provider on 127.0.0.1 (its port returned): each connection's request, read to its JSON body's end, is kept
+    in `seen` (if given) and answered `answer`."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -36,6 +38,8 @@ def _upstream(answer: bytes) -> int:
                         if not more:
                             break
                         data += more
+                    if seen is not None:
+                        seen.append(data)
                     conn.sendall(answer)
                 except OSError:
                     pass
@@ -50,15 +54,20 @@ def _door(monkeypatch, port: int) -> ModelDoor:
     return ModelDoor(FakeBox(policy, []))
 
 
-def _call(door: ModelDoor, extra: bytes = b"") -> bytes:
+def serve(door: ModelDoor, request: bytes) -> bytes:
+    """What the door sends the box for one connection on which the box sent `request`."""
     stream = FakeStream()
-    stream.events.put(Data(p.CH_BYTES, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra
-                       + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY))
+    stream.events.put(Data(p.CH_BYTES, request))
     door._serve(stream)
     out = []
     while not door.box.conn.out.empty():
         out.append(door.box.conn.out.get() or b"")
     return b"".join(out)
+
+
+def _call(door: ModelDoor, extra: bytes = b"") -> bytes:
+    return serve(door, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra
+                 + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY)
 
 
 def _ends_signed(door: ModelDoor) -> None:
@@ -71,7 +80,7 @@ def _ends_signed(door: ModelDoor) -> None:
 def test_a_header_value_not_ascii_is_refused_400_and_signed(monkeypatch):
     """`Accept: \\xe9` passed h11 (obs-text) and made httpx raise UnicodeEncodeError: the allowed call was never
     signed as ended and its reserved output tokens never came back, so the run's budget shrank for good."""
-    door = _door(monkeypatch, _upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"))
+    door = _door(monkeypatch, upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"))
     for _ in range(2):
         out = _call(door, b"accept: \xe9\r\n")
         assert out.startswith(b"HTTP/1.1 400") and b"not visible ASCII" in out
@@ -81,7 +90,7 @@ def test_a_header_value_not_ascii_is_refused_400_and_signed(monkeypatch):
 
 
 def test_an_upstream_content_type_not_ascii_still_ends_the_call_signed(monkeypatch):
-    door = _door(monkeypatch, _upstream(b"HTTP/1.1 200 OK\r\ncontent-type: application/json; x=\xe9\r\n"
+    door = _door(monkeypatch, upstream(b"HTTP/1.1 200 OK\r\ncontent-type: application/json; x=\xe9\r\n"
                                         b"content-length: 2\r\nconnection: close\r\n\r\n{}"))
     out = _call(door)
     assert out.startswith(b"HTTP/1.1 200") and b"content-type: application/json; x=?" in out
@@ -94,7 +103,7 @@ def test_a_response_that_reports_no_usage_is_charged_what_the_call_reserved(monk
     a run output budget let call after call through."""
     stream = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
               b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    port = _upstream(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
+    port = upstream(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
                      b"connection: close\r\n\r\n" % len(stream) + stream)
     monkeypatch.setenv("TKB_TEST_KEY", "sk-legal")
     door = ModelDoor(FakeBox(Policy.from_toml(

@@ -6,18 +6,15 @@ model door with tests/bound_relay's in-memory stream and a recorder deciding wit
 from __future__ import annotations
 
 import json
-import socket
-import threading
 
 import pytest
 
-from tests.bound_relay import FakeBox, FakeStream
-from tkbox_nb.guest import protocol as p
+from tests.bound_relay import FakeBox
+from tests.test_model_door import serve, upstream
 from tkbox_nb.doors.model import ModelDoor
 from tkbox_nb.rules.model_fetches import provider_fetches
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy
-from tkbox_nb.stream.events import Data
 
 ANTHROPIC = {"model": "claude-x", "max_tokens": 60,
              "tools": [{"type": "web_fetch_20250910", "name": "web_fetch", "allowed_domains": ["docs.tkb.test"]},
@@ -101,42 +98,15 @@ def test_the_policy_refuses_them_by_default_and_decides_each_host_against_egress
 
 
 def _upstream(seen: list) -> int:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
     answer = b'{"id":"m","usage":{"input_tokens":1,"output_tokens":1}}'
-
-    def run():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                while b"\r\n\r\n" not in data or not data.endswith(b"}"):
-                    more = conn.recv(65536)
-                    if not more:
-                        break
-                    data += more
-                seen.append(data)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n" % len(answer) + answer)
-    threading.Thread(target=run, daemon=True).start()
-    return server.getsockname()[1]
+    return upstream(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n" % len(answer) + answer, seen)
 
 
 def _call(door: ModelDoor, path: bytes, doc: dict) -> bytes:
     body = json.dumps(doc).encode()
-    stream = FakeStream()
-    stream.events.put(Data(p.CH_BYTES, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
-                       b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body))
-    door._serve(stream)
-    out = []
-    while not door.box.conn.out.empty():
-        out.append(door.box.conn.out.get() or b"")
-    return b"".join(out)
+    return serve(door, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
+                 b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
 
 def test_a_call_naming_a_web_fetch_tool_an_mcp_server_and_an_image_url_through_the_door(monkeypatch):

@@ -10,8 +10,10 @@ import json
 import shutil
 from pathlib import Path
 
+from conftest import forged_bundle
+
 import tkbox_nb.bundle.verify
-from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+from tkbox_nb.bundle.archive import read_bundle_file
 from tkbox_nb.doors.model_replay import recordings_from_bundle
 from tkbox_nb.bundle.read_back import open_run
 
@@ -37,10 +39,7 @@ def altered(src: Path, out: Path) -> tuple[bytes, tuple[str, str, str]]:
             lines.append(line)
         files[name] = b"\n".join(lines)
     files["box/disclosures.jsonl"] = files["box/disclosures.jsonl"].replace(old.encode(), new.encode())
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(out, files)
+    forged_bundle(files, out)
     assert open_run(out).content(new) == forged
     return body, (call.args["provider"], call.args["endpoint"], call.args["request"])
 

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import forged_bundle, run_cli
 
 from tkbox_nb import Box
 from tkbox_nb.core.errors import PolicyError, TkboxError
@@ -36,6 +36,31 @@ def dataset(root: Path) -> Path:
     os.chmod(ds / "run.sh", 0o755)
     os.symlink("sub/b.bin", ds / "inside-link")
     return ds
+
+
+# The writes every backend's mount refuses, as entries of a `tries` dict in a script run in the box (the dataset of
+# `dataset` at /data; the script imports mmap and os). Each backend's test adds the ones it has besides.
+WRITE_TRIES = r"""    "write": lambda: open("/data/a.txt", "r+").write("x"),
+    "truncate": lambda: os.truncate("/data/a.txt", 0),
+    "create": lambda: open("/data/new.txt", "x"),
+    "mkdir": lambda: os.mkdir("/data/newdir"),
+    "chmod": lambda: os.chmod("/data/a.txt", 0o777),
+    "rename": lambda: os.rename("/data/a.txt", "/data/z.txt"),
+    "unlink": lambda: os.unlink("/data/a.txt"),
+    "symlink": lambda: os.symlink("/etc/passwd", "/data/l"),
+    "mmap": lambda: mmap.mmap(os.open("/data/sub/b.bin", os.O_RDONLY), 0, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE),
+"""
+
+
+def dataset_and_labels(root: Path) -> tuple[Path, Path, str]:
+    """Two mounts, a folder (`dataset`, at /data) and a file (labels.csv, at /labels.csv), and their policy's
+    [mounts] tables."""
+    ds = dataset(root)
+    labels = root / "labels.csv"
+    labels.write_text("id,label\n")
+    return ds, labels, (f'[mounts.data]\nsource = "{ds}"\ntarget = "/data"\n'
+                        f'[mounts.labels]\nsource = "{labels}"\ntarget = "/labels.csv"\n')
 
 
 def independent_digest(root: Path) -> str:
@@ -90,20 +115,10 @@ import errno, hashlib, mmap, os
 print(open("/data/a.txt").read().strip(), hashlib.sha256(open("/data/sub/b.bin", "rb").read()).hexdigest())
 print(open("/data/inside-link", "rb").read() == open("/data/sub/b.bin", "rb").read())
 tries = {
-    "write": lambda: open("/data/a.txt", "r+").write("x"),
-    "truncate": lambda: os.truncate("/data/a.txt", 0),
-    "create": lambda: open("/data/new.txt", "x"),
-    "mkdir": lambda: os.mkdir("/data/newdir"),
-    "chmod": lambda: os.chmod("/data/a.txt", 0o777),
-    "chown": lambda: os.chown("/data/a.txt", 0, 0),
+""" + WRITE_TRIES + r"""    "chown": lambda: os.chown("/data/a.txt", 0, 0),
     "utime": lambda: os.utime("/data/a.txt", (0, 0)),
-    "rename": lambda: os.rename("/data/a.txt", "/data/z.txt"),
-    "unlink": lambda: os.unlink("/data/a.txt"),
     "rmdir": lambda: os.rmdir("/data/sub"),
-    "symlink": lambda: os.symlink("/etc/passwd", "/data/l"),
     "link": lambda: os.link("/data/a.txt", "/data/hard"),
-    "mmap": lambda: mmap.mmap(os.open("/data/sub/b.bin", os.O_RDONLY), 0, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE),
     "remount": lambda: os.system("mount -o remount,rw /data 2>/dev/null") == 0 or (_ for _ in ()).throw(OSError()),
 }
 for name, f in tries.items():
@@ -201,14 +216,11 @@ def test_the_signed_digest_is_the_documented_format_and_verify_checks_the_disclo
     report = verify_bundle(tmp_path / "r.tkb", trust=signer.trust_path)
     assert report.valid and any(c.name == "mounts" and c.ok for c in report.checks), report.summary()
     # a forged list (one file's digest changed, the bundle's manifest recomputed) no longer opens the signed digest
-    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file
     files = read_bundle_file(tmp_path / "r.tkb")
     files["box/mounts/data.jsonl"] = files["box/mounts/data.jsonl"].replace(
         hashlib.sha256(b"alpha\n").hexdigest().encode(), b"0" * 64)
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(tmp_path / "forged.tkb", files)
+    forged_bundle(files, tmp_path / "forged.tkb")
     report = verify_bundle(tmp_path / "forged.tkb", trust=signer.trust_path)
     assert not report.valid and report.first_failure.name == "mounts", report.summary()
     assert "not the signed" in report.summary(), report.summary()

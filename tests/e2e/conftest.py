@@ -49,6 +49,15 @@ def qemu_image():
 # -- the browser tests: a Jupyter server on loopback, headless Chromium from Debian driven by Playwright --------------
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 JUPYTER_LAB = Path(sys.executable).parent / "jupyter-lab"
+NEEDS_A_BROWSER = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
+                                     reason="needs Debian's chromium and jupyterlab (make test installs both)")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "out" / "test-artifacts"
+
+
+def screenshot(page, name: str) -> None:
+    """The page as it is now, whole, kept as out/test-artifacts/NAME.png."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 def free_port() -> int:

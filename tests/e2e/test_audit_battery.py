@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import forged_bundle, run_cli
 
 from tkbox_nb import Box, open_run
 from tkbox_nb.audit.compare import EXIT_INCOMPARABLE, audit
@@ -143,9 +143,8 @@ def _made_to_look_like(src: Path, old: bytes, new: bytes, out: Path) -> Path:
     """A copy of `src` whose disclosed content has `old` replaced by `new` (the content's digests left as they were,
     the bundle's manifest recomputed): a forger's edit that makes a different run read like another one."""
     import base64
-    import hashlib
 
-    from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+    from tkbox_nb.bundle.archive import read_bundle_file
     files = read_bundle_file(src)
     for name in [n for n in files if n.startswith("box/content-")]:
         lines = files[name].split(b"\n")
@@ -155,11 +154,7 @@ def _made_to_look_like(src: Path, old: bytes, new: bytes, out: Path) -> Path:
                 item["b64"] = base64.b64encode(base64.b64decode(item["b64"]).replace(old, new)).decode()
                 lines[i] = json.dumps(item).encode()
         files[name] = b"\n".join(lines)
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(out, files)
-    return out
+    return forged_bundle(files, out)
 
 
 def test_a_bundle_that_does_not_verify_is_not_audited(runs, tmp_path):

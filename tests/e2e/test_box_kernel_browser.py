@@ -9,7 +9,6 @@ Screenshots under out/test-artifacts/.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -18,15 +17,13 @@ import pytest
 from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.jupyter.run_view import PAGE_SIZE
 
-from .conftest import (CHROMIUM, JUPYTER_LAB, box_notebook, jupyter_lab, notebook_url, open_box_notebook,
-                       output_text, run_cell, wait_for_output)
+from .conftest import (NEEDS_A_BROWSER, box_notebook, jupyter_lab, notebook_url, open_box_notebook, output_text,
+                       run_cell, screenshot, wait_for_output)
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 pytestmark = [
-    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
-                       reason="needs Debian's chromium and jupyterlab (make test installs both)"),
+    NEEDS_A_BROWSER,
     pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
 ]
 
@@ -62,8 +59,7 @@ def test_a_notebook_in_the_box_with_widgets_clear_output_and_the_run_view(browse
         open_box_notebook(page, notebook_url(base, token, ui, f"box-{ui}.ipynb"))
         _drive(page, ui)
     except BaseException:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / f"box-kernel-{ui}-failed.png"), full_page=True)
+        screenshot(page, f"box-kernel-{ui}-failed")
         raise
     finally:
         page.close()
@@ -104,5 +100,4 @@ def _drive(page, ui: str) -> None:
     page.wait_for_selector(".tkbox-verdict", timeout=120_000)
     verdict = page.locator(".tkbox-verdict").inner_text()
     assert "VALID" in verdict and "INVALID" not in verdict, verdict
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"box-kernel-{ui}.png"), full_page=True)
+    screenshot(page, f"box-kernel-{ui}")

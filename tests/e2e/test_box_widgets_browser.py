@@ -14,7 +14,6 @@ then saved and reloaded, so the page loads every widget again from the box's `up
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -23,14 +22,12 @@ import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
 
-from .conftest import CHROMIUM, JUPYTER_LAB, box_notebook, jupyter_lab, run_cell, wait_for_output
+from .conftest import NEEDS_A_BROWSER, box_notebook, jupyter_lab, run_cell, screenshot, wait_for_output
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 pytestmark = [
-    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
-                       reason="needs Debian's chromium and jupyterlab (make test installs both)"),
+    NEEDS_A_BROWSER,
     pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
 ]
 
@@ -123,8 +120,7 @@ def test_no_widget_of_the_box_s_runs_script_or_fetches_a_remote_url_in_the_page(
 
 
 def _nothing_ran_nor_left(page, ui: str, when: str, requested: list[str], off_loopback: list[str]) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"box-widgets-{ui}{when}.png"), full_page=True)
+    screenshot(page, f"box-widgets-{ui}{when}")
     assert page.evaluate("window.tkboxPwned") is None
     assert "PWNED" not in page.title()
     assert "plain html" in page.locator(".widget-html-content").first.inner_text()  # the link never copied

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import socket
-import zipfile
 
 import pytest
 from testnet import NamespaceNet, available
+from wheels import wheel
 
 from tkbox_nb import Box, Policy, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
@@ -154,24 +152,9 @@ def test_a_redirect_is_a_new_request_decided_again(signer, net, tmp_path):
     assert [(r.args["host"], r.decision) for r in rows] == [("web.tkb.test", "allow"), ("other.tkb.test", "deny")]
 
 
-def _wheel(name: str, version: str) -> tuple[str, bytes]:
-    """A minimal pure-Python wheel, built here (no network, no build backend)."""
-    dist = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": b"VALUE = 'installed through the door'\n",
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tkbox-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},"
-                     f"{len(d)}\n" for n, d in files.items()) + f"{dist}/RECORD,,\n"
-    files[f"{dist}/RECORD"] = record.encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for n, d in files.items():
-            z.writestr(n, d)
-    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
-
-
 def test_pip_installs_a_package_through_the_door(signer, net, tmp_path):
-    filename, data = _wheel("tkbtestpkg", "1.0")
+    filename = "tkbtestpkg-1.0-py3-none-any.whl"  # a pure-Python wheel made here (tests/wheels.py): no PyPI
+    data = wheel("tkbtestpkg", "1.0", "VALUE = 'installed through the door'\n")
     net.add_file(f"simple/tkbtestpkg/{filename}", data)
     net.add_file("simple/tkbtestpkg/index.html", f'<a href="{filename}">{filename}</a>'.encode())
     with Box(backend="bwrap", policy=policy(net, ["web.tkb.test:8080"]), bundle_path=tmp_path / "p.tkb") as b:

@@ -11,10 +11,10 @@ import platform
 
 import pytest
 
-from conftest import run_cli
+from conftest import forged_bundle, run_cli
 from tkbox_nb import Box, open_run
 from tkbox_nb.backends.bwrap import BwrapBackend
-from tkbox_nb.bundle.archive import read_bundle_file, write_zip
+from tkbox_nb.bundle.archive import read_bundle_file
 from tkbox_nb.bundle.verify import verify_bundle
 from tkbox_nb.jupyter.run_view import summary
 
@@ -74,14 +74,6 @@ def _environment_item(files: dict[str, bytes], digest: str) -> tuple[str, int, d
     raise AssertionError("no environment manifest in the bundle")
 
 
-def _rewrite(files: dict[str, bytes], out):
-    m = json.loads(files["manifest.json"])
-    m["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in files.items() if n != "manifest.json"}
-    files["manifest.json"] = json.dumps(m, indent=1).encode()
-    write_zip(out, files)
-    return out
-
-
 @pytest.mark.parametrize("how", ["bytes", "bytes-and-digest", "not-json"])
 def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
     """A forger's best: the manifest edited (pandas said to be another version), the bundle's file list recomputed,
@@ -102,7 +94,7 @@ def test_a_tampered_environment_manifest_is_invalid(ran, tmp_path, how):
     lines = files[name].split(b"\n")
     lines[i] = json.dumps(item).encode()
     files[name] = b"\n".join(lines)
-    report = verify_bundle(_rewrite(files, tmp_path / "forged.tkb"))
+    report = verify_bundle(forged_bundle(files, tmp_path / "forged.tkb"))
     assert not report.valid and report.exit_code == 1, report.summary()
     assert report.first_failure.name in ("content", "box manifest"), report.summary()
     r = run_cli("verify", str(tmp_path / "forged.tkb"))

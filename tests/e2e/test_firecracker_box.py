@@ -27,7 +27,7 @@ from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.bundle.verify import verify_bundle
 
 from test_firecracker import standin_binary
-from test_mounts import dataset, independent_digest, start_args
+from test_mounts import dataset_and_labels, independent_digest, start_args
 
 from tkbox_nb.backends.firecracker import MAX_MOUNT_DISKS
 
@@ -108,11 +108,7 @@ def test_a_firecracker_box_reads_its_mounts_from_read_only_drives_and_signs_thei
     each by the UUID the config disk names and binds its extracted content read-only at the target (docs/backends.md
     says what only a real Firecracker shows: the guest kernel's ro,noexec mount)."""
     log = tmp_path / "api.jsonl"
-    ds = dataset(tmp_path)
-    labels = tmp_path / "labels.csv"
-    labels.write_text("id,label\n")
-    toml = (f'[mounts.data]\nsource = "{ds}"\ntarget = "/data"\n'
-            f'[mounts.labels]\nsource = "{labels}"\ntarget = "/labels.csv"\n')
+    ds, labels, toml = dataset_and_labels(tmp_path)
     box = fc_box(qemu_image, standin_binary(tmp_path, FC_STANDIN_LOG=str(log)), bundle_path=tmp_path / "m.tkb",
                  policy=Policy.from_toml(toml, "p.toml")).start()
     writes = WRITES.replace('    "exec": lambda: subprocess.run(["/data/run.sh"], check=True),\n', "")

@@ -622,23 +622,37 @@ def test_box_restart_starts_the_next_box_in_the_background(kernel_env):
     assert datetime.datetime.fromisoformat(second.crossings()[0].time.replace("Z", "+00:00")) < before
 
 
+def machine_policy(tmp_path, monkeypatch, toml: str, name: str = "machine.toml") -> Path:
+    """The machine's policy (TKBOX_POLICY, read by each kernel started after this): `toml`, written as `name`."""
+    policy = tmp_path / name
+    policy.write_text(toml)
+    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    return policy
+
+
+def refused_until_a_policy_cell(c: Client, policy_cell: str, code: str = "print('now')", prints: str = "now\n") -> str:
+    """The kernel's first cell fails, printing nothing of its own; after `policy_cell` (a %%box_policy the machine
+    can run) `code` runs in a box that starts then and prints `prints`. Returns the first cell's error line."""
+    reply, outs = c.run("print('never')")
+    assert reply["status"] == "error", reply
+    assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
+    refused = reply["evalue"]
+    c.run(policy_cell)
+    reply, outs = c.run(code)
+    assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": prints}) in outs, (reply, outs)
+    return refused
+
+
 def _machine_policy_that_cannot_start(tmp_path, monkeypatch) -> None:
     """The machine's policy (TKBOX_POLICY) names Firecracker, which has no guest image here: its early box fails."""
-    policy = tmp_path / "fc.toml"
-    policy.write_text('[box]\nbackend = "firecracker"\n')
-    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    machine_policy(tmp_path, monkeypatch, '[box]\nbackend = "firecracker"\n', "fc.toml")
 
 
 def test_an_early_box_that_cannot_start_says_why_on_the_first_cell(kernel_env, tmp_path, monkeypatch):
     _machine_policy_that_cannot_start(tmp_path, monkeypatch)
     c = Client()
-    try:
-        reply, outs = c.run("print('never')")
-        assert reply["status"] == "error" and "guest image" in reply["evalue"]
-        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
-        reply, _ = c.run("%%box_policy\n[exec]\ncells = true\n")  # a policy the machine can run: the next box starts
-        reply, outs = c.run("print('now')")
-        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
+    try:  # then a policy the machine can run: the next box starts
+        assert "guest image" in refused_until_a_policy_cell(c, "%%box_policy\n[exec]\ncells = true\n")
     finally:
         c.stop()
 
@@ -922,10 +936,9 @@ def test_a_central_signer_that_never_answers_fails_the_first_cell_closed_with_on
     (tmp_path / "ca.pem").write_bytes(BoxCA("test").trust_bundle())
     (tmp_path / "token").write_text("tk_nothing\n")
     (tmp_path / "store.dsn").write_text("host=/nonexistent\n")
-    policy = tmp_path / "central.toml"
-    policy.write_text(f'[signer]\nurl = "https://127.0.0.1:{standin.address[1]}"\ntoken_file = "{tmp_path}/token"\n'
-                      f'ca = "{tmp_path}/ca.pem"\nstore_dsn_file = "{tmp_path}/store.dsn"\n')
-    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    machine_policy(tmp_path, monkeypatch, f'[signer]\nurl = "https://127.0.0.1:{standin.address[1]}"\n'
+                   f'token_file = "{tmp_path}/token"\nca = "{tmp_path}/ca.pem"\n'
+                   f'store_dsn_file = "{tmp_path}/store.dsn"\n', "central.toml")
     home = tmp_path / "home"
     monkeypatch.setenv("TKBOX_HOME", str(home))
     t0 = time.monotonic()

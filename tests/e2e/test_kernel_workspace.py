@@ -11,7 +11,7 @@ from tkbox_nb.backends.bwrap import BwrapBackend
 from tkbox_nb.core.tree_digest import tree_digest
 
 from . import test_kernel
-from .test_kernel import Client, only_bundle
+from .test_kernel import Client, machine_policy, only_bundle, refused_until_a_policy_cell
 
 kernel_env = test_kernel.kernel_env
 
@@ -60,20 +60,13 @@ def test_an_oversize_folder_refuses_the_box_in_one_line_naming_its_largest_entry
     (folder / "big").mkdir(parents=True)
     (folder / "big" / "blob.bin").write_bytes(b"\0" * (3 << 20))
     (folder / "small.txt").write_text("x")
-    policy = tmp_path / "p.toml"
-    policy.write_text("[workspace]\nmax_mib = 2\n")
-    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    machine_policy(tmp_path, monkeypatch, "[workspace]\nmax_mib = 2\n", "p.toml")
     c = Client(folder)
     try:
-        reply, outs = c.run("print('never')")
-        assert reply["status"] == "error", reply
-        line = reply["evalue"]
-        assert "\n" not in line and "'big' 3 MiB" in line and "max_mib = 2" in line and "[mounts.NAME]" in line
-        assert not any(t == "stream" and "never" in x.get("text", "") for t, x in outs)
         # TKBOX_WORKSPACE is not read by a running kernel; a policy naming an empty workspace starts the next box
-        reply, _ = c.run('%%box_policy\n[workspace]\npath = "none"\n')
-        reply, outs = c.run("import os; print(os.listdir('.'))")
-        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "[]\n"}) in outs
+        line = refused_until_a_policy_cell(c, '%%box_policy\n[workspace]\npath = "none"\n',
+                                           "import os; print(os.listdir('.'))", "[]\n")
+        assert "\n" not in line and "'big' 3 MiB" in line and "max_mib = 2" in line and "[mounts.NAME]" in line
     finally:
         c.stop()
 
@@ -82,20 +75,13 @@ def test_a_vm_policy_without_an_image_answers_kernel_info_and_fails_the_first_ce
                                                                                              monkeypatch):
     """Before, the box's backend was chosen before the kernel served anything: no backend for `isolation = "vm"`
     raised there, the kernel died before kernel_info, and JupyterLab restarted it five times."""
-    policy = tmp_path / "vm.toml"
-    policy.write_text('[box]\nisolation = "vm"\n')
-    monkeypatch.setenv("TKBOX_POLICY", str(policy))
+    machine_policy(tmp_path, monkeypatch, '[box]\nisolation = "vm"\n', "vm.toml")
     c = Client()  # wait_for_ready: kernel_info answered
     try:
         assert c.km.is_alive()
-        reply, outs = c.run("print('never')")
-        assert reply["status"] == "error", reply
-        line = reply["evalue"]
+        line = refused_until_a_policy_cell(c, '%%box_policy\n[box]\nisolation = "namespace"\n')
         assert "\n" not in line and "isolation >= 'vm'" in line
         assert "tkbox image build" in line and 'isolation = "namespace"' in line
-        reply, _ = c.run('%%box_policy\n[box]\nisolation = "namespace"\n')
-        reply, outs = c.run("print('now')")
-        assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "now\n"}) in outs
     finally:
         c.stop()
 

@@ -12,7 +12,6 @@ box runs and what to do, and the kernel is idle afterwards. Screenshots under ou
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from pathlib import Path
 
@@ -20,15 +19,13 @@ import pytest
 
 from tkbox_nb.backends.bwrap import BwrapBackend
 
-from .conftest import (CHROMIUM, JUPYTER_LAB, box_notebook, jupyter_lab, notebook_url, open_box_notebook,
-                       output_text, run_cell, wait_for_output)
+from .conftest import (NEEDS_A_BROWSER, box_notebook, jupyter_lab, notebook_url, open_box_notebook, output_text,
+                       run_cell, screenshot, wait_for_output)
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "out" / "test-artifacts"
 
 pytestmark = [
-    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
-                       reason="needs Debian's chromium and jupyterlab (make test installs both)"),
+    NEEDS_A_BROWSER,
     pytest.mark.skipif(not BwrapBackend().available()[0], reason=BwrapBackend().available()[1]),
 ]
 
@@ -56,11 +53,6 @@ def server(signer, tmp_path_factory):
         box_notebook(project / f"analysis-{ui}.ipynb", _cells(ui))
     with jupyter_lab(root, {"JUPYTER_PATH": str(ROOT)}) as (base, token):
         yield base, token, root
-
-
-def _screenshot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 @pytest.mark.parametrize("ui", ["lab", "nb7"])
@@ -96,12 +88,12 @@ def test_a_box_cell_reads_the_csv_beside_the_notebook_and_box_pull_brings_its_re
             listing.goto(f"{base}/tree/project?token={token}")
         listing.wait_for_function("t => [...document.querySelectorAll('.jp-DirListing-item')]"
                                   ".some(e => e.innerText.includes(t))", arg=result, timeout=90_000)
-        _screenshot(listing, f"notebook-folder-{ui}-listing")
+        screenshot(listing, f"notebook-folder-{ui}-listing")
         if listing is not page:
             listing.close()
-        _screenshot(page, f"notebook-folder-{ui}")
+        screenshot(page, f"notebook-folder-{ui}")
     except BaseException:
-        _screenshot(page, f"notebook-folder-{ui}-failed")
+        screenshot(page, f"notebook-folder-{ui}-failed")
         raise
     finally:
         page.close()
@@ -153,9 +145,9 @@ def test_a_box_that_cannot_start_shows_why_on_the_first_cell_and_the_kernel_stay
         assert "No Kernel" not in page.inner_text("body")
         log = (root / "server.log").read_text(errors="replace")
         assert "restarting kernel" not in log.lower() and "KernelRestarter" not in log, log[-3000:]
-        _screenshot(page, f"box-cannot-start-{ui}")
+        screenshot(page, f"box-cannot-start-{ui}")
     except BaseException:
-        _screenshot(page, f"box-cannot-start-{ui}-failed")
+        screenshot(page, f"box-cannot-start-{ui}-failed")
         raise
     finally:
         page.close()

@@ -9,7 +9,7 @@ import hashlib
 import os
 
 import pytest
-from test_mounts import dataset, independent_digest, start_args
+from test_mounts import WRITE_TRIES, dataset, dataset_and_labels, independent_digest, start_args
 
 from tkbox_nb.backends.microvm import mount_disk
 from tkbox_nb.backends.mounts import prepare
@@ -24,17 +24,7 @@ pytestmark = pytest.mark.slow
 WRITES = r"""
 import ctypes, mmap, os, subprocess
 tries = {
-    "write": lambda: open("/data/a.txt", "r+").write("x"),
-    "truncate": lambda: os.truncate("/data/a.txt", 0),
-    "create": lambda: open("/data/new.txt", "x"),
-    "mkdir": lambda: os.mkdir("/data/newdir"),
-    "chmod": lambda: os.chmod("/data/a.txt", 0o777),
-    "rename": lambda: os.rename("/data/a.txt", "/data/z.txt"),
-    "unlink": lambda: os.unlink("/data/a.txt"),
-    "symlink": lambda: os.symlink("/etc/passwd", "/data/l"),
-    "mmap": lambda: mmap.mmap(os.open("/data/sub/b.bin", os.O_RDONLY), 0, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE),
-    "exec": lambda: subprocess.run(["/data/run.sh"], check=True),
+""" + WRITE_TRIES + r"""    "exec": lambda: subprocess.run(["/data/run.sh"], check=True),
     "file": lambda: open("/labels.csv", "a").write("x"),
 }
 
@@ -66,11 +56,8 @@ print(open("/data/a.txt").read().strip(), open("/labels.csv").read().strip())
 
 
 def test_a_qemu_box_reads_its_mounts_from_read_only_disks_and_signs_their_digests(signer, qemu_image, tmp_path):
-    ds = dataset(tmp_path)
-    labels = tmp_path / "labels.csv"
-    labels.write_text("id,label\n")
-    toml = (f'[box]\nbackend = "bwrap"\n[mounts.data]\nsource = "{ds}"\ntarget = "/data"\n'
-            f'[mounts.labels]\nsource = "{labels}"\ntarget = "/labels.csv"\n')
+    ds, labels, mounts = dataset_and_labels(tmp_path)
+    toml = '[box]\nbackend = "bwrap"\n' + mounts
     box = qemu_box(qemu_image, policy=toml, bundle_path=tmp_path / "r.tkb")
     with box:
         r = box.run(["sh", "-c", "sha256sum /data/sub/b.bin; cat /data/a.txt /labels.csv; readlink /data/inside-link;"

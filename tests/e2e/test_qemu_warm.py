@@ -139,21 +139,9 @@ def _is_template(pid: str) -> bool:
 def test_a_state_that_does_not_restore_is_set_aside_and_made_again(signer, qemu_image, state, tmp_path):
     """A saved state QEMU cannot load (here its stream header is damaged) fails that one box with QEMU's reason, is
     set aside, and the next box makes a new state and starts."""
-    from tkbox_nb.backends.image import Image
     from tkbox_nb.core.errors import TkboxError
-    copy = tmp_path / "img"
-    (copy / "warm").mkdir(parents=True)
-    for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
-        (copy / f).symlink_to(qemu_image.path / f)
-    image = Image(qemu_image.digest, copy)
-    key = state.path.stem
-    bad = copy / "warm" / f"{key}.vmstate"
-    with open(state.path, "rb") as src, open(bad, "wb") as dst:
-        dst.write(b"\0" * 8)  # no QEVM magic: QEMU refuses the stream
-        src.seek(8)
-        dst.write(src.read())
-    os.chmod(bad, 0o600)
-    (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
+    # no QEVM magic: QEMU refuses the stream
+    image, copy, key = _image_with_a_changed_state(qemu_image, state, tmp_path, lambda data: b"\0" * 8 + data[8:])
     assert find_state(image, key) is not None
     box = _box(image, tmp_path, "bad")
     with pytest.raises(TkboxError, match="saved state is set aside.*(migration|magic|load)"):
@@ -170,20 +158,10 @@ def test_a_state_whose_bytes_are_not_those_recorded_fails_before_the_go_and_is_s
                                                                                          tmp_path):
     """The run signs `warm:sha256:` of the state as it was made; a state changed since (same size, owner, mode: the
     checks find_state makes) is hashed as QEMU reads it, and the box fails before the GO, naming both hashes."""
-    from tkbox_nb.backends.image import Image
     from tkbox_nb.core.errors import TkboxError
-    copy = tmp_path / "img"
-    (copy / "warm").mkdir(parents=True)
-    for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
-        (copy / f).symlink_to(qemu_image.path / f)
-    image = Image(qemu_image.digest, copy)
-    key = state.path.stem
-    changed = copy / "warm" / f"{key}.vmstate"
-    data = bytearray(state.path.read_bytes())
-    data[-1] ^= 0xFF  # the stream's last byte: QEMU may still load it; the hash cannot match
-    changed.write_bytes(bytes(data))
-    os.chmod(changed, 0o600)
-    (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
+    # the stream's last byte: QEMU may still load it; the hash cannot match
+    image, copy, key = _image_with_a_changed_state(qemu_image, state, tmp_path,
+                                                   lambda data: data[:-1] + bytes([data[-1] ^ 0xFF]))
     assert find_state(image, key) is not None  # size, owner and mode all pass
     box = _box(image, tmp_path, "changed")
     with pytest.raises(TkboxError, match=f"not those recorded.*recorded {state.sha256[:16]}"):
@@ -191,6 +169,22 @@ def test_a_state_whose_bytes_are_not_those_recorded_fails_before_the_go_and_is_s
     box.stop()
     assert find_state(image, key) is None and (copy / "warm" / f"{key}.vmstate.bad").exists()
     assert "not those recorded" in open_run_reason(tmp_path / "changed.tkb")
+
+
+def _image_with_a_changed_state(qemu_image, state: WarmState, tmp_path: Path, change) -> tuple:
+    """(image, its folder, the state's key): a copy of the image (its files linked) whose saved state is `state`'s
+    stream passed through `change`, with the mode and record find_state checks as they were made."""
+    from tkbox_nb.backends.image import Image
+    copy = tmp_path / "img"
+    (copy / "warm").mkdir(parents=True)
+    for f in ("vmlinuz", "initrd.img", "root.img", "manifest.json"):
+        (copy / f).symlink_to(qemu_image.path / f)
+    key = state.path.stem
+    changed = copy / "warm" / f"{key}.vmstate"
+    changed.write_bytes(change(state.path.read_bytes()))
+    os.chmod(changed, 0o600)
+    (copy / "warm" / f"{key}.json").write_bytes(state.path.with_suffix(".json").read_bytes())
+    return Image(qemu_image.digest, copy), copy, key
 
 
 def open_run_reason(bundle: Path) -> str:

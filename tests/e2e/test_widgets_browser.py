@@ -6,7 +6,6 @@ copy shows the failing row. Screenshots of both are kept under out/test-artifact
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -14,13 +13,9 @@ import nbformat
 import pytest
 from conftest import record_run, tamper_content
 
-from .conftest import CHROMIUM, JUPYTER_LAB, jupyter_lab
+from .conftest import NEEDS_A_BROWSER, jupyter_lab, screenshot
 
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "out" / "test-artifacts"
-
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and JUPYTER_LAB.exists()),
-                                reason="needs Debian's chromium and jupyterlab (make test installs both)")
+pytestmark = NEEDS_A_BROWSER
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +61,7 @@ def test_view_filters_denied_egress_and_verifies_valid(browser, lab):
     verdict = page.locator(".tkbox-verdict").inner_text()
     assert verdict.startswith("VALID"), verdict
     assert "✔ valid" in page.locator(".tkbox-table").inner_text()
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "view-valid.png"), full_page=True)
+    screenshot(page, "view-valid")
     page.close()
 
 
@@ -81,6 +75,5 @@ def test_view_of_a_tampered_copy_shows_the_failing_row(browser, lab):
     assert verdict.startswith("INVALID") and "content" in verdict, verdict
     failing = page.locator(".tkbox-verified", has_text="✘")
     assert failing.count() >= 1 and "content" in failing.first.inner_text()
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "view-tampered.png"), full_page=True)
+    screenshot(page, "view-tampered")
     page.close()
