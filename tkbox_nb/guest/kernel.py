@@ -33,10 +33,17 @@ except ValueError:
 CHANNELS = ("shell", "control", "stdin")
 # run silently just before a cell the host numbered (p.COUNT_KEY): the kernel's count moves up to the frontend's n,
 # and its In history gains an empty entry for each number the box never ran (a host-magic cell), so that In[n],
-# Out[n], _n and _i<n> name the cell the notebook shows as [n]; never moved back
-SET_COUNT = ("(lambda ip, n: [h.extend([''] * (n - len(h))) for h in (ip.history_manager.input_hist_parsed, "
-             "ip.history_manager.input_hist_raw)] and setattr(ip, 'execution_count', max(n, ip.execution_count)))"
-             "(get_ipython(), %d)")
+# Out[n], _n and _i<n> name the cell the notebook shows as [n]; never moved back. It runs in the user's namespace, so
+# it names nothing a cell may have rebound (`from numpy import *` brings a `max`; a cell may set `len = None`): only
+# `__import__`, which no star import exports, and the real builtins and shell reached through it. Everything it
+# reads is read before anything changes, the count moves before the history is padded, and a jump of more than
+# COUNT_MAX_JUMP numbers (a rerun's count comes from a bundle, hostile input) changes nothing at all: the box then
+# keeps its own numbering rather than pad billions of entries
+COUNT_MAX_JUMP = 10_000
+SET_COUNT = ("(lambda b, ip, n: (lambda hs: 0 < n - ip.execution_count <= %d and [b.setattr(ip, 'execution_count', n)] "
+             "and [h.extend([''] * b.min(n - b.len(h), %d)) for h in hs])("
+             "(ip.history_manager.input_hist_parsed, ip.history_manager.input_hist_raw)))"
+             "(__import__('builtins'), __import__('IPython').get_ipython(), %%d)") % (COUNT_MAX_JUMP, COUNT_MAX_JUMP)
 BATCH_BYTES = 256 * 1024  # messages joined into one door write at most (a larger one goes alone)
 
 
