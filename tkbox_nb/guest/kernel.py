@@ -99,6 +99,7 @@ class KernelBridge:
         # msg_ids of the bridge's own requests (readiness probes, a cell's count), each with what is still to come of
         # it ("reply" on shell, "idle" on iopub): all of it stays here, and the id is forgotten once none is left
         self.own = {}
+        self.counting = {}  # msg_id of each count setting still to answer: (its number, the numbered cell's header)
         self.ready = False
         self.stopped = False
         threading.Thread(target=self._loop, daemon=True, name="tkbox-kernel").start()
@@ -128,9 +129,10 @@ class KernelBridge:
             out["metadata"] = dict(out["metadata"])
             count = out["metadata"].pop(p.COUNT_KEY)
             if type(count) is int and 0 < count < 2 ** 31 and out["header"].get("msg_type") == "execute_request":
-                self._own_request("execute_request", {
+                own = self._own_request("execute_request", {
                     "code": SET_COUNT % count, "silent": True, "store_history": False, "user_expressions": {},
                     "allow_stdin": False, "stop_on_error": False}, ("reply", "idle"))
+                self.counting[own] = (count, out["header"])
         self.session.send(self.sockets[channel], out, buffers=buffers)
 
     # -- to the host ---------------------------------------------------------------------------------------------
@@ -156,6 +158,8 @@ class KernelBridge:
         if not hmac.compare_digest(signature, self.session.sign(parts)):
             return 0
         if self.own and self._is_own(channel, parts):
+            if channel == "shell" and self.counting:
+                self._count_failed(parts, out)
             return 0
         data = (b'{"channel":"', channel.encode(), b'","header":', parts[0], b',"parent_header":', parts[1],
                 b',"metadata":', parts[2], b',"content":', parts[3], b',"buffers":[',
@@ -164,6 +168,25 @@ class KernelBridge:
         out.append(p.MSG_HEADER.pack(size))
         out.extend(data)
         return size
+
+    def _count_failed(self, parts, out):
+        """The reply to a count setting: when it failed (a cell rebound `__import__`), a line on the numbered cell's
+        stderr says so, ahead of that cell's own reply (the same socket, in order), so the cell shows it; the setter
+        changed nothing (SET_COUNT reads everything before it changes anything)."""
+        try:
+            parent = json.loads(parts[1].decode("utf-8")).get("msg_id")
+            content = json.loads(parts[3].decode("utf-8"))
+        except (ValueError, AttributeError):
+            return
+        n, header = self.counting.pop(parent, (None, None))
+        if header is None or not isinstance(content, dict) or content.get("status") == "ok":
+            return
+        why = ("%s: %s" % (content.get("ename"), content.get("evalue")))[:200]
+        msg = self.session.msg("stream", {"name": "stderr", "text": (
+            "tkbox: the box could not number this cell [%d] (%s); In, Out and _n in the box keep its own numbers "
+            "(a cell that rebinds __import__ or __builtins__ stops the numbering)\n" % (n, why))}, parent=header)
+        data = json.dumps(dict(msg, channel="iopub", buffers=[]), separators=(",", ":")).encode("utf-8")
+        out.extend((p.MSG_HEADER.pack(len(data)), data))
 
     def _drain(self, sock, channel, out):
         """Every message already waiting on a kernel socket, into `out`: a cell's last messages (its reply on shell,
@@ -206,6 +229,7 @@ class KernelBridge:
         msg = self.session.msg(msg_type, content)
         self.own[msg["header"]["msg_id"]] = set(waits)
         self.session.send(self.sockets["shell"], msg)
+        return msg["header"]["msg_id"]
 
     def _probe(self):
         self._own_request("kernel_info_request", {}, ("idle",))
