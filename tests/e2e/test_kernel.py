@@ -1174,6 +1174,53 @@ def test_the_box_s_in_out_and_underscore_names_use_the_number_the_frontend_shows
     assert r.returncode == 0 and r.stdout.startswith("EQUIVALENT") and "exec cells 3/3" in r.stdout, r.stdout
 
 
+def test_the_box_s_numbers_hold_after_a_cell_rebinds_max_len_and_setattr(client):
+    """The bridge's count setter looked up max, len, setattr and get_ipython in the user's namespace: after `from
+    numpy import *` (numpy 2's max) it raised, its error stayed in the box, In was padded but the count not moved, and
+    from then on In/Out/_n in the box named other cells than the frontend shows. It now names only `__import__`."""
+    def number(code):
+        reply, outs = client.run(code)
+        assert reply["status"] == "ok", (code, reply)
+        return reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream")
+
+    assert number("from numpy import *")[0] == 1
+    assert number("%box_status")[0] == 2
+    assert number("20 + 2")[0] == 3
+    n, text = number("print(sorted(Out), Out[3], _3, repr(In[3]), repr(In[2]), len(In))")
+    assert n == 4 and text == "[3] 22 22 '20 + 2' '' 5\n", text
+    assert number("max = None; len = None; setattr = None; min = None")[0] == 5
+    assert number("%box_status")[0] == 6
+    assert number("30 + 3")[0] == 7
+    n, text = number("print(sorted(Out), Out[7], _7, repr(In[7]), repr(In[6]), In.__len__())")
+    assert n == 8 and text == "[3, 7] 33 33 '30 + 3' '' 9\n", text
+
+
+def test_a_cell_the_box_could_not_number_says_so_and_its_numbers_are_left_as_they_were(client, kernel_env):
+    """The count setter's failure stayed in the box (its error was the bridge's own answer), after it had padded In
+    but before it moved the count. Now a cell that rebinds `__import__` (the one name the setter still looks up in the
+    user's namespace) gets a line on the numbered cell's stderr, and the setter changed nothing: no padding."""
+    def number(code):
+        reply, outs = client.run(code)
+        assert reply["status"] == "ok", (code, reply)
+        return (reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream" and
+                                                  c.get("name") == "stdout"),
+                "".join(c.get("text", "") for t, c in outs if t == "stream" and c.get("name") == "stderr"))
+
+    assert number("__import__ = None") == (1, "", "")
+    assert number("%box_status")[0] == 2
+    n, _, err = number("20 + 2")
+    assert n == 3 and err.startswith("tkbox: the box could not number this cell [3] (TypeError:"), err
+    n, _, err = number("del __import__")
+    assert n == 4 and "could not number this cell [4]" in err, err
+    n, text, err = number("print(sorted(Out), repr(In[2]), len(In))")  # the failed settings padded nothing
+    assert n == 5 and text == "[2] '20 + 2' 6\n" and err == "", (text, err)
+    client.stop()
+    run = open_run(only_bundle(kernel_env))  # the line is the cell's own output, signed with it, no stray message
+    cells = [c for c in run.crossings() if c.door == "exec"]
+    assert [(c.args or {}).get("kind") for c in cells] == ["cell"] * 4 and verify_bundle(only_bundle(kernel_env)).valid
+    assert "could not number this cell [3]" in run.content(cells[1].result["outputs"]).decode()
+
+
 def test_what_jupyterlab_does_at_page_load_and_unload_signs_no_deny(kernel_env):
     """Every JupyterLab session signed a deny the user did not cause (issue 36: `comm_fault`, "a comm the box does
     not hold, from=frontend", so `%box_status` said `1 deny`): at page load the widget manager asks comm_info, opens

@@ -298,6 +298,20 @@ def _steps(run: Run) -> list:
     return out
 
 
+def rerun_counts(steps: list) -> dict[int, int | None]:
+    """Each cell's number in the rerun's box (its In/Out/_n), by seq: the number the original's box gave it, read
+    from its signed result, a value the original box returned and so hostile. Only an int that is positive, below
+    2**31 and above every number taken before it is taken; any other cell gets None (its box's own next number).
+    The box's setter moves its count by at most guest/kernel.COUNT_MAX_JUMP as well."""
+    out, last = {}, 0
+    for c in steps:
+        if c.door == EXEC and (c.args or {}).get("kind") == "cell":
+            n = c.result.get("execution_count") if isinstance(c.result, dict) else None
+            out[c.seq] = n if type(n) is int and last < n < 2 ** 31 else None
+            last = out[c.seq] or last
+    return out
+
+
 def _data_differences(run: Run, policy: Any, home: str | Path | None) -> dict[str, str]:
     """mounts.rerun_differences for the run's signed box.start and disclosed mount lists."""
     from tkbox_nb.backends.mounts import rerun_differences
@@ -370,7 +384,7 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
         from tkbox_nb.doors.model_replay import recordings_from_run
         nb.model_replay = recordings_from_run(run)
     nb.package_pins = package_pins(run) or None  # the package door serves the same bytes, or refuses naming the file
-    magics = _rerun_magics(nb)
+    magics, counts = _rerun_magics(nb), rerun_counts(steps)
     for c in steps:
         a = c.args or {}
         if c.door == HOST:
@@ -388,10 +402,9 @@ def rerun(bundle: str | Path | Run, out: str | Path, policy: str | Path | None =
                 asked = user_expressions(run, c)[0]
                 if a.get("user_expressions") and not asked:
                     raise TkboxError(f"cell {c.seq}: its user_expressions are not disclosed in the bundle")
-                count = (c.result or {}).get("execution_count")  # the number the original's box gave it
                 nb.ensure_box().execute((run.content(a.get("code", "")) or b"").decode("utf-8", "replace"),
                                         user_expressions={str(k): str(v) for k, v in asked.items()} or None,
-                                        execution_count=count if type(count) is int and 0 < count < 2 ** 31 else None)
+                                        execution_count=counts.get(c.seq))
                 continue
             stdin = run.content(a["stdin"]) if a.get("stdin") else None
             if a.get("stdin") and stdin is None:

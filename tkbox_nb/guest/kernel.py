@@ -33,10 +33,17 @@ except ValueError:
 CHANNELS = ("shell", "control", "stdin")
 # run silently just before a cell the host numbered (p.COUNT_KEY): the kernel's count moves up to the frontend's n,
 # and its In history gains an empty entry for each number the box never ran (a host-magic cell), so that In[n],
-# Out[n], _n and _i<n> name the cell the notebook shows as [n]; never moved back
-SET_COUNT = ("(lambda ip, n: [h.extend([''] * (n - len(h))) for h in (ip.history_manager.input_hist_parsed, "
-             "ip.history_manager.input_hist_raw)] and setattr(ip, 'execution_count', max(n, ip.execution_count)))"
-             "(get_ipython(), %d)")
+# Out[n], _n and _i<n> name the cell the notebook shows as [n]; never moved back. It runs in the user's namespace, so
+# it names nothing a cell may have rebound (`from numpy import *` brings a `max`; a cell may set `len = None`): only
+# `__import__`, which no star import exports, and the real builtins and shell reached through it. Everything it
+# reads is read before anything changes, the count moves before the history is padded, and a jump of more than
+# COUNT_MAX_JUMP numbers (a rerun's count comes from a bundle, hostile input) changes nothing at all: the box then
+# keeps its own numbering rather than pad billions of entries
+COUNT_MAX_JUMP = 10_000
+SET_COUNT = ("(lambda b, ip, n: (lambda hs: 0 < n - ip.execution_count <= %d and [b.setattr(ip, 'execution_count', n)] "
+             "and [h.extend([''] * b.min(n - b.len(h), %d)) for h in hs])("
+             "(ip.history_manager.input_hist_parsed, ip.history_manager.input_hist_raw)))"
+             "(__import__('builtins'), __import__('IPython').get_ipython(), %%d)") % (COUNT_MAX_JUMP, COUNT_MAX_JUMP)
 BATCH_BYTES = 256 * 1024  # messages joined into one door write at most (a larger one goes alone)
 
 
@@ -92,6 +99,7 @@ class KernelBridge:
         # msg_ids of the bridge's own requests (readiness probes, a cell's count), each with what is still to come of
         # it ("reply" on shell, "idle" on iopub): all of it stays here, and the id is forgotten once none is left
         self.own = {}
+        self.counting = {}  # msg_id of each count setting still to answer: (its number, the numbered cell's header)
         self.ready = False
         self.stopped = False
         threading.Thread(target=self._loop, daemon=True, name="tkbox-kernel").start()
@@ -121,9 +129,10 @@ class KernelBridge:
             out["metadata"] = dict(out["metadata"])
             count = out["metadata"].pop(p.COUNT_KEY)
             if type(count) is int and 0 < count < 2 ** 31 and out["header"].get("msg_type") == "execute_request":
-                self._own_request("execute_request", {
+                own = self._own_request("execute_request", {
                     "code": SET_COUNT % count, "silent": True, "store_history": False, "user_expressions": {},
                     "allow_stdin": False, "stop_on_error": False}, ("reply", "idle"))
+                self.counting[own] = (count, out["header"])
         self.session.send(self.sockets[channel], out, buffers=buffers)
 
     # -- to the host ---------------------------------------------------------------------------------------------
@@ -149,6 +158,8 @@ class KernelBridge:
         if not hmac.compare_digest(signature, self.session.sign(parts)):
             return 0
         if self.own and self._is_own(channel, parts):
+            if channel == "shell" and self.counting:
+                self._count_failed(parts, out)
             return 0
         data = (b'{"channel":"', channel.encode(), b'","header":', parts[0], b',"parent_header":', parts[1],
                 b',"metadata":', parts[2], b',"content":', parts[3], b',"buffers":[',
@@ -157,6 +168,25 @@ class KernelBridge:
         out.append(p.MSG_HEADER.pack(size))
         out.extend(data)
         return size
+
+    def _count_failed(self, parts, out):
+        """The reply to a count setting: when it failed (a cell rebound `__import__`), a line on the numbered cell's
+        stderr says so, ahead of that cell's own reply (the same socket, in order), so the cell shows it; the setter
+        changed nothing (SET_COUNT reads everything before it changes anything)."""
+        try:
+            parent = json.loads(parts[1].decode("utf-8")).get("msg_id")
+            content = json.loads(parts[3].decode("utf-8"))
+        except (ValueError, AttributeError):
+            return
+        n, header = self.counting.pop(parent, (None, None))
+        if header is None or not isinstance(content, dict) or content.get("status") == "ok":
+            return
+        why = ("%s: %s" % (content.get("ename"), content.get("evalue")))[:200]
+        msg = self.session.msg("stream", {"name": "stderr", "text": (
+            "tkbox: the box could not number this cell [%d] (%s); In, Out and _n in the box keep its own numbers "
+            "(a cell that rebinds __import__ or __builtins__ stops the numbering)\n" % (n, why))}, parent=header)
+        data = json.dumps(dict(msg, channel="iopub", buffers=[]), separators=(",", ":")).encode("utf-8")
+        out.extend((p.MSG_HEADER.pack(len(data)), data))
 
     def _drain(self, sock, channel, out):
         """Every message already waiting on a kernel socket, into `out`: a cell's last messages (its reply on shell,
@@ -199,6 +229,7 @@ class KernelBridge:
         msg = self.session.msg(msg_type, content)
         self.own[msg["header"]["msg_id"]] = set(waits)
         self.session.send(self.sockets["shell"], msg)
+        return msg["header"]["msg_id"]
 
     def _probe(self):
         self._own_request("kernel_info_request", {}, ("idle",))
