@@ -130,6 +130,9 @@ FLIP_DNS = textwrap.dedent('''
 ''')
 
 
+LOCK_WAIT_S = 900  # how long a test waits for another run's use of the same test network to end
+
+
 def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
 
@@ -152,6 +155,7 @@ class NamespaceNet:
         return p
 
     def __enter__(self) -> "NamespaceNet":
+        self._take_prefix()
         _run("ip", "netns", "add", self.name)
         try:
             _run("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
@@ -184,6 +188,23 @@ class NamespaceNet:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _take_prefix(self) -> None:
+        """Hold 198.18.N/24 for this process until __exit__: two test runs on one machine (a CI run beside a
+        developer's) that set up the same index at once would put two host routes on one prefix, and each would reach
+        the other's servers. The second waits for the first (an flock, released by the kernel if its holder dies)."""
+        import fcntl
+        self._lock = open(f"/tmp/tkbox-testnet-{self.index}.lock", "a")
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self._lock.close()
+                    raise RuntimeError(f"198.18.{self.index}.0/24 stayed in use by another test run for {LOCK_WAIT_S} s")
+                time.sleep(0.2)
 
     def _wait_ready(self) -> None:
         import socket
@@ -222,6 +243,10 @@ class NamespaceNet:
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.close()  # the flock goes with it
+            self._lock = None
 
 
 def available() -> tuple[bool, str]:
