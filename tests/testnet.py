@@ -203,7 +203,8 @@ class NamespaceNet:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     self._lock.close()
-                    raise RuntimeError(f"198.18.{self.index}.0/24 stayed in use by another test run for {LOCK_WAIT_S} s")
+                    raise RuntimeError(f"198.18.{self.index}.0/24 stayed in use by another test run for "
+                                       f"{LOCK_WAIT_S} s")
                 time.sleep(0.2)
 
     def _wait_ready(self) -> None:
