@@ -210,7 +210,8 @@ def _installs_cell(rows: list[dict], when: str):
     cell = nbformat.v4.new_markdown_cell(f"Package door, {when} (signed; `Run.installs` has every row):\n\n"
                                          + "\n".join(lines))
     cell.metadata["tags"] = ["tkbox-installs"]
-    keys = ("seq", "kind", "project", "version", "filename", "sha256", "index", "source", "decision", "rule", "rule_ids")
+    keys = ("seq", "kind", "project", "version", "filename", "sha256", "index", "source", "decision", "rule",
+            "rule_ids")
     cell.metadata["tkbox"] = {"installs": [{k: r[k] for k in keys} for r in rows]}
     return cell
 
