@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -49,6 +50,26 @@ def test_two_indexes_or_urls_never_share_an_entry():
             for p in ("tinypkg", "b", "")}
     assert len(keys) == 12
     assert page_key("http://a/", "b\0c") != page_key("http://a/\0b", "c")  # no separator is ambiguous
+
+
+def test_a_page_kept_under_one_policy_s_nameservers_is_never_read_under_others(tmp_path):
+    """Where a page came from is decided by its index URL and by the nameservers that resolved its host: a page a
+    policy with a hostile resolver kept (a rerun under a downloaded bundle's policy) is not another box's page. The
+    entry's name and its sealed header both carry the sorted nameservers."""
+    hostile = replace(PAGE, nameservers=("203.0.113.53",))
+    data = seal(KEY, hostile)
+    back = unseal(KEY, data, INDEX, "tinypkg", ("203.0.113.53",))
+    assert back.body == PAGE.body and back.nameservers == ("203.0.113.53",)
+    assert unseal(KEY, data, INDEX, "tinypkg") is None                     # the system resolver's box
+    assert unseal(KEY, data, INDEX, "tinypkg", ("198.18.37.2",)) is None   # another resolver's
+    assert unseal(KEY, seal(KEY, PAGE), INDEX, "tinypkg", ("203.0.113.53",)) is None
+    assert page_key(INDEX, "tinypkg", ("9.9.9.9", "1.1.1.1")) == page_key(INDEX, "tinypkg", ("1.1.1.1", "9.9.9.9"))
+    assert len({page_key(INDEX, "tinypkg"), page_key(INDEX, "tinypkg", ("1.1.1.1",)),
+                page_key(INDEX, "tinypkg", ("9.9.9.9",)), page_key(INDEX, "tinypkg", ("1.1.1.1", "9.9.9.9"))}) == 4
+    cache = Cache(tmp_path)
+    cache.keep_page(hostile)
+    assert cache.page(INDEX, "tinypkg") is None
+    assert cache.page(INDEX, "tinypkg", ["203.0.113.53"]).body == PAGE.body  # kept, for the policy that asked
 
 
 @pytest.mark.parametrize("fetched, now, max_age, want", [

@@ -223,9 +223,10 @@ class PackagesDoor(Door):
         import httpx
         policy = self.box.policy
         hosts, max_age = policy.get("packages", "file_hosts"), policy.get("packages", "page_max_age_s")
+        resolvers = tuple(policy.get("packages", "nameservers"))  # a page is kept per resolver: package_cache.py
         for index in policy.get("packages", "index"):
             url, dialled = index.rstrip("/") + f"/{project}/", {}
-            kept = self.cache.page(index, project)
+            kept = self.cache.page(index, project, resolvers)
             if kept is not None and fresh(kept.fetched_at, time.time(), min(kept.index_max_age, max_age)):
                 try:  # read again under this box's policy: a kept page offers nothing a fetched one could not
                     return parse_page(kept.body, kept.content_type, project, kept.url, hosts), \
@@ -261,7 +262,8 @@ class PackagesDoor(Door):
                 return files, {"index": index, "index_unreachable": f"{type(e).__name__}", **dialled,
                                **_kept_facts(kept, max_age)}
             files = parse_page(bytes(body), ctype, project, url, hosts)
-            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated))
+            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated,
+                                          tuple(sorted(set(resolvers)))))
             return files, {"index": index, "source": "index", **dialled, "index_max_age_s": stated,
                            "page_sha256": hashlib.sha256(body).hexdigest()}
         raise IndexPageError(f"no index in [packages] index has {project}")
