@@ -147,11 +147,25 @@ def index_max_age(cache_control: str | None) -> float:
     return float(min(ages)) if ages else 0.0
 
 
+def age_of(fetched_at: float, now: float) -> float:
+    """A kept page's age at `now`, in seconds to the millisecond, rounded down: the age the door judges and states
+    (`age_s`) is one number, so `tkbox verify` judging the stated age judges what the door judged."""
+    return math.floor((now - fetched_at) * 1000) / 1000
+
+
+def fresh_enough(age_s: float, index_max_age_s: float, page_max_age_s: float) -> bool:
+    """Whether a page `age_s` old may be served from the cache without asking the index: younger than both the
+    index's stated max-age and the policy's page_max_age_s (either 0: never), and not from the future beyond the
+    clock's skew. The one rule: the door asks it before serving a kept page, and policy/packages.decide asks it
+    again of the record's stated age and max-ages."""
+    limit = min(index_max_age_s, page_max_age_s)
+    return limit > 0 and -CLOCK_SKEW_S <= age_s < limit
+
+
 def fresh(fetched_at: float, now: float, max_age_s: float) -> bool:
     """Whether a page fetched at `fetched_at` may be served at `now` without asking the index: younger than
     `max_age_s` (the smaller of the index's max-age and the policy's page_max_age_s)."""
-    age = now - fetched_at
-    return max_age_s > 0 and -CLOCK_SKEW_S <= age < max_age_s
+    return fresh_enough(age_of(fetched_at, now), max_age_s, max_age_s)
 
 
 def evictions(entries: list[tuple[str, int, float]], bound: int = MAX_CACHE_BYTES) -> list[str]:
