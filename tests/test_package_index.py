@@ -9,6 +9,7 @@ import pytest
 
 from tkbox_nb import Policy
 from tkbox_nb.core.errors import PolicyError
+from tkbox_nb.rules.addresses import refused_name
 from tkbox_nb.rules.package_index import (IndexFile, IndexPageError, file_request, file_version, parse_html, parse_json,
                                           parse_page, pin_files, project_of, render_page)
 
@@ -175,6 +176,18 @@ def test_the_host_the_door_reached_is_decided_on_its_name_and_every_address_of_i
     facts = {"door": "packages", "kind": "project", **ok}
     assert opened.decide({**facts, "addresses": ["198.18.0.9"], "address": "198.18.0.9"}).allowed
     assert opened.decide({**facts, "addresses": ["127.0.0.1"], "address": "127.0.0.1"}).rule == "packages.always"
+
+
+@pytest.mark.parametrize("host", ["localhost.", "metadata.google.internal.", "pkgs.localhost.", "LocalHost.",
+                                  "localhost..", "x.metadata.internal."])
+def test_a_stated_host_named_with_a_trailing_dot_is_refused_as_its_name_without_it(host):
+    """`localhost.` is the fully-qualified spelling of `localhost` (resolvers read both alike): a bundle stating it
+    as the host the door reached is refused by name, as `tkbox verify` re-derives the decision, and so is any case."""
+    assert refused_name(host) is not None
+    ok = {"project": "numpy", "source": "index", "host": host, "addresses": ["151.101.0.223"],
+          "address": "151.101.0.223", "files": 1}
+    assert decide("project", **ok).rule == "packages.always"
+    assert refused_name("pypi.org.") is None and refused_name("notlocalhost.") is None
 
 
 def test_a_rerun_is_offered_only_the_files_its_run_installed_and_refuses_other_bytes_naming_the_file():

@@ -437,3 +437,27 @@ def test_a_kept_page_is_served_only_fresh_and_whole_else_the_index_is_asked(priv
     web.wait(timeout=10)
     down = install("down")
     assert down["source"] == "cache" and down["index_unreachable"] and down["page_sha256"] == first["page_sha256"]
+
+
+def test_a_page_kept_under_one_policy_s_nameservers_is_never_served_to_a_box_that_resolves_otherwise(
+        private_signer, index, tmp_path):
+    """web.tkb.test resolves only at the policy's nameserver (the test namespace's): a box under that policy keeps
+    its page; a box of the same home naming the same index URL with the system resolver (which does not know the
+    name) is not served that page from the cache, fresh as it is, nor as the page last kept when its index cannot be
+    reached: its page is its own resolver's, and it has none, refused and signed."""
+    home = private_signer.home
+    index.add_file("simple/.cache-control", PYPI_PAGES)
+    url = 'index = ["http://web.tkb.test:8080/simple/"]\nallow = ["tinypkg"]\n'
+    named = Policy.from_toml(f'[packages]\n{url}nameservers = ["{index.web}"]\n{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=named, home=home, bundle_path=tmp_path / "named.tkb") as b:
+        assert pip(b, "tinypkg").exit_code == 0
+    assert package_rows(tmp_path / "named.tkb")[0].args["source"] == "index"
+    system = Policy.from_toml(f'[packages]\n{url}{OPEN_TEST_NET}')
+    with Box(backend="bwrap", policy=system, home=home, bundle_path=tmp_path / "system.tkb") as b:
+        assert pip(b, "tinypkg").exit_code != 0
+    [page] = package_rows(tmp_path / "system.tkb")
+    assert page.decision == "deny" and page.args.get("source") != "cache", page.args
+    assert "no page for tinypkg is kept" in page.args["index_error"] or page.args.get("host_error"), page.args
+    with Box(backend="bwrap", policy=named, home=home, bundle_path=tmp_path / "again.tkb") as b:
+        assert pip(b, "tinypkg").exit_code == 0  # the policy that kept it is served it from the cache
+    assert package_rows(tmp_path / "again.tkb")[0].args["source"] == "cache"

@@ -196,20 +196,23 @@ def to_notebook(run: Run) -> nbformat.NotebookNode:
 def _installs_cell(rows: list[dict], when: str):
     """A markdown cell naming what the package door decided `when` (bundle/installs.rows: each file with its
     version, sha256 and index, and each project refused before any file), tagged `tkbox-installs`, the rows in its
-    metadata."""
+    metadata. A refusal names the box policy's rule, or, when the box policy allowed it and the signer's own pack
+    refused it (a host no box may reach), the signer's rules (the record's rule_ids)."""
     lines = []
     for r in rows:
         what = f"{_code(r['project'])} {_code(r['version'])}: {_code(r['filename'])}, sha256 {_code(r['sha256'])}" \
             if r["kind"] == "file" else f"{_code(r['project'])} (its index page)"
         where = f" from {_code(r['index'])} ({_code(r['source'])})" if r["index"] else ""
-        verdict = "installed" if r["decision"] == "allow" else f"refused ({_code(r['rule'])})"
+        verdict = "installed" if r["decision"] == "allow" else \
+            f"refused by the signer ({_code(r['rule_ids'].replace(',', ', ') or 'no rule named')})" \
+            if r["verdict"] == "allow" else f"refused ({_code(r['rule'])})"  # the signer refused what the box allowed
         lines.append(f"- {what}{where}: {verdict}")
     cell = nbformat.v4.new_markdown_cell(f"Package door, {when} (signed; `Run.installs` has every row):\n\n"
                                          + "\n".join(lines))
     cell.metadata["tags"] = ["tkbox-installs"]
-    cell.metadata["tkbox"] = {"installs": [{k: r[k] for k in ("seq", "kind", "project", "version", "filename",
-                                                              "sha256", "index", "source", "decision", "rule")}
-                                           for r in rows]}
+    keys = ("seq", "kind", "project", "version", "filename", "sha256", "index", "source", "decision", "rule",
+            "rule_ids")
+    cell.metadata["tkbox"] = {"installs": [{k: r[k] for k in keys} for r in rows]}
     return cell
 
 

@@ -8,7 +8,8 @@ that `Run.environment` adds, `tkbox show --environment`, the run view's environm
 compares them package by package.
 
 Everything here is read from a bundle (hostile): each value is text cut to a limit, never trusted to have a shape.
-Pure: it reads the crossings it is given, of any object with `door`, `seq`, `decision`, `args` and `result`.
+Pure: it reads the crossings it is given, of any object with `door`, `seq`, `decision`, `args` and `result` (and
+`rule_ids`, the signer's rules, when it has them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from tkbox_nb.rules.door_table import PACKAGES
 
 COLUMNS = ["seq", "kind", "project", "version", "filename", "sha256", "got_sha256", "size", "source", "index",
-           "decision", "rule"]
+           "decision", "rule", "verdict", "rule_ids"]
 MAX_TEXT = 300
 
 
@@ -28,7 +29,9 @@ def _s(v: Any, limit: int = MAX_TEXT) -> str:
 
 def rows(crossings: list) -> list[dict[str, Any]]:
     """One row per file the package door decided (kind `file`: served when `decision` is allow) and per project it
-    refused before any file (kind `project`), in run order."""
+    refused before any file (kind `project`), in run order. `rule` and `verdict` are the box policy's (as the door
+    stated them), `rule_ids` the signer's (comma-joined): a row whose `verdict` is allow and whose `decision` is not
+    was refused by the signer's own rules, and `rule_ids` names which."""
     out = []
     for c in crossings:
         a = c.args or {}
@@ -42,7 +45,8 @@ def rows(crossings: list) -> list[dict[str, Any]]:
                     "sha256": _s(a.get("sha256"), 64), "got_sha256": _s(a.get("got_sha256"), 64),
                     "size": size if isinstance(size, int) and not isinstance(size, bool) else 0,
                     "source": _s(a.get("source")), "index": _s(a.get("index")), "decision": _s(c.decision, 40),
-                    "rule": _s(a.get("rule"))})
+                    "rule": _s(a.get("rule")), "verdict": _s(a.get("verdict"), 40),
+                    "rule_ids": _s(",".join(str(r) for r in getattr(c, "rule_ids", None) or []))})
     return out
 
 

@@ -233,7 +233,8 @@ class Run:
     def installs(self):
         """What came into the box through the package door during the run (bundle/installs.py): one row per file
         decided (project, version, filename, sha256 as the index stated it, got_sha256 of the bytes, size, source
-        `index` or `cache`, the index whose page offered it, decision, rule) and per project refused before any
+        `index` or `cache`, the index whose page offered it, decision, the box policy's rule and verdict, the
+        signer's rule_ids) and per project refused before any
         file, from the signed crossings."""
         import pandas as pd
 

@@ -1,5 +1,6 @@
 """The package door's host cache (`$TKBOX_HOME/packages/`), shared by the boxes of one home: files by their sha256
-(`files/ab/abcd...`), index pages sealed by rules/package_cache.py (`pages/<key>.page`, under the key `page.key`).
+(`files/ab/abcd...`), index pages sealed by rules/package_cache.py (`pages/<key>.page`, named by index URL, project
+and the asking policy's nameservers, under the key `page.key`).
 
 Every write is whole or absent: a file is moved into place from `tmp/` once its bytes were decided, a page is written
 beside its name and renamed over it. Neither is synced to disk (an fsync per page would cost a cold install more than
@@ -63,8 +64,8 @@ class Cache:
         return handle
 
     # -- pages ---------------------------------------------------------------------------------------------------
-    def page_path(self, index: str, project: str) -> Path:
-        return self.root / "pages" / f"{page_key(index, project)}.page"
+    def page_path(self, index: str, project: str, nameservers=()) -> Path:
+        return self.root / "pages" / f"{page_key(index, project, nameservers)}.page"
 
     def key(self) -> bytes:
         """The cache's own MAC key (made once, 0600; a key file of another size is replaced, which only makes every
@@ -98,7 +99,7 @@ class Cache:
         return key
 
     def keep_page(self, page: KeptPage) -> None:
-        path = self.page_path(page.index, page.project)
+        path = self.page_path(page.index, page.project, page.nameservers)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")  # whole or absent; not synced: an
         try:                                                                   # entry a crash cut short does not
@@ -118,15 +119,16 @@ class Cache:
         for name in evictions(entries, self.max_page_bytes):
             (path.parent / name).unlink(missing_ok=True)
 
-    def page(self, index: str, project: str) -> KeptPage | None:
-        """The page kept for `project` from `index`, or None (none, or one that does not unseal: removed)."""
-        path = self.page_path(index, project)
+    def page(self, index: str, project: str, nameservers=()) -> KeptPage | None:
+        """The page kept for `project` from `index` under `nameservers` (the asking policy's), or None (none, or one
+        that does not unseal: removed)."""
+        path = self.page_path(index, project, nameservers)
         try:
             with open(path, "rb") as f:
                 data = f.read(MAX_ENTRY_BYTES + 1)
         except OSError:
             return None
-        kept = unseal(self.key(), data, index, project)
+        kept = unseal(self.key(), data, index, project, nameservers)
         if kept is None:
             path.unlink(missing_ok=True)
         return kept

@@ -45,7 +45,7 @@ from tkbox_nb.doors.package_fetch import AddressRefused, checked, pinned_request
 from tkbox_nb.doors.package_store import Cache, digest
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.policy.packages import project_verdict
-from tkbox_nb.rules.package_cache import KeptPage, fresh, index_max_age
+from tkbox_nb.rules.package_cache import KeptPage, age_of, fresh_enough, index_max_age
 from tkbox_nb.rules.door_table import PACKAGES
 from tkbox_nb.rules.package_index import (MAX_PAGE_BYTES, IndexFile, IndexPageError, file_request, file_version,
                                           parse_page, pin_files, project_of, render_page)
@@ -223,13 +223,15 @@ class PackagesDoor(Door):
         import httpx
         policy = self.box.policy
         hosts, max_age = policy.get("packages", "file_hosts"), policy.get("packages", "page_max_age_s")
+        resolvers = tuple(policy.get("packages", "nameservers"))  # a page is kept per resolver: package_cache.py
         for index in policy.get("packages", "index"):
             url, dialled = index.rstrip("/") + f"/{project}/", {}
-            kept = self.cache.page(index, project)
-            if kept is not None and fresh(kept.fetched_at, time.time(), min(kept.index_max_age, max_age)):
+            kept = self.cache.page(index, project, resolvers)
+            age = age_of(kept.fetched_at, time.time()) if kept is not None else 0.0
+            if kept is not None and fresh_enough(age, kept.index_max_age, max_age):  # the rule decide asks again
                 try:  # read again under this box's policy: a kept page offers nothing a fetched one could not
                     return parse_page(kept.body, kept.content_type, project, kept.url, hosts), \
-                        {"index": index, **kept.dialled, **_kept_facts(kept, max_age)}
+                        {"index": index, **kept.dialled, **_kept_facts(kept, max_age, age)}
                 except IndexPageError:
                     pass  # refused as read now: the index is asked
             began = time.time()
@@ -259,9 +261,10 @@ class PackagesDoor(Door):
                                          "is kept") from None
                 files = parse_page(kept.body, kept.content_type, project, kept.url, hosts)
                 return files, {"index": index, "index_unreachable": f"{type(e).__name__}", **dialled,
-                               **_kept_facts(kept, max_age)}
+                               **_kept_facts(kept, max_age, age_of(kept.fetched_at, time.time()))}
             files = parse_page(bytes(body), ctype, project, url, hosts)
-            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated))
+            self.cache.keep_page(KeptPage(index, project, url, ctype, began, bytes(body), dialled, stated,
+                                          tuple(sorted(set(resolvers)))))
             return files, {"index": index, "source": "index", **dialled, "index_max_age_s": stated,
                            "page_sha256": hashlib.sha256(body).hexdigest()}
         raise IndexPageError(f"no index in [packages] index has {project}")
@@ -390,9 +393,10 @@ class _FetchError(Exception):
 
 
 
-def _kept_facts(kept: KeptPage, max_age: float) -> dict:
+def _kept_facts(kept: KeptPage, max_age: float, age: float) -> dict:
     """What the record states of a page served from the host cache: when the index served those bytes, how old
-    they are, the freshness rule (the index's max-age, the policy's), and their sha256."""
+    they were when judged (`age`, the very number fresh_enough judged: decide judges it again), the freshness rule
+    (the index's max-age, the policy's), and their sha256."""
     when = datetime.fromtimestamp(kept.fetched_at, timezone.utc).isoformat(timespec="milliseconds")
-    return {"source": "cache", "fetched_at": when, "age_s": round(time.time() - kept.fetched_at, 3),
+    return {"source": "cache", "fetched_at": when, "age_s": age,
             "index_max_age_s": kept.index_max_age, "page_max_age_s": max_age, "page_sha256": kept.sha256}

@@ -8,8 +8,9 @@ compared in their PEP 503 normal form (`Foo_Bar.baz` is `foo-bar-baz`), and so a
 the index's sha256 for it and the sha256 of the bytes that came (they must be the same), its size (refused past
 `max_file_bytes`; the door stops reading one byte past it), and the run's bytes before it (refused past
 `max_total_bytes`). `page_max_age_s` caps how long the door serves an index page from its host cache without
-asking the index (never longer than the index's own max-age, as pip: rules/package_cache.py; 0 = always ask). Pure:
-no clock, no I/O.
+asking the index (never longer than the index's own max-age, as pip: rules/package_cache.py; 0 = always ask); a page
+the record says came from the cache while its index answered is decided on its stated age by the rule the door used
+(`cache_verdict`). Pure: no clock, no I/O (the age is the door's statement).
 
 Every index and file host is resolved by the door itself, which states the host and its whole answer (`host`,
 `addresses`) and dials only the address it checked: a host whose addresses include one that rules/addresses.py refuses
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import math
 import re
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy.base import Settings, Verdict, seconds_problem
 from tkbox_nb.rules.addresses import classify, refused_name
+from tkbox_nb.rules.package_cache import fresh_enough
 from tkbox_nb.rules.package_index import PROJECT, normalize
 
 SCHEMA: dict[str, type | tuple[type, ...]] = {
@@ -137,6 +140,32 @@ def address_verdict(policy: Settings, facts: dict[str, Any]) -> Verdict | None:
     return None
 
 
+def _seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def cache_verdict(policy: Settings, facts: dict[str, Any]) -> Verdict | None:
+    """The deny verdict on a page served from the host cache while its index answered, or None when it passes (or
+    did not come from the cache, or came from it because the index could not be reached: then its page last kept,
+    however old, and `index_unreachable` says so). It must have been fresh by rules/package_cache.fresh_enough, the
+    rule the door asked before serving it, of the stated `age_s` and `index_max_age_s` and of this policy's
+    `page_max_age_s`, which the record must state as it is."""
+    if facts.get("source") != "cache" or facts.get("index_unreachable"):
+        return None
+    age, index_age, page_age = facts.get("age_s"), facts.get("index_max_age_s"), facts.get("page_max_age_s")
+    if not (_seconds(age) and _seconds(index_age) and _seconds(page_age)):
+        return Verdict("deny", "packages.page_age", "a page from the host cache whose age or max-ages are not stated")
+    mine = policy.get("packages", "page_max_age_s")
+    if page_age != mine:
+        return Verdict("deny", "packages.page_max_age_s", f"the page from the host cache was judged under "
+                                                          f"page_max_age_s = {page_age}, the policy says {mine}")
+    if not fresh_enough(age, index_age, mine):
+        return Verdict("deny", "packages.page_age", f"the page from the host cache is {age} s old, not under the "
+                                                    f"index's max-age ({index_age} s) and [packages] page_max_age_s "
+                                                    f"({mine} s)")
+    return None
+
+
 def _count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 50
 
@@ -160,7 +189,7 @@ def decide(policy: Settings, kind: Any, facts: dict[str, Any]) -> Verdict:
     if facts.get("index_error"):  # the page could not be had (nor from the cache), or was refused as read
         return Verdict("deny", "packages.index_page", str(facts["index_error"])[:300])
     if kind == "project":
-        return by_name
+        return cache_verdict(policy, facts) or by_name
     stated, got, size, before = facts.get("sha256"), facts.get("got_sha256"), facts.get("size"), facts.get("run_bytes")
     if not isinstance(stated, str) or not SHA256.fullmatch(stated):
         return Verdict("deny", "packages.hash", "the index gives no sha256 for the file")

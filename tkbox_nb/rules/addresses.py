@@ -130,7 +130,10 @@ def parse_ip_literal(host: str) -> Address | None:
 
 
 def refused_name(name: str) -> str | None:
-    """Why a (normalized, lower-case) host name is refused before any lookup, or None."""
+    """Why a host name is refused before any lookup, or None. Read as resolvers read it: in any case, and with its
+    trailing dots dropped (`localhost.` is the fully-qualified `localhost`), since a bundle's stated host, which
+    `tkbox verify` judges again, never went through rules/hostnames.check_host."""
+    name = name.lower().rstrip(".")
     for bad in REFUSED_NAMES:
         if name == bad or name.endswith("." + bad):
             return f"{name} is a local or cloud metadata name ({bad})"

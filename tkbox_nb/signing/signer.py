@@ -79,22 +79,28 @@ deny:
   - id: TKB-METADATA-ADDR
     tool: '@DIALS@'
     field: address
-    pattern: '^(169\\.254\\.|100\\.100\\.100\\.200$|fd00:ec2::|0\\.|127\\.|::1$|::ffff:)'
-    reason: a link-local, loopback or cloud metadata address, refused whatever the box policy says
+    pattern: '^(169\\.254\\.|100\\.100\\.100\\.200$|fd00:ec2::|0\\.|127\\.|::1$|::ffff:|@EMBEDDED@)'
+    reason: a link-local (IPv4 or IPv6), loopback or cloud metadata address, refused whatever the box policy says
     remedy: Reach public hosts only; these addresses are never reachable from a box.
   - id: TKB-METADATA-ADDRS
     tool: '@PACKAGES@'
     field: addresses
-    pattern: '"(169\\.254\\.|100\\.100\\.100\\.200"|fd00:ec2::|0\\.|127\\.|::1"|::ffff:)'
+    pattern: '"(169\\.254\\.|100\\.100\\.100\\.200"|fd00:ec2::|0\\.|127\\.|::1"|::ffff:|@EMBEDDED@)'
     reason: an index or file host whose lookup answered a link-local, loopback or cloud metadata address
     remedy: Name index and file hosts that resolve to public addresses only.
   - id: TKB-LOCAL-NAME
     tool: '@PACKAGES@'
     field: host
-    pattern: '(^|\\.)(@LOCAL_NAMES@)$'
+    pattern: '(^|\\.)(@LOCAL_NAMES@)\\.*$'
     reason: an index or file host named as the host itself or a cloud metadata service
     remedy: Name public index and file hosts only.
 """
+
+
+# IPv6 link-local (fe80::/10), and the IPv4-compatible (::/96), NAT64 (64:ff9b::/96) and 6to4 (2002::/16) forms of a
+# loopback (127/8) or link-local (169.254/16) IPv4 address, as the door states an address (Python's compressed text,
+# lower case): the signer reads text, so each form is spelled as it is written (rules/addresses.py judges the rest).
+EMBEDDED = "fe[89ab][0-9a-f]:|::(7f[0-9a-f]{2}|a9fe):|64:ff9b::(7f[0-9a-f]{2}|a9fe):|2002:(7f[0-9a-f]{2}|a9fe):"
 
 
 def box_pack(table: tuple[Door, ...] = TABLE) -> str:
@@ -107,7 +113,7 @@ def box_pack(table: tuple[Door, ...] = TABLE) -> str:
     return _PACK.replace("@TOOLS@\n", "".join(f"  '{t}': app\n" for t in tools(table))).replace(
         "@DIALS@", f"({connect}|{packages})").replace("@PACKAGES@", packages).replace(
         "@LOCAL_NAMES@", "|".join(n.replace(".", "\\.") for n in REFUSED_NAMES)).replace(
-        "@SECRET@", re.escape(tool_of(SECRETS, None, table)))
+        "@SECRET@", re.escape(tool_of(SECRETS, None, table))).replace("@EMBEDDED@", EMBEDDED)
 
 
 BOX_PACK = box_pack()
