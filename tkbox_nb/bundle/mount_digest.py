@@ -66,12 +66,12 @@ def scan(root: str) -> Scan:
             return out
         if not stat.S_ISDIR(st.st_mode):
             raise TkboxError(f"the mount source {root} is not a directory or regular file")
-        stack = [b""]
-        while stack:
+        stack, root_b = [b""], root.encode("utf-8", "surrogateescape")
+        while stack:  # bytes joined by hand: posixpath.join was a third of a warm start's walk of 10,000 files
             rel_dir = stack.pop()
-            with os.scandir(os.path.join(root.encode("utf-8", "surrogateescape"), rel_dir)) as it:
+            with os.scandir(root_b + b"/" + rel_dir if rel_dir else root_b) as it:
                 for d in it:
-                    rel = os.path.join(rel_dir, d.name) if rel_dir else d.name
+                    rel = rel_dir + b"/" + d.name if rel_dir else d.name
                     st = d.stat(follow_symlinks=False)
                     out.meta[rel] = _meta(st)
                     if stat.S_ISDIR(st.st_mode):
