@@ -10,6 +10,7 @@ import json
 import re
 import os
 import shutil
+import weakref
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ class Client:
     def __init__(self, cwd: str | Path | None = None):
         """A kernel started in `cwd`, the notebook's folder (its box's workspace): by default a new empty one."""
         self.cwd = Path(cwd) if cwd is not None else Path(tempfile.mkdtemp(prefix="tkbox-nb-folder-"))
+        if cwd is None:  # removed with the client even by a test that ends its kernel itself and never calls stop()
+            weakref.finalize(self, shutil.rmtree, str(self.cwd), True)
         self.km = KernelManager(kernel_name="tkbox")
         self.km.start_kernel(cwd=str(self.cwd))
         self.kc = self.km.client()
