@@ -1141,25 +1141,27 @@ def test_every_executed_cell_takes_the_next_execution_count_as_ipykernel_does(cl
     assert count("6") == 6  # the new box's first cell
 
 
+def numbered(client: "Client", code: str) -> tuple[int, str]:
+    """Run `code`, which must succeed: the execution count the frontend was given, and what the cell printed."""
+    reply, outs = client.run(code)
+    assert reply["status"] == "ok", (code, reply)
+    return reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream")
+
+
 def test_the_box_s_in_out_and_underscore_names_use_the_number_the_frontend_shows(client, kernel_env):
     """The box's ipykernel counted only the cells it ran, so after a host-magic cell the notebook showed [3] for a
     cell the box called 2: `Out[3]`, `_3` and `In[3]` in the box named another cell, or none (issue 36). Now the host
     gives the box each cell's number before it runs it: `In[n]`, `Out[n]`, `_n` and `_in`/`_i<n>` in the box agree
     with the `[n]` the frontend shows (a host-magic cell's `In[n]` is empty: its code never reached the box), also in
     a new box after `%box_restart`; the run signs each cell's result under that number."""
-    def number(code):
-        reply, outs = client.run(code)
-        assert reply["status"] == "ok", (code, reply)
-        return reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream")
-
-    assert number("10 + 1")[0] == 1
-    assert number("%box_status")[0] == 2
-    assert number("20 + 2")[0] == 3
-    n, text = number("print(sorted(Out), Out[3], _3, _, repr(In[3]), repr(In[2]), _i3, len(In))")
+    assert numbered(client, "10 + 1")[0] == 1
+    assert numbered(client, "%box_status")[0] == 2
+    assert numbered(client, "20 + 2")[0] == 3
+    n, text = numbered(client, "print(sorted(Out), Out[3], _3, _, repr(In[3]), repr(In[2]), _i3, len(In))")
     assert n == 4 and text == "[1, 3] 22 22 22 '20 + 2' '' 20 + 2 5\n", text
-    assert number("%box_restart")[0] == 5
-    assert number("30 + 3")[0] == 6
-    n, text = number("print(sorted(Out), _6, _, repr(In[6]), len(In))")
+    assert numbered(client, "%box_restart")[0] == 5
+    assert numbered(client, "30 + 3")[0] == 6
+    n, text = numbered(client, "print(sorted(Out), _6, _, repr(In[6]), len(In))")
     assert n == 7 and text == "[6] 33 33 '30 + 3' 8\n", text
     client.stop()
     first, second = sorted(kernel_env.glob("*.tkb"))
@@ -1181,20 +1183,15 @@ def test_the_box_s_numbers_hold_after_a_cell_rebinds_max_len_and_setattr(client)
     """The bridge's count setter looked up max, len, setattr and get_ipython in the user's namespace: after `from
     numpy import *` (numpy 2's max) it raised, its error stayed in the box, In was padded but the count not moved, and
     from then on In/Out/_n in the box named other cells than the frontend shows. It now names only `__import__`."""
-    def number(code):
-        reply, outs = client.run(code)
-        assert reply["status"] == "ok", (code, reply)
-        return reply["execution_count"], "".join(c.get("text", "") for t, c in outs if t == "stream")
-
-    assert number("from numpy import *")[0] == 1
-    assert number("%box_status")[0] == 2
-    assert number("20 + 2")[0] == 3
-    n, text = number("print(sorted(Out), Out[3], _3, repr(In[3]), repr(In[2]), len(In))")
+    assert numbered(client, "from numpy import *")[0] == 1
+    assert numbered(client, "%box_status")[0] == 2
+    assert numbered(client, "20 + 2")[0] == 3
+    n, text = numbered(client, "print(sorted(Out), Out[3], _3, repr(In[3]), repr(In[2]), len(In))")
     assert n == 4 and text == "[3] 22 22 '20 + 2' '' 5\n", text
-    assert number("max = None; len = None; setattr = None; min = None")[0] == 5
-    assert number("%box_status")[0] == 6
-    assert number("30 + 3")[0] == 7
-    n, text = number("print(sorted(Out), Out[7], _7, repr(In[7]), repr(In[6]), In.__len__())")
+    assert numbered(client, "max = None; len = None; setattr = None; min = None")[0] == 5
+    assert numbered(client, "%box_status")[0] == 6
+    assert numbered(client, "30 + 3")[0] == 7
+    n, text = numbered(client, "print(sorted(Out), Out[7], _7, repr(In[7]), repr(In[6]), In.__len__())")
     assert n == 8 and text == "[3, 7] 33 33 '30 + 3' '' 9\n", text
 
 

@@ -129,6 +129,13 @@ def test_box_pull_brings_a_written_file_into_the_folder_now_and_refuses_bad_name
         c.stop()
 
 
+def pull(c: Client, paths: str) -> str:
+    """`%box_pull PATHS` in the kernel of `c`, which must answer ok: what the cell said of each file."""
+    reply, outs = c.run(f"%box_pull {paths}")
+    assert reply["status"] == "ok", reply
+    return "".join(x.get("text", "") for t, x in outs if t == "stream")
+
+
 def test_a_file_pulled_again_replaces_what_was_pulled_but_never_what_the_user_edited_since(kernel_env, tmp_path):
     """Before, a file was written only over what the box started from: a second `%box_pull` of a result the box
     recomputed was refused ("the host file changed since the box started"), the change being the first pull's. Now
@@ -143,23 +150,19 @@ def test_a_file_pulled_again_replaces_what_was_pulled_but_never_what_the_user_ed
     os.symlink("..", folder / "up")
     c = Client(folder)
 
-    def pull(path: str) -> str:
-        reply, outs = c.run(f"%box_pull {path}")
-        assert reply["status"] == "ok", reply
-        return "".join(x.get("text", "") for t, x in outs if t == "stream")
     try:
         reply, outs = c.run("import os\nprint(os.readlink('loop'), os.readlink('up'))\n"
                             "open('r.txt', 'w').write('v1\\n'); open('seeded.txt', 'w').write('box 1\\n')")
         assert reply["status"] == "ok" and ("stream", {"name": "stdout", "text": "loop ..\n"}) in outs, (reply, outs)
-        assert pull("r.txt seeded.txt") == "r.txt: pulled (3 bytes), signed\nseeded.txt: pulled (6 bytes), signed\n"
+        assert pull(c, "r.txt seeded.txt") == "r.txt: pulled (3 bytes), signed\nseeded.txt: pulled (6 bytes), signed\n"
         c.run("open('r.txt', 'w').write('v2!\\n'); open('seeded.txt', 'w').write('box 2!\\n')")
-        assert pull("r.txt seeded.txt") == "r.txt: pulled (4 bytes), signed\nseeded.txt: pulled (7 bytes), signed\n"
+        assert pull(c, "r.txt seeded.txt") == "r.txt: pulled (4 bytes), signed\nseeded.txt: pulled (7 bytes), signed\n"
         assert (folder / "r.txt").read_text() == "v2!\n" and (folder / "seeded.txt").read_text() == "box 2!\n"
         (folder / "r.txt").write_text("user\n")  # the user edits the pulled files on the host meanwhile
         (folder / "seeded.txt").write_text("user too\n")
         c.run("open('r.txt', 'w').write('v3\\n'); open('seeded.txt', 'w').write('box 3\\n')")
         before = _tree(tmp_path)
-        said = pull("r.txt seeded.txt")
+        said = pull(c, "r.txt seeded.txt")
         assert said == ("r.txt: not written: the host file changed since this box last wrote it\n"
                         "seeded.txt: not written: the host file changed since this box last wrote it\n"), said
         assert _tree(tmp_path) == before  # nothing half-written, nothing outside the folder touched
@@ -190,17 +193,13 @@ def test_a_rename_whose_source_this_box_last_wrote_is_refused_in_the_words_of_th
     (folder / "s.txt").write_text("start\n")
     c = Client(folder)
 
-    def pull(path: str) -> str:
-        reply, outs = c.run(f"%box_pull {path}")
-        assert reply["status"] == "ok", reply
-        return "".join(x.get("text", "") for t, x in outs if t == "stream")
     try:
         c.run("open('s.txt', 'w').write('box 1\\n')")
-        assert pull("s.txt") == "s.txt: pulled (6 bytes), signed\n"
+        assert pull(c, "s.txt") == "s.txt: pulled (6 bytes), signed\n"
         # the starting content again, under a new name: the box's change is now a rename of s.txt to t.txt
         c.run("import os; open('s.txt', 'w').write('start\\n'); os.rename('s.txt', 't.txt')")
         (folder / "s.txt").write_text("user\n")  # the user edits the pulled file on the host meanwhile
-        said = pull("t.txt")
+        said = pull(c, "t.txt")
         assert said == "t.txt: not written: the rename source 's.txt' changed on the host since this box last " \
                        "wrote it\n", said
         assert (folder / "s.txt").read_text() == "user\n" and not (folder / "t.txt").exists()
