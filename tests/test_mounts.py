@@ -160,9 +160,14 @@ def test_a_fifo_or_device_in_the_source_is_refused(signer, tmp_path, kind):
         os.mkfifo(ds / "sub" / "pipe")
     else:
         os.mknod(ds / "sub" / "pipe", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    runs = sorted(signer.runs_dir.iterdir())
+    box = Box(policy=policy(ds))
     with pytest.raises(TkboxError) as e:
-        Box(policy=policy(ds)).start()
+        box.start()
     assert "sub/pipe, which is not a file, directory or symbolic link" in str(e.value), str(e.value)
+    # the walk ends after the box is spawned (its agent waiting for the GO): the box is killed, no run was opened
+    assert box.recorder is None and sorted(signer.runs_dir.iterdir()) == runs
+    assert box.running is not None and box.running.proc.poll() is not None
 
 
 def test_a_source_inside_or_over_tkbox_home_is_refused(signer, tmp_path):

@@ -650,3 +650,58 @@ def test_a_start_that_fails_on_the_workspace_leaves_no_staged_copy(signer, tmp_p
     with pytest.raises(TkboxError, match="not a file, directory or symbolic link"):
         Box(backend="bwrap", workspace=ws, bundle_path=tmp_path / "f.tkb").start()
     assert not any((signer.home / "seeds").iterdir())
+
+
+def _descendants(pid: int) -> list[str]:
+    """The command lines of `pid`'s processes and all below them (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out.append((Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")).decode("utf-8", "replace"))
+        except OSError:
+            pass
+        todo += children.get(p, [])
+    return out
+
+
+def test_a_spawned_box_starts_nothing_of_its_own_before_the_host_s_go(tmp_path):
+    """A bubblewrap box is spawned before its run's box.start is signed (its dataset mounts are walked meanwhile):
+    until the host's GO its agent sends nothing on the door, starts no kernel and copies no workspace file; after
+    the GO its hello comes. A box killed before its GO leaves no process."""
+    import select
+
+    from tkbox_nb.backends.base import BoxSpec
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "x.txt").write_text("x\n")
+    running = BwrapBackend().start(BoxSpec(box_id="go-test", seed=seed, env={"TKBOX_KERNEL_EARLY": "1"}))
+    try:
+        time.sleep(2)  # the agent's imports, and a kernel's start were it not waiting
+        assert select.select([running.door], [], [], 0)[0] == [], "the agent spoke before its GO"
+        before = _descendants(running.proc.pid)
+        assert any("tkbox_guest.agent" in c for c in before) and not any(
+            "zygote" in c or "ipykernel" in c for c in before), before
+        running.go()
+        assert select.select([running.door], [], [], 30)[0] == [running.door]
+        assert b"hello" in running.door.recv(65536)
+        deadline = time.monotonic() + 30
+        while not any("zygote" in c for c in _descendants(running.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("zygote" in c for c in _descendants(running.proc.pid))
+    finally:
+        running.kill()
+    waiting = BwrapBackend().start(BoxSpec(box_id="go-test-2", seed=None))
+    time.sleep(1)
+    pid = waiting.proc.pid
+    waiting.kill()
+    assert waiting.proc.poll() is not None and _descendants(pid) == []

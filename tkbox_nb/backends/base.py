@@ -67,6 +67,10 @@ class RunningBox(abc.ABC):
 
     _tail_closed = False
 
+    def go(self) -> None:
+        """Let the box's agent go on: its run's box.start is signed. A backend whose box starts after that (a VM's)
+        has no GO to give."""
+
     def ready(self) -> None:
         """The agent said hello: from now on box code runs, and the tail keeps nothing more."""
         self._tail_closed = True

@@ -116,13 +116,24 @@ def process_limit() -> str:
 
 class BwrapRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path,
-                 memory_cgroup: Path | None = None):
+                 memory_cgroup: Path | None = None, go_fd: int | None = None):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
+        self._go_fd = go_fd  # the write end of the agent's GO pipe, until the GO is given
         self.memory_cgroup, self._oom_kills = memory_cgroup, 0
         self._killed_for: str | None = None
         self._keep_tail(proc.stderr, "tkbox-box-stderr")  # bwrap's and the agent's own stderr
 
+    def go(self) -> None:
+        fd, self._go_fd = self._go_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):  # an agent already gone: its box ends as any dead box does
+                os.write(fd, b"G")
+            os.close(fd)
+
     def kill(self) -> None:
+        fd, self._go_fd = self._go_fd, None
+        if fd is not None:  # an agent still waiting for its GO reads the end of the pipe and exits
+            os.close(fd)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
@@ -223,7 +234,7 @@ class BwrapBackend(Backend):
         return manifest(host_python(view, cache_dir), self.name, self.image_digest())
 
     def argv(self, spec: BoxSpec, door_fd: int, files: dict[str, int], seccomp_fd: int | None = None,
-             nproc: bool = False) -> tuple[list[str], list[str]]:
+             nproc: bool = False, go_fd: int | None = None) -> tuple[list[str], list[str]]:
         """bubblewrap's options for `spec` and the box's command. The options go to bubblewrap through a file
         (`--args`, start()), never on its command line, which is PID 1's in the box (/proc/1/cmdline); only the
         command (no host path in it) is there. `files` maps each file the host makes for the box (its
@@ -274,6 +285,8 @@ class BwrapBackend(Backend):
                "TKBOX_DOOR_FD": str(door_fd), "TKBOX_BOX_ID": spec.box_id, "USER": "box", **py_env, **spec.env}
         if spec.seed is not None:
             env["TKBOX_SEED"] = "/run/tkbox/seed"
+        if go_fd is not None:  # the agent waits for the host's GO on it (RunningBox.go)
+            env["TKBOX_GO_FD"] = str(go_fd)
         for k, v in env.items():
             a += ["--setenv", k, v]
         command = []
@@ -296,6 +309,8 @@ class BwrapBackend(Backend):
         return files, cgroup
 
     def start(self, spec: BoxSpec) -> BwrapRunning:
+        """Spawn the box. Its agent starts (its own imports) and waits for the GO (`BwrapRunning.go`), which Box
+        gives once the run's box.start is signed: before it, no kernel is started and no workspace file copied."""
         host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (host_end, box_end):  # room for several frames in flight: fewer stalls on bulk transfers
             _grow_buffers(end)
@@ -331,6 +346,7 @@ class BwrapBackend(Backend):
 
         fd = box_end.fileno()
         fds: list[int] = []  # every fd bubblewrap reads at its start: closed here once it runs
+        go_w = None
 
         def rd(path: Path) -> int:
             fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
@@ -341,7 +357,10 @@ class BwrapBackend(Backend):
             if seccomp.supported():
                 (workdir / "seccomp.bpf").write_bytes(seccomp.program())
                 filter_fd = rd(workdir / "seccomp.bpf")
-            (exe, *args), command = self.argv(spec, fd, file_fds, filter_fd, nproc=processes == "rlimit-nproc")
+            go_r, go_w = os.pipe()
+            fds.append(go_r)
+            (exe, *args), command = self.argv(spec, fd, file_fds, filter_fd, nproc=processes == "rlimit-nproc",
+                                              go_fd=go_r)
             # bwrap's argv is PID 1's command line in the box: its arguments (host paths) go through a file
             (workdir / "bwrap.args").write_bytes(b"".join(arg.encode() + b"\0" for arg in args))
             args_fd = rd(workdir / "bwrap.args")
@@ -353,6 +372,8 @@ class BwrapBackend(Backend):
                                     start_new_session=True)
         except BaseException:
             host_end.close()
+            if go_w is not None:
+                os.close(go_w)
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.rmdir()
@@ -363,4 +384,4 @@ class BwrapBackend(Backend):
             box_end.close()
             for f in fds:
                 os.close(f)
-        return BwrapRunning(proc, host_end, cgroup, workdir, memory_cg)
+        return BwrapRunning(proc, host_end, cgroup, workdir, memory_cg, go_w)

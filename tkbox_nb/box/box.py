@@ -127,49 +127,58 @@ class Box:
     def _start(self) -> "Box":
         gpus = gpu_plan(self.policy.get("box", "gpus"), self.policy.get("box", "gpu_caps"), self.backend.name)
         self.signer.ensure()
+        # the mounts' sources checked now, walked and digested on a thread while the rest of the start goes on
+        walk = mounts_.MountWalk(self.policy, self.signer.home, self.backend.name)
         seeding = None
         if self.workspace is not None:  # a copy, never the host directory itself; too large: one line, before any copy
             exclude = self.policy.get("workspace", "exclude")
             check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib"))
             # copied and digested in one read while the rest of the start goes on; moved into the run's spool once
-            # the run is open (the digest is signed in box.start, so the copy is made before)
+            # the box has taken it (the digest is signed in box.start, so the copy is made before)
             seeding = SeedCopy(self.workspace, self.signer.home / "seeds", exclude)
         try:
-            return self._open(gpus, seeding)
+            return self._open(gpus, seeding, walk)
         finally:  # what is left of the staged copy: all of it if the start failed before the move, else nothing
             if seeding is not None:
                 seeding.discard()
 
-    def _open(self, gpus: Any, seeding: "SeedCopy | None") -> "Box":
-        boot = self._boot(gpus, seeding)
+    def _open(self, gpus: Any, seeding: "SeedCopy | None", walk: mounts_.MountWalk) -> "Box":
+        """Open the run (box.start signed), spawn the box, start its doors and open its door stream. A bubblewrap
+        box is spawned first: its agent's imports overlap the mounts' walk and the run's opening, and it waits for
+        the GO, given once box.start is signed, before it starts anything of the box's; a refused walk kills it
+        before any run exists. A VM box's run opens before it starts (its disks are made from the walked data)."""
+        boot = self._boot(gpus, seeding, walk)
         env = box_environment(self.backend, self.signer.home)
-        self.recorder = RunRecorder(self.signer, self.policy, {
+        recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
             "image_digest": self.backend.image_digest(), "environment": sha256_digest(env), **boot},
             replay_of=self.replay_of)
-        self.recorder.start_content = {"environment": env}  # box.start commits to it; the bundle discloses it
+        recorder.start_content = {"environment": env}  # box.start commits to it; the bundle discloses it
         if self.bundle_path is not None:
-            self.recorder.bundle_hint = self.bundle_path
+            recorder.bundle_hint = self.bundle_path
         # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on
-        self.recorder.on_broken = lambda why: self.fail_closed(f"signer lost: {why}")
-        self.recorder.on_full = self.fail_closed  # the run reached [box] max_run_mib: the box ends, its bundle written
-        self.recorder.open()
+        recorder.on_broken = lambda why: self.fail_closed(f"signer lost: {why}")
+        recorder.on_full = self.fail_closed  # the run reached [box] max_run_mib: the box ends, its bundle written
+        overlap = self.backend.name in mounts_.OVERLAPS
         try:
-            mounts_.disclose(self.mounts, self.recorder.spool)
-            seed = seeding.move_to(self.recorder.spool / "seed") if seeding is not None else None
+            if not overlap:
+                self._open_run(recorder, walk)
             self.doors = self._doors()
             env = environment(self.doors)
             if self.kernel_early:  # the agent starts the ipykernel at once, before the host asks for it
                 env["TKBOX_KERNEL_EARLY"] = "1"
             self.running = self.backend.start(BoxSpec(
-                box_id=self.box_id, seed=seed, memory_mib=self.policy.get("box", "memory_mib"),
-                cpus=self.policy.get("box", "cpus"),
+                box_id=self.box_id, seed=seeding.staged() if seeding is not None else None,
+                memory_mib=self.policy.get("box", "memory_mib"), cpus=self.policy.get("box", "cpus"),
                 cpu_time_s=int(self.policy.get("box", "cpu_time_s")),
                 max_processes=self.policy.get("box", "max_processes"),
                 workspace_mib=self.policy.get("box", "workspace_mib"), agent_argv=self.agent_argv,
                 env={**env, **gpus.env}, ca_bundle=self.ca.trust_bundle() if self.ca else None,
-                mounts=mounts_.binds(self.mounts), disks=self.disks, devices=gpus.devices, ro_binds=gpus.ro_binds))
+                mounts=walk.binds(), disks=self.disks, devices=gpus.devices, ro_binds=gpus.ro_binds))
             self.spawned.set()
+            if overlap:
+                self._open_run(recorder, walk)
+                self.running.go()
             for door in self.doors:  # the secret bindings signed; the providers' keys read (one line if missing)
                 door.start()
             self.conn = HostConnection(self.running.door, self._violation, on_open=self._box_opened)
@@ -178,24 +187,37 @@ class Box:
                 if not self.running.alive() or self.conn.closed or time.monotonic() > deadline:
                     raise BoxEnded(f"the box did not come up ({self.running.exit_reason()}): {self._log_tail()}")
             self.running.ready()  # its output stream's tail ends here: what box code writes there is not the host's
+            if seeding is not None:  # the agent copied it before its hello: now the patch door's base, in the spool
+                seeding.move_to(self.recorder.spool / "seed")
             if self.ended:
                 raise BoxEnded(self.ended)
         except BaseException as e:
-            self.stop(f"box failed to start: {e}"[:300])
+            if self.recorder is None:  # no run yet: the box, if spawned, waits for a GO it never gets; it goes
+                if self.running is not None:
+                    self.running.kill()
+            else:
+                self.stop(f"box failed to start: {e}"[:300])
             raise
         return self
 
-    def _boot(self, gpus: Any, seeding: "SeedCopy | None") -> dict:
-        """What box.start states of the box before it runs (the backend, GPUs, mounts, notebook, and the digest of
-        the workspace's copy, signed: a rerun can tell whether it starts from the same tree; an empty one is none)."""
+    def _open_run(self, recorder: RunRecorder, walk: mounts_.MountWalk) -> None:
+        """The run opened, its box.start signed with the mounts' digests (the walk ended here), their lists kept."""
+        self.mounts = walk.result()
+        recorder.box.update(mounts_.facts(self.mounts, self.mounts_original))
+        self.recorder = recorder.open()
+        mounts_.disclose(self.mounts, self.recorder.spool)
+
+    def _boot(self, gpus: Any, seeding: "SeedCopy | None", walk: mounts_.MountWalk) -> dict:
+        """What box.start states of the box before it runs (the backend, GPUs, notebook, and the digest of the
+        workspace's copy, signed: a rerun can tell whether it starts from the same tree; an empty one is none). A VM
+        box's mounts are walked first: its disks are made from copies whose digests are those signed (so a QEMU box
+        with mounts boots cold, before the backend's prepare makes or finds the warm state)."""
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
-        self.mounts = mounts_.prepare(self.policy, self.signer.home, self.backend.name)  # digested: signed at start
-        # a VM's disks made from copies whose digests are those signed (a QEMU box with mounts then boots cold: so
-        # before the backend's prepare, which makes or finds the warm state)
-        self.disks = self.backend.mount_disks(self.mounts, self.signer.home)
+        overlap = self.backend.name in mounts_.OVERLAPS
+        self.disks = [] if overlap else self.backend.mount_disks(walk.result(), self.signer.home)
         boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
                 **gpus.facts}  # the GPUs the box gets, signed in box.start
-        boot = dict(boot, **mounts_.facts(self.mounts, self.mounts_original), **self.notebook)
+        boot = dict(boot, **self.notebook)
         digest = seeding.digest() if seeding is not None else None
         return dict(boot, workspace_digest=digest) if digest is not None else boot
 

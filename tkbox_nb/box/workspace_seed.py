@@ -144,6 +144,11 @@ class SeedCopy:
             raise self._error
         return self._digest
 
+    def staged(self) -> Path:
+        """The copy, complete, where it was made: the box takes it from here, before it is moved."""
+        self.digest()
+        return self.copy
+
     def move_to(self, dst: Path) -> Path:
         """The copy, moved to `dst` (same file system: a rename)."""
         self.digest()

@@ -8,9 +8,10 @@ path is empty. The bundle discloses the entries (`box/mounts/NAME.jsonl`), so `t
 from them (`digest_of_entries`) and a rerun or audit names the first file that differs.
 
 Datasets are large and mostly unchanged: each file's digest is cached under $TKBOX_HOME (host-only, never in a box)
-by its (path, size, mtime_ns, inode, ctime_ns), so a warm start walks the metadata and reads no file data; a cold
-digest hashes several files at once on threads (hashlib releases the GIL while it hashes). The same walk, metadata
-only, finds at the box's stop a file that changed under the mount while the box ran (`changes`).
+by its (path, size, mtime_ns, inode, ctime_ns), so a warm start walks the metadata and reads no file data (the walk
+is GNU find's, in its own process; a walk that prints what the cached tree's printed takes its digest unread); a
+cold digest hashes several files at once on threads (hashlib releases the GIL while it hashes). The same walk,
+metadata only, finds at the box's stop a file that changed under the mount while the box ran (`changes`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json
 import os
 import posixpath
 import stat
+import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,67 +38,127 @@ MAX_ENTRIES = 400_000  # a mount of more entries is refused at start: its disclo
 
 @dataclass
 class Scan:
-    """One walk of a mount's source: each entry (rel, kind, link target or "") and each file's metadata key."""
+    """One walk of a mount's source, as `find` printed it (`raw`), read into entries (rel, kind, link target or "")
+    and each entry's metadata key only when needed (`parse`): a warm start whose walk prints the bytes of the walk
+    the cache was made from needs neither."""
 
     root: str
-    entries: list[tuple[bytes, str, bytes]] = field(default_factory=list)
-    meta: dict[bytes, tuple[int, ...]] = field(default_factory=dict)  # rel -> (kind mode, size, mtime, ino, ctime)
+    raw: bytes = b""
+    file_count: int = 0
+    file_bytes: int = 0
+    _entries: list[tuple[bytes, str, bytes]] | None = field(default=None, repr=False)
+    _meta: dict[bytes, tuple[int, ...]] | None = field(default=None, repr=False)
+
+    @property
+    def entries(self) -> list[tuple[bytes, str, bytes]]:
+        if self._entries is None:
+            self.parse()
+        return self._entries
+
+    @property
+    def meta(self) -> dict[bytes, tuple[int, ...]]:  # rel -> (kind mode, size, mtime, ino, ctime)
+        if self._meta is None:
+            self.parse()
+        return self._meta
 
     @property
     def files(self) -> list[bytes]:
         return [rel for rel, kind, _ in self.entries if kind.startswith("f")]
 
-
-def _meta(st: os.stat_result) -> tuple[int, ...]:
-    return (stat.S_IFMT(st.st_mode) | (st.st_mode & 0o111), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+    def parse(self) -> "Scan":
+        """Read the walk, refusing what a box must not be given (a FIFO, socket or device; a symbolic link that
+        points out of the source, which the box could not follow to the host anyway)."""
+        if self._entries is None:
+            self._entries, self._meta, self.file_count, self.file_bytes = _parse(self.root, self.raw)
+        return self
 
 
 def _show(rel: bytes) -> str:
     return rel.decode("utf-8", "replace")[:200] or "."
 
 
+# one record per entry: "TYPE+MODE SIZE MTIME INODE CTIME" \0 path \0 link target \0 (neither holds a NUL); the
+# times as seconds with nine or more decimals, so exact to the nanosecond
+FIND_FORMAT = "%y%m %s %T@ %i %C@\\0%P\\0%l\\0"
+KIND_BITS = {b"f": stat.S_IFREG, b"d": stat.S_IFDIR, b"l": stat.S_IFLNK}
+MAX_WALK_BYTES = 512 << 20  # what find may print of one source: past it (or MAX_ENTRIES) the mount is refused
+
+
 def scan(root: str) -> Scan:
-    """Walk `root` (a resolved path) without following a link: refuse what a box must not be given (a FIFO, socket
-    or device; a symbolic link that points out of the source, which the box could not follow to the host anyway)."""
-    out = Scan(root)
+    """Walk `root` (a resolved path) without following a link: GNU find (findutils) lists every entry with its
+    metadata in its own process, so a host that starts a box meanwhile is not slowed by the walk's thousands of
+    stat calls holding this process's interpreter. Nothing is refused yet: `parse` (or a cache hit) says."""
     try:
         st = os.lstat(root)
-        if stat.S_ISREG(st.st_mode):
-            out.entries.append((b"", "fx" if st.st_mode & 0o111 else "f-", b""))
-            out.meta[b""] = _meta(st)
-            return out
-        if not stat.S_ISDIR(st.st_mode):
-            raise TkboxError(f"the mount source {root} is not a directory or regular file")
-        stack, root_b = [b""], root.encode("utf-8", "surrogateescape")
-        while stack:  # bytes joined by hand: posixpath.join was a third of a warm start's walk of 10,000 files
-            rel_dir = stack.pop()
-            with os.scandir(root_b + b"/" + rel_dir if rel_dir else root_b) as it:
-                for d in it:
-                    rel = rel_dir + b"/" + d.name if rel_dir else d.name
-                    st = d.stat(follow_symlinks=False)
-                    out.meta[rel] = _meta(st)
-                    if stat.S_ISDIR(st.st_mode):
-                        out.entries.append((rel, "d", b""))
-                        stack.append(rel)
-                    elif stat.S_ISREG(st.st_mode):
-                        out.entries.append((rel, "fx" if st.st_mode & 0o111 else "f-", b""))
-                    elif stat.S_ISLNK(st.st_mode):
-                        target = os.readlink(d.path)
-                        inside = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
-                        if target.startswith(b"/") or inside == b".." or inside.startswith(b"../"):
-                            raise TkboxError(f"the mount source {root} holds {_show(rel)}, a symbolic link pointing "
-                                             f"out of it (to {target.decode('utf-8', 'replace')[:100]}): a mount "
-                                             "shows nothing beyond its source; remove the link or mount its target")
-                        out.entries.append((rel, "l", target))
-                    else:
-                        raise TkboxError(f"the mount source {root} holds {_show(rel)}, which is not a file, directory "
-                                         "or symbolic link (a FIFO, socket or device is never mounted into a box)")
-                    if len(out.entries) > MAX_ENTRIES:
-                        raise TkboxError(f"the mount source {root} holds more than {MAX_ENTRIES} entries")
     except OSError as e:
         raise TkboxError(f"cannot read the mount source {root}: {e.strerror or e} ({e.filename})") from None
-    out.entries.sort(key=lambda e: e[0])
-    return out
+    if stat.S_ISREG(st.st_mode):  # a source of one file: one entry, its path empty, read now
+        x = st.st_mode & 0o111
+        m = (stat.S_IFREG | x, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+        return Scan(root, b"%d %d %d %d %d" % m, 1, st.st_size, [(b"", "fx" if x else "f-", b"")], {b"": m})
+    if not stat.S_ISDIR(st.st_mode):
+        raise TkboxError(f"the mount source {root} is not a directory or regular file")
+    try:
+        proc = subprocess.Popen(["find", root, "-mindepth", "1", "-printf", FIND_FORMAT], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"LC_ALL": "C", "PATH": _PATH})
+    except OSError as e:
+        raise TkboxError(f"cannot walk the mount source {root}: find (findutils) did not start: {e.strerror}") from None
+    with proc:
+        raw = proc.stdout.read(MAX_WALK_BYTES + 1)
+        if len(raw) > MAX_WALK_BYTES:
+            proc.kill()
+            raise TkboxError(f"the mount source {root} holds more than a walk of {MAX_WALK_BYTES >> 20} MiB lists")
+        err = proc.stderr.read(4096)
+    if proc.returncode != 0:
+        why = err.decode("utf-8", "replace").strip().splitlines() or [f"find exited {proc.returncode}"]
+        raise TkboxError(f"cannot read the mount source {root}: {why[0][:300]}")
+    return Scan(root, raw)
+
+
+_PATH = "/usr/bin:/bin"
+
+
+def _ns(t: bytes) -> int:
+    sec, _, frac = t.partition(b".")
+    ns = int(frac[:9].ljust(9, b"0")) if frac else 0
+    return int(sec) * 10**9 + (-ns if sec.startswith(b"-") else ns)
+
+
+def _parse(root: str, raw: bytes) -> tuple[list, dict, int, int]:
+    """The entries and metadata of a walk printed by `scan`, each checked; sorted by path bytes."""
+    fields = raw.split(b"\0")
+    if len(fields) % 3 != 1 or fields[-1]:
+        raise TkboxError(f"cannot read the walk of the mount source {root}: it ends inside a record")
+    if len(fields) // 3 > MAX_ENTRIES:
+        raise TkboxError(f"the mount source {root} holds more than {MAX_ENTRIES} entries")
+    entries, meta, count, size = [], {}, 0, 0
+    for i in range(0, len(fields) - 1, 3):
+        head, rel, target = fields[i], fields[i + 1], fields[i + 2]
+        try:
+            mode_s, size_s, mtime, ino, ctime = head[1:].split(b" ")
+            kind, x, n = head[:1], int(mode_s, 8) & 0o111, int(size_s)
+            bits = KIND_BITS.get(kind)
+            m = ((bits or 0) | x, n, _ns(mtime), int(ino), _ns(ctime))
+        except ValueError:
+            raise TkboxError(f"cannot read the walk of the mount source {root}: a record {head[:80]!r}") from None
+        if bits is None:
+            raise TkboxError(f"the mount source {root} holds {_show(rel)}, which is not a file, directory or "
+                             "symbolic link (a FIFO, socket or device is never mounted into a box)")
+        meta[rel] = m
+        if kind == b"f":
+            entries.append((rel, "fx" if x else "f-", b""))
+            count, size = count + 1, size + n
+        elif kind == b"d":
+            entries.append((rel, "d", b""))
+        else:
+            inside = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+            if target.startswith(b"/") or inside == b".." or inside.startswith(b"../"):
+                raise TkboxError(f"the mount source {root} holds {_show(rel)}, a symbolic link pointing out of it "
+                                 f"(to {target.decode('utf-8', 'replace')[:100]}): a mount shows nothing beyond its "
+                                 "source; remove the link or mount its target")
+            entries.append((rel, "l", target))
+    entries.sort(key=lambda e: e[0])
+    return entries, meta, count, size
 
 
 def _cache_path(home: Path, root: str) -> Path:
@@ -116,25 +179,29 @@ def _hash_file(path: bytes) -> bytes:
 
 
 def _tree_key(s: Scan) -> str:
-    """What the whole tree's metadata is: when it is the cached tree's, so are its digest and list."""
-    return hashlib.sha256(repr((s.entries, [s.meta[rel] for rel, _, _ in s.entries])).encode(
-        "utf-8", "surrogateescape")).hexdigest()
+    """What the whole tree's metadata is: when it is the cached tree's, so are its digest, list and counts. The walk's
+    bytes themselves: a walk that prints what the cached one printed (every path, kind, mode, size, time, inode and
+    link target, in the same listing order) is of the same tree, which passed every check then."""
+    return hashlib.sha256(s.raw).hexdigest()
 
 
 def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
     """The mount's digest and its disclosed list (`list_bytes`), reading only the files whose metadata the cache
-    under `home` does not hold; then the cache holds every file of this scan (and only those). A tree whose every
-    entry's metadata is the cached tree's (the warm start of an unchanged dataset) takes the cached digest and list
-    without hashing its entries again."""
+    under `home` does not hold; then the cache holds every file of this scan (and only those). A tree whose walk is
+    the cached tree's (the warm start of an unchanged dataset) takes the cached digest, list and counts without
+    reading the walk again."""
     cache_file = _cache_path(home, s.root) if home is not None else None
     tree_key = _tree_key(s)
     if cache_file is not None:
         try:
             tree = json.loads(cache_file.with_suffix(".tree").read_bytes())
-            if isinstance(tree, dict) and tree.get("key") == tree_key and isinstance(tree.get("digest"), str):
+            if isinstance(tree, dict) and tree.get("key") == tree_key and isinstance(tree.get("digest"), str) \
+                    and isinstance(tree.get("files"), int) and isinstance(tree.get("bytes"), int):
+                s.file_count, s.file_bytes = tree["files"], tree["bytes"]
                 return tree["digest"], cache_file.with_suffix(".list").read_bytes()
         except (OSError, ValueError):
             pass  # no cached tree, or another: each file is looked up below
+    s.parse()
     cache = _load_cache(cache_file) if cache_file is not None else {}
     root_b = s.root.encode("utf-8", "surrogateescape")
     bodies: dict[bytes, bytes] = {}
@@ -163,13 +230,14 @@ def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
             _write_private(cache_file, json.dumps({rel.decode("utf-8", "surrogateescape"): [*s.meta[rel], b.decode()]
                                                    for rel, b in bodies.items()}).encode())
         _write_private(cache_file.with_suffix(".list"), listing)
-        _write_private(cache_file.with_suffix(".tree"), json.dumps({"key": tree_key, "digest": root}).encode())
+        _write_private(cache_file.with_suffix(".tree"), json.dumps(
+            {"key": tree_key, "digest": root, "files": s.file_count, "bytes": s.file_bytes}).encode())
     return root, listing
 
 
 def _write_private(path: Path, data: bytes) -> None:
     """A cache file, whole (beside it, then renamed), readable by this user only."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # two boxes' walks at once
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -189,6 +257,9 @@ def changes(s: Scan) -> list[str]:
     mount while the box ran. Reads metadata only; a source that cannot be walked now is itself the change."""
     try:
         now = scan(s.root)
+        if now.raw == s.raw:  # the walk prints what it printed at the start: nothing changed
+            return []
+        now.parse()
     except TkboxError as e:
         return [f"(the source: {str(e)[:200]})"]
     keys = sorted(set(s.meta) | set(now.meta))
@@ -235,7 +306,7 @@ def differing(a: list, b: list, limit: int = 20) -> list[str]:
 
 
 def summary(s: Scan) -> dict[str, Any]:
-    return {"files": len(s.files), "bytes": sum(s.meta[r][1] for r in s.files)}
+    return {"files": s.file_count, "bytes": s.file_bytes}
 
 
 def check_disclosed(signed: Any, files: dict[str, bytes]) -> str:

@@ -173,7 +173,24 @@ def _package_site():
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), site) if x)
 
 
+def _wait_go():
+    """A bubblewrap box's agent is spawned before its run's box.start is signed (the host walks the dataset mounts
+    meanwhile): it waits here for the host's GO, one byte on TKBOX_GO_FD, before it starts a kernel or reads the
+    workspace, so nothing but its own imports runs in the box before box.start. Anything else ends the agent."""
+    fd = os.environ.pop("TKBOX_GO_FD", None)
+    if fd is None:
+        return
+    try:
+        got = os.read(int(fd), 1)
+        os.close(int(fd))
+    except (OSError, ValueError):
+        got = b""
+    if got != b"G":
+        os._exit(3)
+
+
 def serve(sock):
+    _wait_go()
     door = Door(sock)
     commands, kernels, readers = {}, {}, {}
     _package_site()
