@@ -26,6 +26,7 @@ from tkbox_nb.rules.hostnames import HostError, check_host
 from tkbox_nb.rules.proxy_request import ProxyRequest, ProxyRequestError, ProxyRequestParser
 from tkbox_nb.doors.door import Door
 from tkbox_nb.doors.egress_env import egress_env, secrets_env
+from tkbox_nb.doors.resolver import resolve
 from tkbox_nb.doors.spliced import SplicePipe
 from tkbox_nb.rules.door_table import EGRESS
 
@@ -39,29 +40,6 @@ BOUND_WAIT_S = 30.0      # how long one more waits for a slot before it is answe
 IDLE_TIMEOUT_S = 600.0   # a relayed connection with no byte either way for this long is closed (its end signed)
 REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "Request Header Fields Too Large",
            502: "Bad Gateway", 503: "Service Unavailable"}
-
-
-def resolve(name: str, port: int, nameservers: list[str], timeout: float) -> list[str]:
-    """Every address the name has (A and AAAA), from the policy's nameservers or the system resolver."""
-    if nameservers:
-        import dns.exception
-        import dns.resolver
-        resolver = dns.resolver.Resolver(configure=False)
-        resolver.nameservers = list(nameservers)
-        resolver.lifetime = timeout
-        found, failure = [], None
-        for rdtype in ("A", "AAAA"):
-            try:
-                found += [r.address for r in resolver.resolve(name, rdtype, search=False)]
-            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-                continue
-            except dns.exception.DNSException as e:  # a server that fails one type: the other may still answer
-                failure = f"lookup of {name} ({rdtype}) failed: {type(e).__name__}"
-        if not found and failure:
-            raise OSError(failure)
-        return found
-    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    return [info[4][0] for info in infos]
 
 
 def stated_facts(req: ProxyRequest, policy, lookup) -> tuple[dict, str]:
@@ -126,6 +104,7 @@ class EgressDoor(Door):
         """At the box's stop: every relayed connection still open is shut, and its end signed (within `wait_s`)
         before the run closes, however idle its upstream keeps it."""
         with self._open_changed:
+            self._stopped = reason  # a connection dialled before the stop but tracked after it is shut at once
             for upstream, (counts, _, _) in list(self._open.items()):
                 self._shut(upstream, counts, reason)
             self._open_changed.wait_for(lambda: not self._open, timeout=wait_s)
@@ -138,9 +117,13 @@ class EgressDoor(Door):
         except OSError:
             pass
 
+    _stopped: str | None = None
+
     def _track(self, upstream: socket.socket, counts: dict) -> None:
         with self._open_changed:
             self._open[upstream] = [counts, 0, time.monotonic()]
+            if self._stopped is not None:
+                self._shut(upstream, counts, self._stopped)
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap_idle, daemon=True, name="tkbox-egress-idle")
                 self._reaper.start()

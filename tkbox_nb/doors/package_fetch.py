@@ -3,7 +3,7 @@ that was judged.
 
 httpx left to itself would look the name up again when it connects, after the door checked it: a name that answers
 a public address to the check and 127.0.0.1 (or 169.254.169.254) to the connect would make the host fetch from
-itself or from the cloud's metadata service. So the door resolves each host once (`doors/egress.resolve`: the
+itself or from the cloud's metadata service. So the door resolves each host once (`doors/resolver.resolve`: the
 system resolver, or `[packages] nameservers`), states the whole answer (`host`, `addresses`, `address_class`),
 refuses before any connection when `policy/packages.address_verdict` does (the same rule `tkbox verify` applies to
 the stated facts), and sends the request to the checked address itself: the URL names the address, the `Host`
@@ -17,7 +17,8 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit, urlunsplit
 
-from tkbox_nb.doors.egress import MAX_ADDRESSES, resolve
+from tkbox_nb.doors.egress import MAX_ADDRESSES
+from tkbox_nb.doors.resolver import resolve
 from tkbox_nb.policy.base import Settings, Verdict
 from tkbox_nb.policy.packages import address_verdict
 from tkbox_nb.rules.addresses import classify, refused_name
