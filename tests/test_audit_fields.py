@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tkbox_nb.audit.compare import audit
+from tkbox_nb.audit.report import readable
 from tkbox_nb.policy import Policy
 from tkbox_nb.signing.recorder import RunRecorder
 
@@ -65,3 +66,5 @@ def test_each_single_difference_is_found_with_its_kind_and_seq(signer, tmp_path,
         report.differences
     d = report.differences[0]
     assert len(d.a) < 400 and "sha256:" not in d.a  # shown short, compared whole
+    # the readable report shows a patch file's difference by its path (audit/report.py reads the door's section)
+    assert readable(d) == ([f"file out.txt: A {d.a[:160]}, B {d.b[:160]}"] if kind == "patch" else [])

@@ -4,7 +4,7 @@ Adding a door to the table is enough for each part of tkbox that names doors to 
 crossings as its tool on a real signer running the pack made from that table, the bundle reads them back under its
 name, the run view gives it a row, the audit compares it under its category, and the policy's dispatch refuses, in
 one line, a table door it has no decide function for. And no module of the package spells a door's name where it
-means the door: the scan below reads the source as tests/test_door_context.py does.
+means the door, nor a door's tool's name at all: the scan below reads the source as tests/test_door_context.py does.
 """
 
 from __future__ import annotations
@@ -219,27 +219,43 @@ def test_tkbox_show_filters_by_every_door_of_the_table():
 
 # -- no door's name outside the table ------------------------------------------------------------------------------
 # What may still spell a door's name, and why: each (module, the code) here is not the door but a name that is also
-# a policy section's (the door table's `section` says which section each door reads).
+# a policy section's (the door table's `section` says which section each door reads), or a stream's kind.
+STREAM_KIND = "the kind of stream the box opens (guest/agent.py's forwarders): the guest protocol's wire format"
 ALLOWED = {
     ("policy/core.py", "_SCHEMA: dict["): "the policy's sections by name ([box], [exec], ...), not doors",
     ("policy/core.py", "_DEFAULTS: dict["): "the policy sections' defaults by name, not doors",
+    ("doors/egress.py", 'body.get("kind") != "egress"'): STREAM_KIND,
+    ("doors/model.py", 'body.get("kind") != "model"'): STREAM_KIND,
+    ("doors/packages.py", 'body.get("kind") != "packages"'): STREAM_KIND,
 }
+# the door table's constants (BOX, EXEC, ...): a literal beside one in a comparison, list or map means a door too
+CONSTANTS = frozenset(k for k, v in vars(door_table).items() if k.isupper() and isinstance(v, str) and v in names())
 
 
-def door_literals(source: str, doors: set[str]) -> list[tuple[int, str, str]]:
+def door_literals(source: str, doors: set[str], tools: frozenset[str] = frozenset()) -> list[tuple[int, str, str]]:
     """(line, name, how) for each string literal spelling a door's name where it means the door: compared with a
-    door (`c.door == "exec"`, `args.get("door") != "model"`), the door of a crossing decided (`.decide("host", ...)`,
-    `.verdict`), a (door, kind) pair, a list or map of doors, a `door=` argument."""
+    door, a kind or a door's constant (`c.door == "exec"`, `args.get("door") != "model"`, `d.kind == "patch"`,
+    `name in (EXEC, "host")`), the door of a crossing decided (`.decide("host", ...)`, `.verdict`), a (door, kind)
+    pair, a list or map of doors (or of literals and constants together), a `door=` argument; and any literal
+    spelling a door's tool (`c.tool == "box.start"`, `{"box.stop": ...}`), whose name means nothing else."""
     def lit(n: ast.AST) -> bool:
         return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in doors
 
+    def const(n: ast.AST | None) -> bool:
+        return isinstance(n, ast.Name) and n.id in CONSTANTS
+
     def names_a_door(n: ast.AST) -> bool:
-        return any(isinstance(x, ast.Name) and "door" in x.id.lower() or isinstance(x, ast.Attribute)
-                   and "door" in x.attr.lower() or isinstance(x, ast.Constant) and x.value == "door"
-                   for x in ast.walk(n))
+        return any(isinstance(x, ast.Name) and ("door" in x.id.lower() or "kind" in x.id.lower() or const(x))
+                   or isinstance(x, ast.Attribute) and ("door" in x.attr.lower() or "kind" in x.attr.lower())
+                   or isinstance(x, ast.Constant) and x.value in ("door", "kind") for x in ast.walk(n))
+
+    def doors_in(elts: list) -> bool:
+        return sum(map(lit, elts)) >= 1 and sum(map(lit, elts)) + sum(map(const, elts)) >= 2
 
     out = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in tools:
+            out.append((node.lineno, node.value, "a door's tool"))
         if isinstance(node, ast.Compare) and names_a_door(node):
             out += [(x.lineno, x.value, "compared with a door") for x in ast.walk(node) if lit(x)]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
@@ -248,9 +264,9 @@ def door_literals(source: str, doors: set[str]) -> list[tuple[int, str, str]]:
         elif isinstance(node, ast.Tuple) and len(node.elts) == 2 and lit(node.elts[0]) and \
                 isinstance(node.elts[1], ast.Constant) and isinstance(node.elts[1].value, str):
             out.append((node.lineno, node.elts[0].value, "a (door, kind) pair"))
-        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and sum(map(lit, node.elts)) >= 2:
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and doors_in(node.elts):
             out.append((node.lineno, ", ".join(e.value for e in node.elts if lit(e)), "a list of doors"))
-        elif isinstance(node, ast.Dict) and sum(lit(k) for k in node.keys if k is not None) >= 2:
+        elif isinstance(node, ast.Dict) and doors_in(node.keys):
             out.append((node.lineno, ", ".join(k.value for k in node.keys if k is not None and lit(k)),
                         "a map keyed by doors"))
         elif isinstance(node, ast.keyword) and node.arg and "door" in node.arg and lit(node.value):
@@ -261,11 +277,16 @@ def door_literals(source: str, doors: set[str]) -> list[tuple[int, str, str]]:
 def test_the_scan_finds_a_door_spelled_each_way():
     source = ('rec.decide("exec", "cell", {})\nif c.door == "model": pass\nif a.get("door") != "egress": pass\n'
               'skip = {("patch", "file")}\nDOORS = ["box", "host"]\nm = {"exec": 1, "secrets": 2}\nf(door="host")\n'
-              'policy.get("exec", "timeout_s")\nfacts.get("host")\nx = {"model": m}\n')
-    found = {(line, how) for line, _, how in door_literals(source, set(names()))}
+              'policy.get("exec", "timeout_s")\nfacts.get("host")\nx = {"model": m}\n'
+              'if d.kind == "packages": pass\nif name in (EXEC, "patch"): pass\nm = {EXEC: 1, "host": 2}\n'
+              'if c.tool == "box.start": pass\nt = {"box.stop": 1}\nif a.get("mode") != "egress": pass\n'
+              'if "host" in facts: pass\nk = {EXEC: 1, SECRETS: 2}\n')
+    found = {(line, how) for line, _, how in door_literals(source, set(names()), frozenset(tools()))}
     assert found == {(1, "the door of .decide()"), (2, "compared with a door"), (3, "compared with a door"),
                      (4, "a (door, kind) pair"), (5, "a list of doors"), (6, "a map keyed by doors"),
-                     (7, "a door= argument")}
+                     (7, "a door= argument"), (11, "compared with a door"), (12, "compared with a door"),
+                     (12, "a list of doors"), (13, "a map keyed by doors"), (14, "a door's tool"),
+                     (15, "a door's tool")}
 
 
 def test_no_module_spells_a_door_name_where_it_means_the_door():
@@ -275,10 +296,10 @@ def test_no_module_spells_a_door_name_where_it_means_the_door():
         if rel == "rules/door_table.py" or rel.startswith("guest/"):  # the table; the box's agent imports no host
             continue
         lines = path.read_text().splitlines()
-        for line, name, how in door_literals(path.read_text(), doors):
+        for line, name, how in door_literals(path.read_text(), doors, frozenset(tools())):
             allowed = [key for key in ALLOWED if key[0] == rel and key[1] in lines[line - 1]]
             allowed_seen.update(allowed)
             if not allowed:
-                found.append(f"{rel}:{line}: {name} ({how}): use rules/door_table.py's constant")
+                found.append(f"{rel}:{line}: {name} ({how}): use rules/door_table.py's constant or tool_of")
     assert found == []
     assert allowed_seen == set(ALLOWED), "an allowed entry no longer matches anything: remove it"

@@ -23,7 +23,8 @@ import json
 from html.parser import HTMLParser
 from typing import Any
 
-from tkbox_nb.rules.door_table import BOX
+from tkbox_nb.audit.door_items import SECTION
+from tkbox_nb.rules.door_table import BOX, PACKAGES, PATCH
 
 MAX_RENDER = 200_000
 DIFF_LINES = 40
@@ -157,10 +158,10 @@ def readable(d) -> list[str]:
     if d.kind == "environment":
         from tkbox_nb.audit.packages import environment_changes
         return environment_changes(va, vb)
-    if d.kind == "packages":
+    if d.kind == SECTION[PACKAGES]:
         from tkbox_nb.audit.packages import package_changes
         return package_changes(d.value_a, d.value_b)
-    if d.kind == "patch":
+    if d.kind == SECTION[PATCH]:
         return [f"file {_path(va) or _path(vb)}: A {d.a[:160]}, B {d.b[:160]}"]
     return []
 

@@ -19,12 +19,13 @@ from tkbox_nb.bundle.archive import BOX_FORMAT, BundleContents, opens
 from tkbox_nb.bundle.mount_digest import check_disclosed
 from tkbox_nb.bundle.verify_recount import connection_totals, model_totals, unstated_fetches
 from tkbox_nb.bundle.verify_report import VerifyReport
-from tkbox_nb.rules.door_table import PATCH
+from tkbox_nb.rules.door_table import BOX, PATCH, tool_of
 from tkbox_nb.core.errors import PolicyError
 from tkbox_nb.policy import Policy, policy_hash
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+START_TOOL, STOP_TOOL = tool_of(BOX, "start"), tool_of(BOX, "stop")  # the box's own decisions (rules/door_table.py)
 BOX_FIELDS = ("box_id", "backend", "isolation", "image_digest", "tkbox_version", "boot",  # boot: a VM's cold or warm
               "workspace_digest",  # the starting workspace (core/tree_digest.py), when the box was given one
               "rerun_of",  # a rerun's original run
@@ -267,9 +268,9 @@ def _decisions_rederive(s: BoxLayer) -> bool:
         if kind != "policy.decision" or report.record_status.get(seq) != "valid":
             continue
         args, data = d["args"], s.events[seq]["data"]
-        if data.get("tool") == "box.start":
+        if data.get("tool") == START_TOOL:
             s.starts.append((seq, args))
-        elif data.get("tool") == "box.stop":
+        elif data.get("tool") == STOP_TOOL:
             s.stops.append((seq, args))
         pol = s.policies.get(args.get("policy"))
         if pol is None:

@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 
 from tkbox_nb.bundle.archive import BundleContents, parse, read_bundle_bytes, read_entries
 from tkbox_nb.core.errors import BundleError, TkboxError
-from tkbox_nb.rules.door_table import BOX, EXEC, MODEL, PATCH, door_of_tool
+from tkbox_nb.rules.door_table import BOX, EXEC, MODEL, PATCH, door_of_tool, tool_of
 
 DOOR_OF_TOOL = door_of_tool()  # a crossing whose statement names no door: its tool's (rules/door_table.py)
+START_TOOL = tool_of(BOX, "start")  # what a box's start is signed as: its crossing commits to the environment
 COLUMNS = ["seq", "time", "door", "tool", "kind", "decision", "rule_ids", "box_rule", "status", "summary", "content"]
 
 
@@ -202,7 +203,7 @@ class Run:
         made before tkbox recorded environments. BundleError when the bundle lacks the bytes or they are not a
         manifest."""
         from tkbox_nb.bundle.environment import parse as parse_environment
-        start = next((c for c in self.crossings() if c.tool == "box.start" and c.args), None)
+        start = next((c for c in self.crossings() if c.tool == START_TOOL and c.args), None)
         digest = (start.args if start else {}).get("environment")
         if digest is None:
             return None

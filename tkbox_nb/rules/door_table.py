@@ -5,7 +5,8 @@ of a tool in a bundle read back, the tools of the signer's box pack, the run vie
 the audit's chain of doors), so adding a door meant finding all of them, and missing one failed quietly (a crossing
 shown under its tool's name, a door the audit never counted). Each of them now reads this table, and a door's name is
 spelled here only (the constants below); `tests/test_door_table.py` checks that a door added to the table is known
-to each of them, and that no module outside it spells a door's name where it means the door.
+to each of them, and that no module outside it spells a door's name where it means the door, or a door's tool's
+name (`tool_of(BOX, "start")` is what a box's start is signed as).
 
 Per door: the Tracekit tool its crossings are signed as (and the kinds signed as another tool: a box's start), the
 box policy section its verdict reads, how the run view names it, and how `tkbox audit` compares it (the section of

@@ -27,7 +27,7 @@ INERT = frozenset({"text/plain", "text/latex", "image/png", "image/jpeg", "image
                    "application/json", "application/vnd.jupyter.widget-view+json"})
 SANITISED = frozenset({"text/html", "text/markdown"})
 ALLOWED = INERT | SANITISED
-BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host prompt does (kernel/app.py)
+BOX_PROMPT = "[box] "  # every prompt from the box starts with it, each line; no host one does (jupyter/kernel/stdin.py)
 
 _TAGS = set(nh3.ALLOWED_TAGS) | {"tfoot"}
 _ATTRIBUTES = {tag: set(attrs) for tag, attrs in nh3.ALLOWED_ATTRIBUTES.items()}

@@ -204,6 +204,7 @@ class RunRecorder(RunBounds):
         if verdict.reason:
             args["verdict_reason"] = verdict.reason[:500]
         tool = tool_of(door, kind, self.doors)
+        stop_tool = tool_of(BOX, "stop", self.doors)  # a box's stop is signed even while it stops or is full
         with self._lock:
             self._seq += 1
             call_id = f"{door}-{self._seq}"
@@ -212,14 +213,14 @@ class RunRecorder(RunBounds):
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], self.broken or "the run is closed"
             return crossing
         with self._lock:
-            stopping = self._stopping and tool != "box.stop" and kind != COUNT_KIND
+            stopping = self._stopping and tool != stop_tool and kind != COUNT_KIND
             if not stopping:
                 self._in_flight += 1
         if stopping:
             crossing.rule_ids, crossing.reason = [UNAVAILABLE_RULE], "the box is stopping"
             return crossing
         try:
-            if self.full and tool != "box.stop" and kind != COUNT_KIND:
+            if self.full and tool != stop_tool and kind != COUNT_KIND:
                 crossing.rule_ids, crossing.reason = [FULL_RULE], self.full
                 return crossing
             if verdict.verdict == "deny" and not self._admit(door, kind, verdict):
