@@ -170,3 +170,14 @@ def test_any_text_is_parsed_into_gpus_of_the_documented_shape_or_refused(text):
             continue
         if parser is parse_query:
             assert got and all(g.uuid.startswith("GPU-") and g.name.isprintable() and "," not in g.name for g in got)
+
+
+def test_bench_gpu_holds_a_gpu_box_s_start_to_1_2x_one_without_as_issue_39_says():
+    from bench.bench_gpu import START_TARGET, verdict
+    assert START_TARGET == 1.2
+    _, met = verdict(1.0, 1.04, 2.0, 2.3, 200)  # 1.15x: met, though it adds 0.3 s
+    assert "ratio 1.15, target <= 1.2: met" in met
+    _, slow = verdict(1.0, 1.04, 0.4, 0.6, 200)  # 1.5x: not met, though it adds only 0.2 s
+    assert "ratio 1.50, target <= 1.2: NOT met" in slow
+    loop, _ = verdict(1.0, 1.06, 2.0, 2.0, 200)
+    assert "ratio 1.060, target <= 1.05: NOT met" in loop
