@@ -181,3 +181,15 @@ def test_bench_gpu_holds_a_gpu_box_s_start_to_1_2x_one_without_as_issue_39_says(
     assert "ratio 1.50, target <= 1.2: NOT met" in slow
     loop, _ = verdict(1.0, 1.06, 2.0, 2.0, 200)
     assert "ratio 1.060, target <= 1.05: NOT met" in loop
+
+
+def test_auto_with_gpus_takes_bwrap_a_named_or_vm_minimum_backend_stays_and_is_refused():
+    gpu = Policy.from_toml("[box]\ngpus = 1\n")
+    assert host.gpu_backend(gpu, "auto") == "bwrap"  # not a VM backend that would then refuse it
+    assert host.gpu_backend(Policy.default(), "auto") == "auto"  # without gpus, auto chooses as ever
+    assert host.gpu_backend(gpu, "qemu") == "qemu"  # named: kept, and refused at start (test above)
+    vm = Policy.from_toml('[box]\ngpus = 1\nisolation = "vm"\n')
+    assert host.gpu_backend(vm, "auto") == "auto"  # the isolation minimum is never lowered for a GPU
+    assert Box(policy=gpu).backend.name == "bwrap"
+    named_auto = Policy.from_toml('[box]\ngpus = "all"\nbackend = "auto"\n')
+    assert Box(policy=named_auto, backend="auto").backend.name == "bwrap"
