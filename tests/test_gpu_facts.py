@@ -193,3 +193,23 @@ def test_auto_with_gpus_takes_bwrap_a_named_or_vm_minimum_backend_stays_and_is_r
     assert Box(policy=gpu).backend.name == "bwrap"
     named_auto = Policy.from_toml('[box]\ngpus = "all"\nbackend = "auto"\n')
     assert Box(policy=named_auto, backend="auto").backend.name == "bwrap"
+
+
+def test_box_status_shows_a_gpu_box_s_gpus_and_nothing_for_a_box_without(signer, tmp_path):
+    from tkbox_nb.box.notebook_box import NotebookBox
+    from tkbox_nb.rules.gpu_record import status_line
+    facts = plan(parse_query(CSV), "13.0", {}, NODES, parse_ldconfig(LDCONFIG), set(), None, host.BOX_ROOTS).facts
+    line = (f"2 GPUs: 0 NVIDIA H200 {U0} 143771 MiB, compute 9.0; 1 NVIDIA H200 {U1} 143771 MiB, compute 9.0; "
+            "driver 580.95.05, CUDA 13.0")
+    assert status_line(facts["gpus"]) == line
+    assert status_line('[{"name": "x\\u001b[2J", "uuid": 1}]') == "GPUs unreadable"
+    nb = NotebookBox(policy=Policy.from_toml("[exec]\ncells = true\n"), backend="bwrap", bundle_dir=tmp_path)
+    try:
+        nb.ensure_box()
+        assert nb.live and not any(ln.startswith("gpus") for ln in nb.status().splitlines()), nb.status()
+        nb.box.recorder.box.update(facts)  # what box.start holds for a box given GPUs (no GPU here to give one)
+        assert f"gpus     {line}" in nb.status().splitlines()
+        nb.box.recorder.box["gpus"] = '[{"name": "x\\u001b[2J"}]'
+        assert "gpus     GPUs unreadable" in nb.status().splitlines()
+    finally:
+        nb.stop()
