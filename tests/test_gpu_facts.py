@@ -213,3 +213,28 @@ def test_box_status_shows_a_gpu_box_s_gpus_and_nothing_for_a_box_without(signer,
         assert "gpus     GPUs unreadable" in nb.status().splitlines()
     finally:
         nb.stop()
+
+
+def gpu_run(signer, out, gpus: str | None, cell: bytes = b"1 + 1\n"):
+    """A real signed run (a real signer and recorder, no box behind it) whose box.start holds `gpus` as a box given
+    GPUs has it (gpu_facts.plan), or none."""
+    from tkbox_nb.signing.recorder import RunRecorder
+    rec = RunRecorder(signer, Policy.from_toml("[exec]\ncells = true\n"), {
+        "backend": "bwrap", "isolation": "namespace", "image_digest": "none",
+        **({"gpus": gpus} if gpus is not None else {})})
+    rec.open()
+    c = rec.decide("exec", "cell", {}, {"code": cell})
+    rec.complete(c, "ok", {"execution_count": 1}, {"outputs": b"[]"})
+    rec.close("test done")
+    return rec.write_bundle(out)
+
+
+def test_tkbox_show_s_header_names_the_gpus_a_run_s_box_got_and_none_for_a_box_without(signer, tmp_path):
+    facts = plan(parse_query(CSV), "13.0", {}, NODES, parse_ldconfig(LDCONFIG), set(), None, host.BOX_ROOTS).facts
+    for name, gpus, shown in (("two", facts["gpus"], f"(namespace)  2 GPUs: NVIDIA H200 {U0}, NVIDIA H200 {U1}  "),
+                              ("none", None, "(namespace)  3 crossing(s)"),
+                              ("odd", '[{"name": "H200\\u001b[2J", "uuid": 7}]', "(namespace)  GPUs unreadable  ")):
+        r = run_cli("show", str(gpu_run(signer, tmp_path / f"{name}.tkb", gpus)))
+        header = r.stdout.splitlines()[0]
+        assert r.returncode == 0 and header.startswith("run ") and shown in header, (name, r.stdout, r.stderr)
+        assert "\x1b" not in r.stdout
