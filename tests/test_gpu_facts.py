@@ -238,3 +238,13 @@ def test_tkbox_show_s_header_names_the_gpus_a_run_s_box_got_and_none_for_a_box_w
         header = r.stdout.splitlines()[0]
         assert r.returncode == 0 and header.startswith("run ") and shown in header, (name, r.stdout, r.stderr)
         assert "\x1b" not in r.stdout
+
+
+@pytest.mark.parametrize("mig", ["MIG-5c5d3d2e-8a1b-5f4c-9d3e-2b1a0f9e8d7c",
+                                 "MIG-GPU-0a1b2c3d-0000-1111-2222-333344445555/1/0"])
+def test_a_mig_instance_in_gpus_is_refused_in_one_line_saying_mig_is_not_supported(mig, tmp_path):
+    with pytest.raises(PolicyError, match=f"box.gpus names the MIG instance '{mig}': MIG is not supported"):
+        Policy.from_toml(f'[box]\ngpus = ["0", "{mig}"]\n')
+    (tmp_path / "p.toml").write_text(f'[box]\ngpus = ["{mig}"]\n')
+    r = run_cli("run", "--backend", "bwrap", "--policy", str(tmp_path / "p.toml"), "--", "true")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MIG is not supported" in r.stderr, r.stderr
