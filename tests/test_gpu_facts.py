@@ -248,3 +248,47 @@ def test_a_mig_instance_in_gpus_is_refused_in_one_line_saying_mig_is_not_support
     (tmp_path / "p.toml").write_text(f'[box]\ngpus = ["{mig}"]\n')
     r = run_cli("run", "--backend", "bwrap", "--policy", str(tmp_path / "p.toml"), "--", "true")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MIG is not supported" in r.stderr, r.stderr
+
+
+def test_the_audit_names_a_gpu_or_driver_difference_and_other_physical_gpus_only_as_context(signer, tmp_path):
+    from tkbox_nb.audit.compare import audit
+    from tkbox_nb.audit.report import readable, table
+    libs = parse_ldconfig(LDCONFIG)
+
+    def gpus(csv: str, cuda: str = "13.0", which=None) -> str:
+        found = parse_query(csv)
+        return plan(found if which is None else [found[which]], cuda, {}, NODES, libs, set(), None,
+                    host.BOX_ROOTS).facts["gpus"]
+    a = gpu_run(signer, tmp_path / "a.tkb", gpus(CSV))
+    same = gpu_run(signer, tmp_path / "same.tkb", gpus(CSV))
+    a100 = CSV.replace("NVIDIA H200, 580.95.05, 143771, 9.0", "NVIDIA A100-SXM4-80GB, 575.57.08, 81920, 8.0")
+    b = gpu_run(signer, tmp_path / "b.tkb", gpus(a100, "12.9", which=0))
+    none = gpu_run(signer, tmp_path / "none.tkb", None)
+    assert audit(a, same).equivalent
+    report = audit(a, b)
+    [d] = report.differences
+    assert d.what == "GPUs" and d.a == "2 GPUs (NVIDIA H200), driver 580.95.05, CUDA 13.0"
+    assert d.b == "1 GPU (NVIDIA A100-SXM4-80GB), driver 575.57.08, CUDA 12.9"
+    assert readable(d) == ["GPUs: 2 in A, 1 in B", "GPU name: NVIDIA H200 in A, NVIDIA A100-SXM4-80GB in B",
+                           "GPU memory (MiB): 143771 in A, 81920 in B", "compute capability: 9.0 in A, 8.0 in B",
+                           "driver version: 580.95.05 in A, 575.57.08 in B",
+                           "CUDA driver version: 13.0 in A, 12.9 in B"]
+    assert "    CUDA driver version: 13.0 in A, 12.9 in B" in table(report).splitlines()
+    assert f"GPU UUIDs: {U0}, {U1} in A, {U0} in B" in report.explained
+    [d] = audit(none, a).differences
+    assert readable(d) == ["GPUs: 0 in A, 2 in B", "GPU name: none in A, NVIDIA H200 in B",
+                           "GPU memory (MiB): none in A, 143771 in B", "compute capability: none in A, 9.0 in B",
+                           "driver version: none in A, 580.95.05 in B", "CUDA driver version: none in A, 13.0 in B"]
+    # the same model on another physical GPU is the same experiment: equivalent, the UUIDs named only as context
+    other = gpu_run(signer, tmp_path / "other.tkb", gpus(CSV.replace(U0, "GPU-11111111-2222-3333-4444-555555555555")))
+    assert audit(a, other).equivalent
+    changed = gpu_run(signer, tmp_path / "c.tkb", gpus(CSV.replace(U0, "GPU-11111111-2222-3333-4444-555555555555")),
+                      cell=b"2 + 2\n")
+    assert any(line.startswith("GPU UUIDs: ") for line in audit(a, changed).explained)
+    odd = gpu_run(signer, tmp_path / "odd.tkb", '[{"name": "x"}]')
+    [d] = audit(a, odd).differences
+    assert d.b == "GPUs unreadable" and readable(d) == ["GPUs: 2 in A, unreadable in B"]
+    from tkbox_nb.rules import gpu_record
+    for deep in ("[" * 60000, "{" * 60000):  # deeper than the JSON decoder recurses: unreadable, never an error
+        assert gpu_record.names(deep) == "GPUs unreadable" and gpu_record.compared(deep)[0] == "unreadable"
+        assert gpu_record.changes(deep, "none") == ["GPUs: unreadable in A, 0 in B"]
