@@ -215,13 +215,17 @@ def test_box_status_shows_a_gpu_box_s_gpus_and_nothing_for_a_box_without(signer,
         nb.stop()
 
 
-def gpu_run(signer, out, gpus: str | None, cell: bytes = b"1 + 1\n"):
+def gpu_run(signer, out, gpus: str | None, cell: bytes = b"1 + 1\n", env: bytes | None = None):
     """A real signed run (a real signer and recorder, no box behind it) whose box.start holds `gpus` as a box given
-    GPUs has it (gpu_facts.plan), or none."""
+    GPUs has it (gpu_facts.plan), or none, and commits to the environment manifest `env` where given."""
+    import hashlib
     from tkbox_nb.signing.recorder import RunRecorder
     rec = RunRecorder(signer, Policy.from_toml("[exec]\ncells = true\n"), {
         "backend": "bwrap", "isolation": "namespace", "image_digest": "none",
-        **({"gpus": gpus} if gpus is not None else {})})
+        **({"gpus": gpus} if gpus is not None else {}),
+        **({"environment": "sha256:" + hashlib.sha256(env).hexdigest()} if env is not None else {})})
+    if env is not None:
+        rec.start_content = {"environment": env}
     rec.open()
     c = rec.decide("exec", "cell", {}, {"code": cell})
     rec.complete(c, "ok", {"execution_count": 1}, {"outputs": b"[]"})
@@ -292,3 +296,16 @@ def test_the_audit_names_a_gpu_or_driver_difference_and_other_physical_gpus_only
     for deep in ("[" * 60000, "{" * 60000):  # deeper than the JSON decoder recurses: unreadable, never an error
         assert gpu_record.names(deep) == "GPUs unreadable" and gpu_record.compared(deep)[0] == "unreadable"
         assert gpu_record.changes(deep, "none") == ["GPUs: unreadable in A, 0 in B"]
+
+
+def test_tkbox_show_environment_names_the_gpus_box_start_signed_beside_the_manifest(signer, tmp_path):
+    from tkbox_nb.bundle.environment import manifest
+    facts = plan(parse_query(CSV), "13.0", {}, NODES, parse_ldconfig(LDCONFIG), set(), None, host.BOX_ROOTS).facts
+    env = manifest(None, "bwrap", "none", "a backend that records none")
+    path = gpu_run(signer, tmp_path / "g.tkb", facts["gpus"], env=env)
+    r = run_cli("show", str(path), "--environment")
+    assert r.returncode == 0 and f"gpus (box.start): 2 GPUs: 0 NVIDIA H200 {U0} 143771 MiB" in r.stdout, r.stdout
+    got = json.loads(run_cli("show", str(path), "--environment", "--format", "json").stdout)
+    assert [g["uuid"] for g in got["gpus_from_box_start"]] == [U0, U1] and got["unavailable"]
+    r = run_cli("show", str(gpu_run(signer, tmp_path / "n.tkb", None, env=env)), "--environment")
+    assert r.returncode == 0 and "gpus" not in r.stdout, r.stdout
