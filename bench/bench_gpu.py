@@ -1,6 +1,7 @@
 """A GPU in a bubblewrap box against the same GPU on the host: a matmul loop's time, and a box's start with
-`gpus = 1` against one without. Target: the loop within 5% of the host's (a box adds no layer between a process and
-the driver's ioctls), and `gpus = 1` adding under 0.5 s to a start (the nvidia-smi queries and the binds).
+`gpus = 1` against one without, same run. Targets (issue 39): the loop at most 1.05x the host's (a box adds no
+layer between a process and the driver's ioctls), and a box's start with `gpus = 1` at most 1.2x one without (the
+nvidia-smi queries and the binds); `verdict` states both as ratios, each met or not.
 
 Skipped, saying why, without an NVIDIA GPU and driver, or without torch importable by the box's interpreter.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 from tkbox_nb import Box, Policy
 from tkbox_nb.backends import gpus
 
+LOOP_TARGET = 1.05   # box loop / host loop
+START_TARGET = 1.2   # box start with gpus = 1 / without
 LOOP = ("import time, torch\na = torch.randn(4096, 4096, device='cuda')\n(a @ a).sum().item()\n"
         "t = time.perf_counter()\nfor _ in range({n}):\n    b = a @ a\ntorch.cuda.synchronize()\n"
         "print(time.perf_counter() - t)\n")
@@ -32,6 +35,15 @@ def _start(home: Path, gpu: bool, i: int) -> float:
     with Box(policy=_policy(gpu), backend="bwrap", home=home, bundle_path=home / f"s{gpu}{i}.tkb") as b:
         b.run(["true"])
         return time.perf_counter() - t
+
+
+def verdict(host_s: float, box_s: float, start_without_s: float, start_with_s: float, n: int) -> list[str]:
+    """The two figures as ratios against the issue's targets, each saying whether it was met."""
+    loop, start = box_s / host_s, start_with_s / start_without_s
+    return [f"gpu: {n} x 4096^2 matmul: host {host_s:.3f} s, box {box_s:.3f} s (ratio {loop:.3f}, target <= "
+            f"{LOOP_TARGET}: {'met' if loop <= LOOP_TARGET else 'NOT met'})",
+            f"gpu: box start to first command: without gpus {start_without_s:.2f} s, gpus = 1 {start_with_s:.2f} s "
+            f"(ratio {start:.2f}, target <= {START_TARGET}: {'met' if start <= START_TARGET else 'NOT met'})"]
 
 
 def main(n: int | None = None) -> None:
@@ -53,8 +65,10 @@ def main(n: int | None = None) -> None:
             print(f"gpu: the box's loop failed: {runs[0].stderr[-400:]!r}")
             return
         boxed = [float(r.stdout) for r in runs]
-        starts = {g: statistics.median(_start(home, g, i) for i in range(3)) for g in (False, True)}
-    h, bx = statistics.median(host), statistics.median(boxed)
-    print(f"gpu: {n} x 4096^2 matmul: host {h:.3f} s, box {bx:.3f} s (ratio {bx / h:.3f}, target <= 1.05)")
-    print(f"gpu: box start to first command: without gpus {starts[False]:.2f} s, gpus = 1 {starts[True]:.2f} s "
-          f"(+{starts[True] - starts[False]:.2f} s, target < 0.5 s)")
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(3):  # interleaved, so a change in the machine's load falls on both alike
+            for g in (False, True):
+                times[g].append(_start(home, g, i))
+        starts = {g: statistics.median(t) for g, t in times.items()}
+    for line in verdict(statistics.median(host), statistics.median(boxed), starts[False], starts[True], n):
+        print(line)

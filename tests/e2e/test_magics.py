@@ -274,3 +274,21 @@ def test_a_value_over_the_output_limit_is_refused_in_the_box_and_the_box_lives_o
     assert not result.success and len(lines) == 1 and "over the %box_pull limit" in lines[0], lines
     assert shell.run_cell("%%box\nsmall = huge[:4]").success and shell.run_cell("%box_pull small").success
     assert shell.user_ns["small"].tolist() == [0.0] * 4
+
+
+@pytest.mark.skipif(__import__("tkbox_nb.backends.gpus").backends.gpus.has_driver(),
+                    reason="this host has an NVIDIA driver: a box with gpus would be given its GPU")
+def test_box_policy_takes_gpus_and_a_host_without_a_gpu_refuses_its_box_in_one_line(shell, capsys, tmp_path):
+    capsys.readouterr()
+    assert shell.run_cell("%%box_policy\n[box]\ngpus = 1\n[exec]\ncells = true\n").success  # the text is a policy
+    assert "set: the box starts with it" in capsys.readouterr().out
+    result = shell.run_cell("%%box\nprint('never')")
+    shown = capsys.readouterr()
+    text = shown.out + shown.err
+    assert not result.success and "never" not in shown.out
+    assert [x for x in text.splitlines() if x.strip()] == [
+        "GpuRefused: box.gpus: this host has no NVIDIA GPU or driver (no /dev/nvidiactl or no nvidia-smi)"], text
+    assert not bundles(tmp_path)  # refused before any box started: no run, no bundle
+    assert shell.run_cell("%%box_policy\n[exec]\ncells = true\n").success
+    assert shell.run_cell("%%box\nprint('a box without gpus')").success
+    assert "a box without gpus" in capsys.readouterr().out

@@ -10,6 +10,8 @@ What is compared, each in run order and each difference naming the crossing's re
   by digest with a short diff when large);
 - egress destinations and decisions, secrets used (names only), host magics, model calls (request and response by
   digest), and the patch (each file's last decision and content digest, by path);
+- the GPUs the box was given, from its signed box.start (how many, each one's name, memory and compute capability,
+  the driver and CUDA driver versions; which physical GPU, by UUID, only as context: rules/gpu_record.py);
 - the environment the box started with (its signed manifest: the interpreter, each distribution by name, version and
   files digest, each Debian package) and what the package door let in during the run (each project's page and
   files: version, file, sha256, decision, paired by project), each difference named package by package
@@ -42,6 +44,7 @@ from tkbox_nb.audit.packages import environment_field
 from tkbox_nb.audit.replay import RERUN_SKIPS, _outputs, late_outputs
 from tkbox_nb.bundle.read_back import Crossing, Run, open_run
 from tkbox_nb.rules.door_table import BOX, EXEC, HOST, TABLE, Door
+from tkbox_nb.rules.gpu_record import compared as gpu_compared
 
 EXIT_EQUIVALENT, EXIT_DIFFERENT, EXIT_INCOMPARABLE = 0, 1, 3
 MAX_SANITIZER_BYTES = 1 << 20  # a sanitizer file is a few patterns: a larger one (or no regular file) is refused
@@ -97,7 +100,7 @@ class Audit:
         doors = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.coverage.items())
         left = ", ".join(f"{d} {na}/{nb}" for d, (na, nb) in self.not_compared.items())
         nbval = describe_marks(self.marks)
-        return f"compared (crossings in A/B): {doors}; the starting policy, workspace, mounts and environment" + \
+        return f"compared (crossings in A/B): {doors}; the starting policy, workspace, mounts, environment and GPUs" + \
             (f"; not compared: {left}" if left else "") + (f"; {nbval}" if nbval else "") + \
             f"; tolerance: {self.tolerance.describe()}"
 
@@ -178,7 +181,8 @@ def facts(run: Run, extra: list[tuple[str, str]], table: tuple[Door, ...] = TABL
     out[BOX] = [Item(seq0, BOX, {
         "starting policy": (str(pol.get("hash")), f"{pol.get('hash')} ({pol.get('name')})"),
         "workspace": _workspace(((start.args if start else None) or {}).get("workspace_digest")),
-        **_mounts(run, start), "environment": environment_field(run)})]
+        **_mounts(run, start), "environment": environment_field(run),
+        "GPUs": gpu_compared(((start.args if start else None) or {}).get("gpus"))})]
     late = late_outputs(run)
     for c in run.crossings():
         a, door = c.args or {}, next((d for d in doors if d.name == c.door), None)

@@ -8,8 +8,9 @@ a diff of `<td>` lines and a plot as two digests. Now each difference is shown b
 - an image by its pixels (size, pixels that differ, the largest channel difference; Pillow, when it is there);
 - a patched file by its path.
 And where a cell's code is equal but its results differ, what else differed between the runs comes first, each as one
-line, from what the bundles carry: the backend, the isolation, the image digest, the starting policy and the
-starting workspace (`explain`).
+line, from what the bundles carry: the backend, the isolation, the image digest, the starting policy, the
+starting workspace and which physical GPUs (by UUID) the boxes were given (`explain`). A difference in the GPUs'
+models, count, driver or CUDA driver version is a difference of its own (`GPUs`, rules/gpu_record.py).
 
 Everything rendered came from a box: each value is cut to MAX_RENDER characters (and MAX_LINES lines) before it is
 diffed or parsed, a diff to DIFF_LINES lines, a table to MAX_CELLS cells; the HTML report escapes all of it.
@@ -158,6 +159,9 @@ def readable(d) -> list[str]:
     if d.kind == "environment":
         from tkbox_nb.audit.packages import environment_changes
         return environment_changes(va, vb)
+    if d.kind == "GPUs":
+        from tkbox_nb.rules.gpu_record import changes
+        return changes(va, vb)
     if d.kind == SECTION[PACKAGES]:
         from tkbox_nb.audit.packages import package_changes
         return package_changes(d.value_a, d.value_b)
@@ -173,7 +177,7 @@ def _path(value: str) -> str:
 
 def explain(ra, rb) -> list[str]:
     """What else differed between the two runs, one line each, from what their bundles carry: the backend, the
-    isolation, the image, the tkbox version, the starting policy, the starting workspace."""
+    isolation, the image, the tkbox version, the starting policy, the starting workspace, the GPUs' UUIDs."""
     lines = []
     for key in CONTEXT:
         xa, xb = str(ra.box.get(key, "?")), str(rb.box.get(key, "?"))
@@ -187,7 +191,9 @@ def explain(ra, rb) -> list[str]:
     wa, wb = _workspace(ra), _workspace(rb)
     if wa != wb:
         lines.append(f"starting workspace: {wa[:80]} in A, {wb[:80]} in B")
-    return lines
+    from tkbox_nb.rules.gpu_record import uuid_change
+    other_gpus = uuid_change(ra.box.get("gpus"), rb.box.get("gpus"))  # other physical GPUs: context, not compared
+    return lines + ([other_gpus[:400]] if other_gpus else [])
 
 
 def _workspace(run) -> str:

@@ -83,6 +83,15 @@ def host_gpus() -> tuple[list, str]:
     return gpus, parse_cuda_version(_run([smi, "-q"]))
 
 
+def gpu_backend(policy, name: str) -> str:
+    """The backend a box with this policy takes: "auto" with `gpus` is bwrap, the one backend that can give a box a
+    GPU (a GPU box is a namespace box), unless box.isolation asks for a VM, which stays the minimum (and is then
+    refused by gpu_plan, with one line, rather than lowered)."""
+    if name == "auto" and policy.get("box", "gpus") is not None and policy.get("box", "isolation") != "vm":
+        return "bwrap"
+    return name
+
+
 def gpu_plan(value, caps: bool, backend: str) -> GpuPlan:
     """What a box of `backend` gets for `[box] gpus = value` (None: nothing), or GpuRefused naming why not."""
     if value is None:
@@ -107,4 +116,4 @@ def doctor_line() -> str:
     return f"ok  driver {gpus[0].driver_version}, CUDA {cuda}; bwrap boxes only: {names}"[:600]
 
 
-__all__ = ["GpuPlan", "GpuRefused", "doctor_line", "gpu_plan", "has_driver"]
+__all__ = ["GpuPlan", "GpuRefused", "doctor_line", "gpu_backend", "gpu_plan", "has_driver"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tkbox_nb.guest import protocol as p
 from tkbox_nb.backends import BoxSpec, get_backend
 from tkbox_nb.backends.base import end_note
-from tkbox_nb.backends.gpus import gpu_plan
+from tkbox_nb.backends.gpus import gpu_backend, gpu_plan
 from tkbox_nb.doors.cell import BoxKernel, Cell
 from tkbox_nb.doors.door import Door, environment, stop_all
 from tkbox_nb.rules.jupyter_messages import user_expressions_request
@@ -69,6 +69,7 @@ class Box:
         self.policy = Policy.coerce(policy)
         name = backend if backend != "auto" else self.policy.get("box", "backend")
         name = mounts_.backend_for(self.policy, name)  # auto with mounts: bwrap, or qemu for isolation = vm
+        name = gpu_backend(self.policy, name)  # auto with gpus: bwrap, the one backend that gives GPUs
         jailer = self.policy.get("box", "jailer") if jailer is None else jailer
         self.backend = get_backend(name, self.policy.get("box", "isolation"), jailer=bool(jailer))
         self.workspace = Path(workspace) if workspace else None

@@ -29,6 +29,7 @@ from tkbox_nb.core.errors import PolicyError, TkboxError
 from tkbox_nb.core.visible import visible
 from tkbox_nb.policy import Policy
 from tkbox_nb.rules.door_table import HOST
+from tkbox_nb.rules.gpu_record import status_line as gpu_line
 from tkbox_nb.rules.notebook_name import bundle_name, describe, notebook_facts
 
 HOST_MAGICS = ("box_policy", "box_secret", "box_status", "box_bundle", "box_restart", "box_view", "box_patch")
@@ -40,7 +41,6 @@ KERNEL_MAGICS = HOST_MAGICS + ("box_pull", "box_push")
 @dataclass
 class SecretBinding:
     """A secret held on the host for the secrets door. Its value is never printed, recorded or sent into the box."""
-
     name: str
     hosts: list[str]
     header: str
@@ -274,14 +274,14 @@ class NotebookBox:
             lines += [f"box      {b.box_id} ({b.backend.name}, isolation {b.backend.isolation})",
                       f"run      {rec.run_id}, its bundle at the end: {b.bundle_path or 'the signer home'}",
                       f"env      {status_line(rec.start_content.get('environment'))}",
-                      f"folder   {b.workspace or 'none (an empty workspace)'}"]
+                      f"folder   {b.workspace or 'none (an empty workspace)'}"] + \
+                ([f"gpus     {visible(gpu_line(rec.box['gpus']))}"] if "gpus" in rec.box else [])
             if self.folder is not None:  # as its box.start signed it (the frontend's text, escaped)
                 lines.append(f"notebook {visible(describe(rec.box))}")
             doors: dict[str, dict[str, int]] = {}
             for (door, decision), n in sorted(rec.counts.items()):
                 doors.setdefault(door, {})[decision] = n
-            for door, counts in doors.items():
-                lines.append(f"{door:8s} " + ", ".join(f"{n} {d}" for d, n in counts.items()))
+            lines += [f"{door:8s} " + ", ".join(f"{n} {d}" for d, n in c.items()) for door, c in doors.items()]
         mounts = getattr(self.box, "mounts", None) if self.live else None
         if mounts:  # read-only, each with the digest its box.start signed
             lines.append("mounts   " + "; ".join(f"{m.name}: {m.source} at {m.target} (read-only, {m.digest[:25]}..., "

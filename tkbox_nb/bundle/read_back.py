@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from tkbox_nb.bundle.archive import BundleContents, parse, read_bundle_bytes, read_entries
 from tkbox_nb.core.errors import BundleError, TkboxError
 from tkbox_nb.rules.door_table import BOX, EXEC, MODEL, PATCH, door_of_tool, tool_of
+from tkbox_nb.rules.gpu_record import names
 
 DOOR_OF_TOOL = door_of_tool()  # a crossing whose statement names no door: its tool's (rules/door_table.py)
 START_TOOL = tool_of(BOX, "start")  # what a box's start is signed as: its crossing commits to the environment
@@ -265,17 +266,8 @@ class Run:
 
 
 def gpu_names(gpus: Any) -> str:
-    """The signed `gpus` of a box.start (JSON text, gpu_facts.py) as "N GPU(s): name UUID, ..."; what a bundle holds
-    is hostile input, so any other shape reads as "GPUs unreadable", never an error."""
-    import json
-    try:
-        got = json.loads(gpus) if isinstance(gpus, str) and len(gpus) <= 65536 else None
-        names = [f"{g['name']} {g['uuid']}" for g in got if isinstance(g["name"], str) and isinstance(g["uuid"], str)]
-    except Exception:  # noqa: BLE001 -- any shape but the one signed by this version
-        return "GPUs unreadable"
-    if not (isinstance(got, list) and got and len(names) == len(got)):
-        return "GPUs unreadable"
-    return f"{len(names)} GPU{'s' * (len(names) != 1)}: {', '.join(names)}"
+    """The signed `gpus` of a box.start as "N GPU(s): name UUID, ..."; any other shape "GPUs unreadable"."""
+    return names(gpus)
 
 
 def box_summary(a: dict) -> str:

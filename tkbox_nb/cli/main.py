@@ -87,8 +87,10 @@ def _show_environment(run, fmt: str) -> int:
     if m is None and not installs:
         print(visible(f"run {run.run_id}: no environment recorded (made before tkbox recorded environments)"))
         return 0
-    if fmt == "json":  # the manifest as signed at start, and what the package door decided during the run
-        print(json.dumps(dict(m or {}, installed_during_run=installs), indent=1, sort_keys=True))
+    from tkbox_nb.rules.gpu_record import parse as parse_gpus, status_line as gpu_line
+    gpus = {"gpus_from_box_start": parse_gpus(run.box["gpus"]) or "unreadable"} if "gpus" in run.box else {}
+    if fmt == "json":  # the manifest as signed, what the package door let in, the GPUs box.start signed beside it
+        print(json.dumps(dict(m or {}, installed_during_run=installs, **gpus), indent=1, sort_keys=True))
         return 0
     df = run.environment
     for col in df.columns:
@@ -100,6 +102,8 @@ def _show_environment(run, fmt: str) -> int:
     head = summary(m) if m else "no environment recorded at start"
     print(visible(f"run {run.run_id}  backend {(m or {}).get('backend', '?')}  image "
                   f"{(m or {}).get('image_digest', '?')}: {head}"))
+    if gpus:  # not part of the manifest (the software the box runs): signed in box.start beside its digest
+        print(visible(f"gpus (box.start): {gpu_line(run.box['gpus'])}"))
     with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 80):
         print(df.to_string(index=False))
         if installs:

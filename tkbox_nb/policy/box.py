@@ -55,9 +55,14 @@ def validate(out: dict[str, dict[str, Any]], name: str) -> None:
 
 def _validate_gpus(v: Any, name: str) -> None:
     """`gpus`: "all", a count of at least 1, or a list of GPU indexes and UUIDs (as strings); absent, none. Whether
-    the host has them is decided when a box starts (backends/gpus.py)."""
+    the host has them is decided when a box starts (backends/gpus.py). A MIG instance is refused by name: giving one
+    would need its parent GPU's node and the nvidia-caps nodes of its instances, which is not built."""
     if v is None or v == "all" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64):
         return
+    mig = next((x for x in v if isinstance(x, str) and x.startswith("MIG-")), None) if isinstance(v, list) else None
+    if mig is not None:  # a MIG instance (MIG-<uuid>, or MIG-GPU-<uuid>/<gi>/<ci>): not a whole GPU (backends.md)
+        raise PolicyError(f"{name}: box.gpus names the MIG instance {mig[:60]!r}: MIG is not supported, a box gets "
+                          "whole GPUs only (name one by index or GPU- UUID)")
     if isinstance(v, list) and 1 <= len(v) <= 64 and all(
             isinstance(x, str) and (x.isdigit() and len(x) <= 3 or re.fullmatch(r"GPU-[0-9a-f-]{36}", x)) for x in v):
         return
