@@ -105,6 +105,48 @@ def test_a_connection_dialled_as_the_egress_door_stops_is_shut_and_its_end_signe
     tunnel.server.close()
 
 
+def test_the_egress_door_s_stop_waits_for_a_connection_still_being_dialled_and_signs_its_end():
+    """A relay still dialling when the door stops (its upstream's accept queue full, so its SYN waits) is waited
+    for: once the dial ends the connection is shut as it is tracked, and its end is signed before stop returns (the
+    run closes after the stop: a dial ending later would find the run closed and its end never signed)."""
+    import socket
+    import threading
+    import time
+
+    from tests.bound_relay import FakeStream
+    from tkbox_nb.rules.proxy_request import ProxyRequest
+    from tkbox_nb.signing.recorder import Crossing
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)  # one connection waits in the queue; a second's SYN is dropped until it is accepted
+    filler = socket.socket()
+    filler.connect(server.getsockname())
+    box = FakeBox(Policy.from_toml('[egress]\nallow = ["allowed.example:*"]\n'), [])
+    door = EgressDoor(box)
+    crossing = Crossing("egress-1", "egress", {"host": "allowed.example"}, None, decision="allow", decision_id="d")
+    req = ProxyRequest("CONNECT", "allowed.example", server.getsockname()[1], True)
+    relay = threading.Thread(target=door._relay, args=(FakeStream(), req, crossing, "127.0.0.1"), daemon=True)
+    relay.start()
+    deadline = time.monotonic() + 10
+    while door._dialling == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopping = threading.Thread(target=door.stop, args=("box stopped",), kwargs={"wait_s": 60}, daemon=True)
+    stopping.start()
+    time.sleep(0.5)
+    assert stopping.is_alive() and door._dialling == 1  # the stop waits for the dial
+    server.settimeout(10)
+    held = [server.accept(), server.accept()]  # the queue frees: the dial's next SYN gets through
+    stopping.join(timeout=60)
+    assert not stopping.is_alive()
+    (end,) = [e for e in box.recorder.log if e[0] == "complete"]  # signed before the stop returned
+    assert end[3]["closed_by_door"] == "box stopped"
+    relay.join(timeout=30)
+    for conn, _ in held:
+        conn.close()
+    filler.close()
+    server.close()
+
+
 def test_a_door_that_fails_to_end_keeps_none_after_it_from_ending_signed():
     """An open tunnel, relayed by the real egress door to an upstream that accepts and then holds the connection:
     the door ended before it fails, and the tunnel still ends, its end signed, before the failure is raised. (The

@@ -318,3 +318,27 @@ def test_a_mount_of_one_file_is_the_tree_of_one_entry_with_the_empty_path(signer
     assert r.stdout == b"id,label\n1,cat\nrefused\n", r.stdout + r.stderr
     assert start_args(tmp_path / "r.tkb")[0]["mounts"]["data"]["digest"] == want
     assert verify_bundle(tmp_path / "r.tkb", trust=signer.trust_path).valid
+
+
+def test_a_cached_list_that_is_not_the_cached_tree_s_is_never_taken(tmp_path):
+    """The warm path takes the cached tree's digest only with the list it was made with (two walks replacing the
+    cache's files one at a time could pair one's tree with the other's list): another list is recomputed."""
+    import tkbox_nb.bundle.mount_digest as md
+    ds = dataset(tmp_path)
+    home = tmp_path / "home"
+    want = digest(scan(str(ds)), home)
+    (cache,) = (home / "mount-cache").glob("*.list")
+    cache.write_bytes(b'["a.txt","f-","' + b"0" * 64 + b'"]\n')
+    assert digest(scan(str(ds)), home) == want
+    assert md.parse_list(cache.read_bytes()) == md.parse_list(want[1])
+
+
+def test_a_source_of_more_entries_than_the_limit_is_refused_while_it_is_walked(tmp_path, monkeypatch):
+    import tkbox_nb.bundle.mount_digest as md
+    ds = tmp_path / "many"
+    ds.mkdir()
+    for i in range(40):
+        (ds / f"f{i}").write_bytes(b"x")
+    monkeypatch.setattr(md, "MAX_ENTRIES", 30)
+    with pytest.raises(TkboxError, match="holds more than 30 entries"):
+        scan(str(ds))

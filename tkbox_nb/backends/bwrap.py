@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tkbox_nb.core import scratch
@@ -118,20 +119,25 @@ class BwrapRunning(RunningBox):
     def __init__(self, proc: subprocess.Popen, door: socket.socket, cgroup: Path | None, workdir: Path,
                  memory_cgroup: Path | None = None, go_fd: int | None = None):
         self.proc, self.door, self.cgroup, self._workdir = proc, door, cgroup, workdir
-        self._go_fd = go_fd  # the write end of the agent's GO pipe, until the GO is given
+        self._go_fd, self._go_lock = go_fd, threading.Lock()  # the write end of the agent's GO pipe, until the GO
         self.memory_cgroup, self._oom_kills = memory_cgroup, 0
         self._killed_for: str | None = None
         self._keep_tail(proc.stderr, "tkbox-box-stderr")  # bwrap's and the agent's own stderr
 
+    def _take_go(self) -> int | None:
+        with self._go_lock:  # a go and a kill (fail_closed, from another thread) never both close the fd
+            fd, self._go_fd = self._go_fd, None
+        return fd
+
     def go(self) -> None:
-        fd, self._go_fd = self._go_fd, None
+        fd = self._take_go()
         if fd is not None:
             with contextlib.suppress(OSError):  # an agent already gone: its box ends as any dead box does
                 os.write(fd, b"G")
             os.close(fd)
 
     def kill(self) -> None:
-        fd, self._go_fd = self._go_fd, None
+        fd = self._take_go()
         if fd is not None:  # an agent still waiting for its GO reads the end of the pipe and exits
             os.close(fd)
         with contextlib.suppress(ProcessLookupError):

@@ -94,6 +94,8 @@ class MountWalk:
         self._home = home
         self._mounts: list[Mount] = []
         self._error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._finds: list = []  # the find processes started (one per mount), killed by cancel
         self._thread = threading.Thread(target=self._walk, name="tkbox-mount-walk", daemon=True)
         if self.specs:
             self._thread.start()
@@ -101,11 +103,20 @@ class MountWalk:
     def _walk(self) -> None:
         try:
             for name, source, target in self.specs:
-                s = md.scan(source)
-                digest, listing = md.digest(s, self._home)
+                if self._cancelled.is_set():
+                    raise TkboxError("the mounts' walk was cancelled")
+                s = md.scan(source, self._finds.append)
+                digest, listing = md.digest(s, self._home, self._cancelled)
                 self._mounts.append(Mount(name, source, target, s, digest, listing))
         except BaseException as e:  # handed to whoever waits for the result
             self._error = e
+
+    def cancel(self) -> None:
+        """A start that failed stops the walk: find killed, no file hashed after the one being hashed."""
+        self._cancelled.set()
+        for proc in self._finds:
+            if proc.poll() is None:
+                proc.kill()
 
     def binds(self) -> list[tuple[str, str]]:
         """What the box binds (source, target): known before the walk ends."""

@@ -128,17 +128,19 @@ class Box:
     def _start(self) -> "Box":
         gpus = gpu_plan(self.policy.get("box", "gpus"), self.policy.get("box", "gpu_caps"), self.backend.name)
         self.signer.ensure()
+        if self.workspace is not None:  # a copy, never the host directory itself; too large: one line, before any copy
+            check_size(self.workspace, self.policy.get("workspace", "exclude"), self.policy.get("workspace", "max_mib"))
         # the mounts' sources checked now, walked and digested on a thread while the rest of the start goes on
         walk = mounts_.MountWalk(self.policy, self.signer.home, self.backend.name)
-        seeding = None
-        if self.workspace is not None:  # a copy, never the host directory itself; too large: one line, before any copy
-            exclude = self.policy.get("workspace", "exclude")
-            check_size(self.workspace, exclude, self.policy.get("workspace", "max_mib"))
-            # copied and digested in one read while the rest of the start goes on; moved into the run's spool once
-            # the box has taken it (the digest is signed in box.start, so the copy is made before)
-            seeding = SeedCopy(self.workspace, self.signer.home / "seeds", exclude)
+        # the workspace copied and digested in one read, on a thread too; moved into the run's spool once the box
+        # has taken it (the digest is signed in box.start, so the copy is made before)
+        seeding = SeedCopy(self.workspace, self.signer.home / "seeds", self.policy.get("workspace", "exclude")) \
+            if self.workspace is not None else None
         try:
             return self._open(gpus, seeding, walk)
+        except BaseException:
+            walk.cancel()
+            raise
         finally:  # what is left of the staged copy: all of it if the start failed before the move, else nothing
             if seeding is not None:
                 seeding.discard()
@@ -205,7 +207,11 @@ class Box:
         """The run opened, its box.start signed with the mounts' digests (the walk ended here), their lists kept."""
         self.mounts = walk.result()
         recorder.box.update(mounts_.facts(self.mounts, self.mounts_original))
-        self.recorder = recorder.open()
+        try:
+            recorder.open()
+        finally:  # opened, even if it failed after: the start's failure closes it (stop)
+            if recorder.run_spool is not None:
+                self.recorder = recorder
         mounts_.disclose(self.mounts, self.recorder.spool)
 
     def _boot(self, gpus: Any, seeding: "SeedCopy | None", walk: mounts_.MountWalk) -> dict:

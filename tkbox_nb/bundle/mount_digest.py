@@ -22,11 +22,12 @@ import os
 import posixpath
 import stat
 import subprocess
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tkbox_nb.core.errors import TkboxError
 from tkbox_nb.core.tree_digest import V2_PREFIX, entry_v2
@@ -84,10 +85,11 @@ KIND_BITS = {b"f": stat.S_IFREG, b"d": stat.S_IFDIR, b"l": stat.S_IFLNK}
 MAX_WALK_BYTES = 512 << 20  # what find may print of one source: past it (or MAX_ENTRIES) the mount is refused
 
 
-def scan(root: str) -> Scan:
+def scan(root: str, on_start: Callable[[subprocess.Popen], None] | None = None) -> Scan:
     """Walk `root` (a resolved path) without following a link: GNU find (findutils) lists every entry with its
     metadata in its own process, so a host that starts a box meanwhile is not slowed by the walk's thousands of
-    stat calls holding this process's interpreter. Nothing is refused yet: `parse` (or a cache hit) says."""
+    stat calls holding this process's interpreter. Nothing is refused yet: `parse` (or a cache hit) says.
+    `on_start` gets find's process (MountWalk.cancel kills it)."""
     try:
         st = os.lstat(root)
     except OSError as e:
@@ -98,21 +100,37 @@ def scan(root: str) -> Scan:
         return Scan(root, b"%d %d %d %d %d" % m, 1, st.st_size, [(b"", "fx" if x else "f-", b"")], {b"": m})
     if not stat.S_ISDIR(st.st_mode):
         raise TkboxError(f"the mount source {root} is not a directory or regular file")
-    try:
-        proc = subprocess.Popen(["find", root, "-mindepth", "1", "-printf", FIND_FORMAT], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"LC_ALL": "C", "PATH": _PATH})
-    except OSError as e:
-        raise TkboxError(f"cannot walk the mount source {root}: find (findutils) did not start: {e.strerror}") from None
-    with proc:
-        raw = proc.stdout.read(MAX_WALK_BYTES + 1)
-        if len(raw) > MAX_WALK_BYTES:
-            proc.kill()
-            raise TkboxError(f"the mount source {root} holds more than a walk of {MAX_WALK_BYTES >> 20} MiB lists")
-        err = proc.stderr.read(4096)
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: find's complaints can never fill it and stall it
+        try:
+            proc = subprocess.Popen(["find", root, "-mindepth", "1", "-printf", FIND_FORMAT], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=err, env={"LC_ALL": "C", "PATH": _PATH})
+        except OSError as e:
+            raise TkboxError(f"cannot walk the mount source {root}: find (findutils) did not start: {e.strerror}") \
+                from None
+        if on_start is not None:
+            on_start(proc)
+        with proc:
+            raw = _read_walk(proc, root)
+        err.seek(0)
+        why = err.read(4096).decode("utf-8", "replace").strip().splitlines()
     if proc.returncode != 0:
-        why = err.decode("utf-8", "replace").strip().splitlines() or [f"find exited {proc.returncode}"]
-        raise TkboxError(f"cannot read the mount source {root}: {why[0][:300]}")
+        raise TkboxError(f"cannot read the mount source {root}: {(why or [f'find exited {proc.returncode}'])[0][:300]}")
     return Scan(root, raw)
+
+
+def _read_walk(proc: subprocess.Popen, root: str) -> bytes:
+    """find's output, read as it comes and refused (find killed) past MAX_ENTRIES records or MAX_WALK_BYTES: a
+    source of millions of files costs the host no more than the limit before it is refused."""
+    chunks, size, fields = [], 0, 0
+    while chunk := proc.stdout.read1(1 << 20):
+        chunks.append(chunk)
+        size, fields = size + len(chunk), fields + chunk.count(b"\0")
+        if fields > 3 * MAX_ENTRIES or size > MAX_WALK_BYTES:
+            proc.kill()
+            what = f"{MAX_ENTRIES} entries" if fields > 3 * MAX_ENTRIES else \
+                f"a walk of {MAX_WALK_BYTES >> 20} MiB lists"
+            raise TkboxError(f"the mount source {root} holds more than {what}")
+    return b"".join(chunks)
 
 
 _PATH = "/usr/bin:/bin"
@@ -185,11 +203,11 @@ def _tree_key(s: Scan) -> str:
     return hashlib.sha256(s.raw).hexdigest()
 
 
-def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
+def digest(s: Scan, home: Path | None, cancelled: threading.Event | None = None) -> tuple[str, bytes]:
     """The mount's digest and its disclosed list (`list_bytes`), reading only the files whose metadata the cache
     under `home` does not hold; then the cache holds every file of this scan (and only those). A tree whose walk is
     the cached tree's (the warm start of an unchanged dataset) takes the cached digest, list and counts without
-    reading the walk again."""
+    reading the walk again. A set `cancelled` stops the hashing at the next file (TkboxError)."""
     cache_file = _cache_path(home, s.root) if home is not None else None
     tree_key = _tree_key(s)
     if cache_file is not None:
@@ -197,8 +215,10 @@ def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
             tree = json.loads(cache_file.with_suffix(".tree").read_bytes())
             if isinstance(tree, dict) and tree.get("key") == tree_key and isinstance(tree.get("digest"), str) \
                     and isinstance(tree.get("files"), int) and isinstance(tree.get("bytes"), int):
-                s.file_count, s.file_bytes = tree["files"], tree["bytes"]
-                return tree["digest"], cache_file.with_suffix(".list").read_bytes()
+                listing = cache_file.with_suffix(".list").read_bytes()
+                if hashlib.sha256(listing).hexdigest() == tree.get("list_sha256"):  # not another walk's list
+                    s.file_count, s.file_bytes = tree["files"], tree["bytes"]
+                    return tree["digest"], listing
         except (OSError, ValueError):
             pass  # no cached tree, or another: each file is looked up below
     s.parse()
@@ -215,9 +235,12 @@ def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
             todo.append(rel)
     if todo:
         try:
+            def one(r: bytes) -> bytes:
+                if cancelled is not None and cancelled.is_set():
+                    raise TkboxError(f"the digest of the mount source {s.root} was cancelled")
+                return _hash_file(os.path.join(root_b, r) if r else root_b)
             with ThreadPoolExecutor(HASH_THREADS) as pool:
-                for rel, body in zip(todo, pool.map(lambda r: _hash_file(os.path.join(root_b, r) if r else root_b),
-                                                    todo)):
+                for rel, body in zip(todo, pool.map(one, todo)):
                     bodies[rel] = body
         except OSError as e:
             raise TkboxError(f"cannot read the mount source {s.root}: {e.strerror or e} ({e.filename})") from None
@@ -231,7 +254,8 @@ def digest(s: Scan, home: Path | None) -> tuple[str, bytes]:
                                                    for rel, b in bodies.items()}).encode())
         _write_private(cache_file.with_suffix(".list"), listing)
         _write_private(cache_file.with_suffix(".tree"), json.dumps(
-            {"key": tree_key, "digest": root, "files": s.file_count, "bytes": s.file_bytes}).encode())
+            {"key": tree_key, "digest": root, "files": s.file_count, "bytes": s.file_bytes,
+             "list_sha256": hashlib.sha256(listing).hexdigest()}).encode())
     return root, listing
 
 

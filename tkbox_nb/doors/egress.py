@@ -107,7 +107,7 @@ class EgressDoor(Door):
             self._stopped = reason  # a connection dialled before the stop but tracked after it is shut at once
             for upstream, (counts, _, _) in list(self._open.items()):
                 self._shut(upstream, counts, reason)
-            self._open_changed.wait_for(lambda: not self._open, timeout=wait_s)
+            self._open_changed.wait_for(lambda: not self._open and not self._dialling, timeout=wait_s)
 
     @staticmethod
     def _shut(upstream: socket.socket, counts: dict, why: str) -> None:
@@ -118,9 +118,16 @@ class EgressDoor(Door):
             pass
 
     _stopped: str | None = None
+    _dialling = 0  # connections being dialled: tracked (or failed) when the dial ends
 
-    def _track(self, upstream: socket.socket, counts: dict) -> None:
+    def _track(self, upstream: socket.socket | None, counts: dict) -> None:
+        """A dial's end: its connection (None: it failed) is tracked until its end is signed; one tracked after the
+        door's stop is shut at once."""
         with self._open_changed:
+            self._dialling -= 1
+            self._open_changed.notify_all()
+            if upstream is None:
+                return
             self._open[upstream] = [counts, 0, time.monotonic()]
             if self._stopped is not None:
                 self._shut(upstream, counts, self._stopped)
@@ -259,14 +266,19 @@ class EgressDoor(Door):
         after the head goes through `watch` first, and a refused placeholder ends the connection before it goes."""
         conn, sid = self.box.conn, stream.sid
         started = time.monotonic()
+        with self._open_changed:
+            self._dialling += 1  # the door's stop waits for this dial's end too
         try:
             upstream = socket.create_connection((address, req.port),
                                                 timeout=self.box.policy.get("egress", "connect_timeout_s"))
         except Exception as e:  # OSError: unreachable; anything else a fault of the door, this connection's end
             if not isinstance(e, OSError):
                 e = f"the egress door failed on this connection ({type(e).__name__})"
-            self.box.recorder.complete(crossing, "error", {"error": f"connect to {address}:{req.port}: {e}"[:300]})
-            return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
+            try:
+                self.box.recorder.complete(crossing, "error", {"error": f"connect to {address}:{req.port}: {e}"[:300]})
+                return self._answer(stream, 502, f"tkbox egress door: cannot reach {req.host}:{req.port} ({e})\n")
+            finally:
+                self._track(None, {})
         upstream.settimeout(None)
         counts = {"bytes_up": 0, "bytes_down": 0}
         self._track(upstream, counts)

@@ -175,8 +175,9 @@ def _package_site():
 
 def _wait_go():
     """A bubblewrap box's agent is spawned before its run's box.start is signed (the host walks the dataset mounts
-    meanwhile): it waits here for the host's GO, one byte on TKBOX_GO_FD, before it starts a kernel or reads the
-    workspace, so nothing but its own imports runs in the box before box.start. Anything else ends the agent."""
+    meanwhile): it waits here for the host's GO, one byte on TKBOX_GO_FD, before it copies the workspace or answers
+    anything, so nothing but imports (its own, and an early kernel's zygote's) runs in the box before box.start.
+    Anything else ends the agent."""
     fd = os.environ.pop("TKBOX_GO_FD", None)
     if fd is None:
         return
@@ -190,13 +191,13 @@ def _wait_go():
 
 
 def serve(sock):
-    _wait_go()
-    door = Door(sock)
-    commands, kernels, readers = {}, {}, {}
     _package_site()
     if os.environ.get("TKBOX_KERNEL_EARLY") == "1":  # first: the kernel's imports are the longest part of its start
         from . import zygote
-        zygote.start_early()
+        zygote.start_early()  # it imports ipykernel from /, and gets a kernel's folder and settings only after the GO
+    _wait_go()
+    door = Door(sock)
+    commands, kernels, readers = {}, {}, {}
     # the box's own writable copy of the workspace, in its size-limited tmpfs (the seed stays as it was: what the
     # patch compares with): copied while the kernel above imports (its directory is given only when the host asks
     # for it, after the hello), and before the hello, so no command or kernel of the host's ever sees it half made
