@@ -150,12 +150,15 @@ class SeedCopy:
         return self.copy
 
     def move_to(self, dst: Path) -> Path:
-        """The copy, moved to `dst` (same file system: a rename)."""
+        """The copy, renamed to `dst`. A bubblewrap box has it bound (its agent's patch compares the box's workspace
+        with it), so it is never copied and removed instead: on another file system the box's copy would be emptied.
+        $TKBOX_HOME's seeds and runs on two file systems end the start in one line."""
         self.digest()
         try:
             os.rename(self.copy, dst)
-        except OSError:  # another file system: copied after all
-            shutil.move(str(self.copy), str(dst))
+        except OSError as e:
+            raise TkboxError(f"the workspace's copy cannot be moved into the run ({e.strerror}): {self.stage.parent} "
+                             f"and {dst.parent.parent} must be on one file system") from None
         return dst
 
     def discard(self) -> None:
