@@ -199,6 +199,7 @@ class Vmm:
             binds = self.mounts(tmp / "cfg", mounts, tmp) if mounts else []
             box = BwrapBackend().start(BoxSpec(box_id=env.get("TKBOX_BOX_ID", "standin"), seed=seed, env=env,
                                                ca_bundle=ca, mounts=binds))
+            box.go()  # a VM's run opened before it booted: its guest waits for no GO (BwrapRunning.go)
             host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             host.connect(f"{self.config['vsock']['uds_path']}_{port}")
             pumps = [threading.Thread(target=pump, args=(a, b), daemon=True)
