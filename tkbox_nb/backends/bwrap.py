@@ -316,7 +316,7 @@ class BwrapBackend(Backend):
 
     def start(self, spec: BoxSpec) -> BwrapRunning:
         """Spawn the box. Its agent starts (its own imports) and waits for the GO (`BwrapRunning.go`), which Box
-        gives once the run's box.start is signed: before it, no kernel is started and no workspace file copied."""
+        gives once the run's box.start is signed: before it, no workspace file is copied and nothing is sent."""
         host_end, box_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (host_end, box_end):  # room for several frames in flight: fewer stalls on bulk transfers
             _grow_buffers(end)

@@ -158,10 +158,6 @@ def disclose(mounts: list[Mount], spool: Path) -> None:
         (spool / LIST_DIR / f"{m.name}.jsonl").write_bytes(m.listing)
 
 
-def binds(mounts: list[Mount]) -> list[tuple[str, str]]:
-    return [(m.source, m.target) for m in mounts]
-
-
 def bwrap_args(binds: list[tuple[str, str]]) -> list[str]:
     """bubblewrap's arguments for the mounts: each source bound read-only (recursively, nosuid, nodev) at its
     target. A target over the interpreter's prefix (bound into the box when it is not under /usr) is refused."""

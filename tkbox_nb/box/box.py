@@ -150,7 +150,8 @@ class Box:
         box is spawned first: its agent's imports overlap the mounts' walk and the run's opening, and it waits for
         the GO, given once box.start is signed, before it starts anything of the box's; a refused walk kills it
         before any run exists. A VM box's run opens before it starts (its disks are made from the walked data)."""
-        boot = self._boot(gpus, seeding, walk)
+        overlap = self.backend.name in mounts_.OVERLAPS
+        boot = self._boot(gpus, seeding, walk, overlap)
         env = box_environment(self.backend, self.signer.home)
         recorder = RunRecorder(self.signer, self.policy, {
             "box_id": self.box_id, "backend": self.backend.name, "isolation": self.backend.isolation,
@@ -162,7 +163,6 @@ class Box:
         # a crossing the run could not record (a lost signer, a result it refused) ends the box: no door goes on
         recorder.on_broken = lambda why: self.fail_closed(f"signer lost: {why}")
         recorder.on_full = self.fail_closed  # the run reached [box] max_run_mib: the box ends, its bundle written
-        overlap = self.backend.name in mounts_.OVERLAPS
         try:
             if not overlap:
                 self._open_run(recorder, walk)
@@ -214,13 +214,12 @@ class Box:
                 self.recorder = recorder
         mounts_.disclose(self.mounts, self.recorder.spool)
 
-    def _boot(self, gpus: Any, seeding: "SeedCopy | None", walk: mounts_.MountWalk) -> dict:
+    def _boot(self, gpus: Any, seeding: "SeedCopy | None", walk: mounts_.MountWalk, overlap: bool) -> dict:
         """What box.start states of the box before it runs (the backend, GPUs, notebook, and the digest of the
         workspace's copy, signed: a rerun can tell whether it starts from the same tree; an empty one is none). A VM
         box's mounts are walked first: its disks are made from copies whose digests are those signed (so a QEMU box
         with mounts boots cold, before the backend's prepare makes or finds the warm state)."""
         recover_orphans(self.signer)  # runs of boxes whose process died (a killed kernel) get their bundles now
-        overlap = self.backend.name in mounts_.OVERLAPS
         self.disks = [] if overlap else self.backend.mount_disks(walk.result(), self.signer.home)
         boot = {**self.backend.prepare(self.policy.get("box", "memory_mib"), self.policy.get("box", "cpus")),
                 **gpus.facts}  # the GPUs the box gets, signed in box.start
